@@ -1,0 +1,25 @@
+# The two commands of the README: `make train` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.meshtrain-installed
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+# Re-runs only when the package metadata or the pins change (idempotent).
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# The default job: tiny Llama on the Python standard library, 2 processes, DDP.
+train: setup
+	$(BIN)/meshtrain train --config configs/tiny.toml --nproc 2
+
+test: setup
+	$(BIN)/python -m pytest -q -rs
+
+clean:
+	rm -rf $(VENV) runs
