@@ -1,0 +1,103 @@
+"""The `meshtrain` command. Subcommands parse arguments and call into the parts; nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from meshtrain.errors import MeshtrainError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshtrain", allow_abbrev=False,
+                                description="Train, plan and serve Llama-style language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", allow_abbrev=False, help="train a model (any launcher, any layout)",
+                       epilog="Any config key can be overridden: --training.steps 50 --run.dir runs/x")
+    t.add_argument("--config", help="TOML config file (default: built-in defaults = configs/tiny.toml)")
+    t.add_argument("--nproc", type=int, help="start this many local worker processes (torch elastic)")
+    t.add_argument("--max-restarts", type=int, default=0, help="restart failed workers up to this many times")
+
+    d = sub.add_parser("data", help="prepare training data")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    prep = dsub.add_parser("prepare", allow_abbrev=False, help="tokenize text/jsonl/parquet into a token file")
+    prep.add_argument("--input", nargs="+", required=True, help="files or directories (.txt, .jsonl, .parquet)")
+    prep.add_argument("--out", required=True, help="output directory")
+    group = prep.add_mutually_exclusive_group()
+    group.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to use")
+    group.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size (default 8192)")
+    prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
+    prep.add_argument("--dtype", default="auto", help="token dtype: auto, uint16 or uint32")
+
+    e = sub.add_parser("env", help="print the launch environment this process detects")
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshtrain.config import load_config, validate
+
+    cfg = load_config(args.config, overrides)
+    in_worker = "RANK" in os.environ
+    if args.nproc is not None and not in_worker:
+        if args.nproc < 1:
+            raise MeshtrainError(f"--nproc {args.nproc} must be at least 1")
+        from meshtrain.data import Dataset
+        from meshtrain.launch.local import launch_workers
+        from meshtrain.train import ensure_dataset
+
+        ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
+        validate(cfg, args.nproc, Dataset(cfg.data.path, cfg.training.seq_len).vocab_size)
+        worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
+        return launch_workers(args.nproc, worker_argv, args.max_restarts)
+
+    from meshtrain.train import train
+
+    train(cfg)
+    return 0
+
+
+def _finish(code: int) -> None:
+    """Leave a distributed worker in order: barrier, destroy the process group, flush, os._exit.
+    Letting the interpreter tear down live gloo objects aborts ~1 run in 10 (pytorch#179291)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, extra = _parser().parse_known_args(argv)
+    try:
+        if args.command == "train":
+            code = _train(args, extra)
+        else:
+            if extra:
+                raise MeshtrainError(f"unexpected arguments: {' '.join(extra)}")
+            if args.command == "data":
+                from meshtrain.data import prepare
+
+                manifest = prepare(args.input, args.out, args.tokenizer, args.vocab_size, args.val_fraction,
+                                   args.dtype, progress=sys.stderr.isatty())
+                print(f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
+                      f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})")
+                code = 0
+            else:
+                from meshtrain.launch import detect
+
+                env = detect().as_dict()
+                print(json.dumps(env) if args.json else "\n".join(f"{k:18} {v}" for k, v in env.items()))
+                code = 0
+    except MeshtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    _finish(code)

@@ -1,0 +1,3 @@
+from meshtrain.launch.env import LaunchEnv, detect
+
+__all__ = ["LaunchEnv", "detect"]

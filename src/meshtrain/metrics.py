@@ -1,0 +1,179 @@
+"""Throughput, FLOPs and MFU, and where they are written: JSONL, TensorBoard, the terminal (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16, fp32 without TF32).
+# Matched by substring of torch.cuda.get_device_name(), most specific first.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
+    ("GB200", 2500.0, 80.0),
+    ("B200", 2250.0, 80.0),
+    ("H200", 989.5, 66.9),
+    ("GH200", 989.5, 66.9),
+    ("H100 PCIe", 756.5, 51.2),
+    ("H100 NVL", 835.0, 60.0),
+    ("H100", 989.5, 66.9),
+    ("H800", 989.5, 66.9),
+    ("A100", 312.0, 19.5),
+    ("A800", 312.0, 19.5),
+    ("L40S", 362.1, 91.6),
+    ("L40", 181.0, 90.5),
+    ("L4", 121.0, 30.3),
+    ("A10G", 70.0, 31.2),
+    ("A10", 125.0, 31.2),
+    ("RTX 4090", 165.2, 82.6),
+    ("V100", 125.0, 15.7),  # no bf16: fp16 tensor-core peak
+    ("MI300X", 1307.4, 163.4),
+    ("MI250X", 383.0, 47.9),
+]
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshtrain" / "cpu_peak.json"
+
+
+def measure_cpu_peak_tflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    """Best-of-repeats square matmul throughput at this process's thread count."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)  # warm up
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e12
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_tflops(dtype: torch.dtype) -> float:
+    """Measured once per (CPU, thread count, dtype) and cached, so every run uses the same peak."""
+    key = f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{dtype}"
+    path = _cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = measure_cpu_peak_tflops(dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+    return cache[key]
+
+
+def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float:
+    if override > 0:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for pattern, bf16, fp32 in GPU_PEAK_TFLOPS:
+            if pattern in name:
+                return bf16 if dtype == torch.bfloat16 else fp32
+        return 0.0  # unknown GPU: MFU is reported as 0 unless training.peak_tflops is set
+    return cpu_peak_tflops(dtype)
+
+
+class Throughput:
+    """Tokens/s, achieved TFLOP/s per device and MFU over the window since the last report."""
+
+    def __init__(self, flops_per_token: float, peak_tflops: float, world_size: int):
+        self.flops_per_token, self.peak, self.world = flops_per_token, peak_tflops, world_size
+        self.start = self.window_start = time.perf_counter()
+        self.window_tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.window_tokens += tokens
+
+    def report(self) -> dict:
+        now = time.perf_counter()
+        tokens_per_s = self.window_tokens / max(now - self.window_start, 1e-9)
+        tflops = tokens_per_s * self.flops_per_token / self.world / 1e12
+        self.window_start, self.window_tokens = now, 0
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops": tflops,
+            "mfu": tflops / self.peak if self.peak > 0 else 0.0,
+            "elapsed_s": now - self.start,
+        }
+
+
+class MetricsLogger:
+    """Rank 0's sinks: metrics.jsonl (one JSON object per logged step), TensorBoard, a progress bar.
+    On other ranks every method is a no-op."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, tensorboard: bool, progress: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(), console=self.console, transient=True,
+            disable=not (progress and self.console.is_terminal),
+        )
+        self.task = self.progress.add_task("train", total=total_steps, status="")
+        self.progress.start()
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message)
+
+    def advance(self, step: int) -> None:
+        if self.enabled:
+            self.progress.update(self.task, completed=step)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+        parts = [f"step {step:>5}"]
+        for key, fmt in (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
+                         ("tokens_per_s", "{:,.0f}"), ("tflops", "{:.3f}"), ("mfu", "{:.1%}")):
+            if key in metrics:
+                parts.append(f"{key} {fmt.format(metrics[key])}")
+        self.console.print(" | ".join(parts))
+        if "loss" in metrics:
+            self.progress.update(self.task, status=f"loss {metrics['loss']:.3f} {metrics.get('tokens_per_s', 0):,.0f} tok/s")
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()
+            self.jsonl.close()
+            if self.tb is not None:
+                self.tb.close()

@@ -1,0 +1,195 @@
+"""A Llama-style decoder, written to read like the papers it comes from.
+
+Token embedding -> N x [RMSNorm -> grouped-query attention with rotary positions -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection.
+
+The module tree (`tok_embeddings`, `layers.{i}.attention.wq`, ...) follows torchtitan so that the
+parallel plans and checkpoint names stay simple. `layers` is an `nn.ModuleDict` keyed by the layer
+index, so a pipeline stage can drop the layers it does not own and keep every parameter's name.
+The forward returns logits; the loss lives in the training loop (pipeline schedules and
+vocabulary-parallel cross-entropy need it there).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of position x frequency, RoFormer eq. 15: frequencies theta^(-2i/d) on pairs of dims."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head by its position's angle.
+
+    x: (batch, seq, heads, head_dim); cos/sin: (seq, head_dim / 2).
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs.unbind(-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention (GQA): n_kv_heads key/value heads shared by n_heads queries."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of the head counts: under tensor parallelism each rank holds a slice of heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = q.shape[2] // k.shape[2]
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab). A pipeline stage without the
+        embedding takes hidden states instead, and one without the output returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Deterministic initialisation that does not depend on the parallel layout.
+
+        Every parameter is drawn in full on the CPU from a generator seeded by (seed, its name), then
+        this rank keeps its own piece (a DTensor shard, a pipeline stage's layers). So a run on one
+        process and a run on any mesh start from the same weights, whatever the order in which
+        parameters are visited or which of them a rank holds.
+        """
+        device = buffer_device or self.rope_cos.device
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # to_empty() re-creates, and so unties, them
+        cos, sin = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: scale residual outputs
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                full = torch.ones(param.shape)
+            else:
+                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                full = torch.randn(param.shape, generator=gen) * std
+            copy_full_into(param, full)
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into a parameter, which may be a DTensor shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Parameters of the full model (counts DTensors by their global shape; shared weights once)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or (exclude_embedding and name.startswith("tok_embeddings")):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x non-embedding params (forward + backward matmuls) plus the
+    attention scores and weighted sum, 12 x layers x dim x seq (PaLM appendix B; torchtitan's
+    convention, no causal halving)."""
+    layer = 2 * args.dim * args.dim + 2 * args.dim * args.n_kv_heads * args.head_dim
+    layer += 3 * args.dim * args.ffn_dim + 2 * args.dim
+    n = args.n_layers * layer + args.dim + args.vocab_size * args.dim
+    return 6.0 * n + 12.0 * args.n_layers * args.dim * seq_len

@@ -1,0 +1,3 @@
+from meshtrain.parallel.mesh import ParallelDims
+
+__all__ = ["ParallelDims"]
