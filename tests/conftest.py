@@ -1,0 +1,60 @@
+"""Shared fixtures: a small prepared corpus and a way to run the real CLI in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtrain.data import prepare, stdlib_sources
+
+# A model small enough that a 2-process run takes seconds on 2 cores.
+SMALL_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+               "--model.ffn_dim", "128", "--model.max_seq_len", "64"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """60 standard-library files, BPE vocabulary 512."""
+    out = tmp_path_factory.mktemp("corpus") / "data"
+    prepare(stdlib_sources()[:60], out, vocab_size=512, val_fraction=0.05, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory) -> dict:
+    env = dict(os.environ)
+    env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))  # CPU peak probe cache
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_cli(args: list[str], env: dict, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def train_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--data.path", str(corpus), "--data.corpus", "", "--run.dir", str(run_dir), *SMALL_MODEL,
+            "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.micro_batch_size", "4",
+            "--training.steps", "10", "--training.warmup_steps", "2", "--run.log_every", "1",
+            "--run.sample_prompt", "", "--run.tensorboard", "false", *extra]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """A user error: non-zero exit, one line on stderr naming the problem, no traceback."""
+    assert result.returncode != 0, result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

@@ -1,0 +1,82 @@
+import pytest
+
+from meshtrain.config import load_config, parse_overrides, validate, write_resolved
+from meshtrain.errors import ConfigError
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[training]\nsteps = 7\nlr = 1\n[model]\npreset = "small"\n')
+    cfg = load_config(path, ["--training.steps", "9", "--run.dir=x/y", "--model.tie_embeddings", "true",
+                             "--model.dim", "none"])
+    assert cfg.training.steps == 9 and cfg.training.lr == 1.0 and isinstance(cfg.training.lr, float)
+    assert cfg.run.dir == "x/y" and cfg.model.tie_embeddings is True and cfg.model.preset == "small"
+    assert cfg.model_args().dim == 640  # "none" keeps the preset's value
+
+
+def test_model_args_merge_preset_overrides_and_data_vocab():
+    cfg = load_config(None, ["--model.n_layers", "3"])
+    args = cfg.model_args(vocab_size=1000)
+    assert (args.n_layers, args.dim, args.vocab_size) == (3, 256, 1000)
+    cfg = load_config(None, ["--model.vocab_size", "2048"])
+    assert cfg.model_args(vocab_size=1000).vocab_size == 2048
+
+
+@pytest.mark.parametrize(
+    "toml, overrides, fragments",
+    [
+        ("[training]\nstepz = 3\n", [], ["training.stepz", "steps"]),
+        ("[trainin]\nsteps = 3\n", [], ["trainin", "training"]),
+        ("[training]\nsteps = 'ten'\n", [], ["training.steps", "integer"]),
+        ("[training]\nsteps = true\n", [], ["training.steps", "integer"]),
+        ("", ["--training.steps", "ten"], ["training.steps", "integer"]),
+        ("", ["--training.dtype", "fp16"], ["training.dtype", "'fp32', 'bf16'"]),
+        ("", ["--model.preset", "gpt5"], ["model.preset", "llama3-8b"]),
+        ("", ["--training.seq_len", "4096"], ["training.seq_len", "max_seq_len"]),
+        ("", ["--training.bogus", "1"], ["training.bogus"]),
+        ("", ["--model.n_heads", "7"], ["model.dim", "model.n_heads"]),
+        ("", ["--model.n_kv_heads", "3"], ["model.n_kv_heads"]),
+        ("", ["--training.steps", "0"], ["training.steps", "positive"]),
+        ("", ["training.steps", "3"], ["unexpected argument"]),
+        ("", ["--training.steps"], ["needs a value"]),
+        ("[training\n", [], ["not valid TOML"]),
+    ],
+)
+def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    for fragment in fragments:
+        assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_batch_must_divide_over_data_parallel_ranks():
+    cfg = load_config(None, ["--training.global_batch_size", "16", "--training.micro_batch_size", "8"])
+    validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*micro_batch_size \(8\).*\(3\) = 24"):
+        validate(cfg, world_size=3)
+
+
+def test_model_vocab_smaller_than_data_is_rejected():
+    cfg = load_config(None, ["--model.vocab_size", "100"])
+    with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
+        validate(cfg, data_vocab_size=512)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--model.n_layers", "3", "--training.lr", "0.01"])
+    args = cfg.model_args(vocab_size=777)
+    write_resolved(cfg, tmp_path, args)
+    again = load_config(tmp_path / "config.toml")
+    assert again.model_args() == args and again.training == cfg.training
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent.toml")
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a.b", "1", "--c.d=2"]) == [("a.b", "1"), ("c.d", "2")]

@@ -1,0 +1,87 @@
+"""End-to-end training through the real CLI: single process vs DDP over 2 gloo processes."""
+
+import math
+
+import pytest
+import torch
+from conftest import assert_user_error, read_metrics, run_cli, train_args
+from safetensors.torch import load_file
+
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s")
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def single_run(corpus, cli_env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    result = run_cli(train_args(corpus, run_dir, "--run.tensorboard", "true", "--run.sample_prompt", "def",
+                                "--run.sample_tokens", "8"), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_single_process_run_writes_metrics_config_tensorboard_weights(single_run):
+    run_dir, result = single_run
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    for m in metrics:
+        for field in FIELDS:
+            assert math.isfinite(m[field]), (field, m)
+        assert m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1.5
+    assert "val_loss" in metrics[-1]
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.1
+    assert (run_dir / "config.toml").read_text().count("n_layers = 2") == 1
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert set(load_file(run_dir / "model.safetensors")) >= {"tok_embeddings.weight", "layers.1.attention.wq.weight"}
+    assert "sample:\ndef" in result.stdout
+
+
+@pytest.mark.multiproc
+def test_ddp_matches_single_process_loss_grad_norm_and_weights(single_run, corpus, cli_env, tmp_path):
+    """1 process with 2 accumulation steps vs 2 DDP ranks with 1: same global batch of 8."""
+    result = run_cli([*train_args(corpus, tmp_path), "--nproc", "2"], cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world 2" in result.stdout
+    single, ddp = read_metrics(single_run[0]), read_metrics(tmp_path)
+    assert len(single) == len(ddp) == 10
+    for s, d in zip(single, ddp):
+        assert rel(d["loss"], s["loss"]) <= 1e-5, (s, d)
+        assert rel(d["grad_norm"], s["grad_norm"]) <= 1e-5, (s, d)
+    w_single, w_ddp = load_file(single_run[0] / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert w_single.keys() == w_ddp.keys()
+    for key in w_single:
+        torch.testing.assert_close(w_ddp[key], w_single[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    (["--training.stepz", "3"], ["training.stepz"]),
+    (["--training.steps", "many"], ["training.steps", "integer"]),
+    (["--training.seq_len", "128"], ["training.seq_len (128)", "max_seq_len = 64"]),
+    (["--nproc", "3"], ["global_batch_size (8)", "(3) = 12"]),
+    (["--data.path", "/nonexistent/data"], ["/nonexistent/data", "meshtrain data prepare"]),
+])
+def test_bad_config_fails_before_any_work(corpus, cli_env, tmp_path, extra, fragments):
+    result = run_cli([*train_args(corpus, tmp_path / "run"), *extra], cli_env)
+    assert_user_error(result, *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.multiproc
+def test_default_job_prepares_its_corpus_and_learns(cli_env, tmp_path):
+    """`make train`'s job as shipped (configs/tiny.toml, 2 processes), with its data and run in tmp."""
+    from pathlib import Path
+
+    config = Path(__file__).parents[1] / "configs" / "tiny.toml"
+    result = run_cli(["train", "--config", str(config), "--nproc", "2", "--data.path", str(tmp_path / "stdlib"),
+                      "--run.dir", str(tmp_path / "run")], cli_env, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "preparing the default corpus" in result.stdout
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[0]["step"] == 1 and metrics[-1]["step"] == 100
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.5
+    assert metrics[-1]["val_loss"] < metrics[0]["loss"] - 1.5
+    assert all(math.isfinite(m[f]) for m in metrics for f in FIELDS)
+    assert "sample:\ndef " in result.stdout
