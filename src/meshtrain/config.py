@@ -36,6 +36,9 @@ class ModelConfig:
     rope_theta: float | None = None
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
+    # Pad the embedding/output rows to a multiple of this (Megatron's make-vocab-size-divisible-by);
+    # must be a multiple of parallel.tp. The padding is recorded and stripped on export.
+    vocab_multiple: int | None = None
 
 
 @dataclass
@@ -62,9 +65,29 @@ class TrainingConfig:
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     seed: int = 0
     dtype: Literal["fp32", "bf16"] = "fp32"
+    # Recompute activations in backward: "full" every block, "selective" every ac_every-th block.
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    ac_every: int = 2
     eval_every: int = 50  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches of validation data per pass
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = look up the GPU or measure the CPU
+
+
+@dataclass
+class ParallelConfig:
+    """The layout. DP = world / (tp x pp); the shard degree is DP / dp_replicate."""
+
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1  # > 1 with zero 2/3: hybrid sharding (shard within, replicate across)
+    # 0: DDP; 1: + optimizer states sharded (ZeroRedundancyOptimizer); 2: + gradients sharded
+    # (FSDP2, parameters kept between forward and backward); 3: + parameters sharded (FSDP2).
+    zero: int = 0
+    sequence_parallel: bool = True  # with tp > 1: norms and residuals sharded along the sequence
+    loss_parallel: bool = True  # with tp > 1: cross-entropy on vocabulary-sharded logits
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = "1f1b"
+    pp_microbatches: int = 0  # 0: derived, local batch / training.micro_batch_size
+    pp_virtual_stages: int = 1  # pipeline stages per rank (interleaved schedules need >= 2)
 
 
 @dataclass
@@ -83,6 +106,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:
@@ -243,7 +267,7 @@ def validate(cfg: Config, world_size: int | None = None, data_vocab_size: int | 
         _positive(getattr(t, key), f"training.{key}")
     _positive(r.log_every, "run.log_every")
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                "rope_theta", "norm_eps"):
+                "rope_theta", "norm_eps", "vocab_multiple"):
         if getattr(m, key) is not None:
             _positive(getattr(m, key), f"model.{key}")
     if t.warmup_steps < 0 or t.eval_every < 0 or t.grad_clip < 0 or t.weight_decay < 0:
@@ -270,17 +294,23 @@ def validate(cfg: Config, world_size: int | None = None, data_vocab_size: int | 
             f"model.vocab_size ({m.vocab_size}) is smaller than the data's vocabulary ({data_vocab_size}); "
             "leave it unset to use the data's"
         )
+    _positive(t.ac_every, "training.ac_every")
     if world_size is not None:
-        dp = world_size
-        per_step = t.micro_batch_size * dp
+        from meshtrain.parallel.mesh import ParallelDims
+
+        dims = ParallelDims.from_config(cfg.parallel, world_size)
+        dims.validate_model(args, cfg.parallel, t.activation_checkpointing)
+        per_step = t.micro_batch_size * dims.dp
         if t.global_batch_size % per_step:
             raise ConfigError(
                 f"training.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel degree ({dp}) = {per_step}"
+                f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel degree ({dims.dp}) = {per_step}"
             )
+        dims.validate_schedule(cfg.parallel, t.global_batch_size // per_step)
 
 
 def grad_accum_steps(cfg: Config, dp: int) -> int:
+    """Micro-batches per step on one rank (under PP: the schedule's number of micro-batches)."""
     return cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
 
 

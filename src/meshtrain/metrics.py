@@ -130,6 +130,7 @@ class MetricsLogger:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.tb = None
         if tensorboard:
@@ -170,6 +171,10 @@ class MetricsLogger:
         self.console.print(" | ".join(parts))
         if "loss" in metrics:
             self.progress.update(self.task, status=f"loss {metrics['loss']:.3f} {metrics.get('tokens_per_s', 0):,.0f} tok/s")
+
+    def write_json(self, name: str, obj) -> None:
+        if self.enabled:
+            (self.run_dir / name).write_text(json.dumps(obj, indent=1))
 
     def close(self) -> None:
         if self.enabled:

@@ -13,22 +13,24 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.config import Config, grad_accum_steps, validate, write_resolved
 from meshtrain.data import Dataset, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
 from meshtrain.launch import LaunchEnv, detect
 from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
 from meshtrain.model import Llama, ModelArgs, flops_per_token, num_params
-from meshtrain.parallel import ParallelDims
-from meshtrain.parallel.data_parallel import apply_ddp
+from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
+from meshtrain.parallel.grads import clip_grad_norm
 
 
 def init_distributed(env: LaunchEnv) -> torch.device:
@@ -65,28 +67,25 @@ def load_dataset(cfg: Config, env: LaunchEnv) -> Dataset:
     return Dataset(cfg.data.path, cfg.training.seq_len)
 
 
-def build_model(args: ModelArgs, dims: ParallelDims, seed: int, device: torch.device) -> nn.Module:
-    """Build on `meta` (no memory), apply the parallelisms, then materialise and initialise the
-    weights this rank holds, identically in every layout."""
-    with torch.device("meta"):
-        model = Llama(args)
-    model.to_empty(device=device)
-    model.init_weights(seed, buffer_device=device)
-    if dims.dp > 1:
-        model = apply_ddp(model, dims.mesh("dp"))
-    return model
-
-
-def build_optimizer(model: nn.Module, cfg: Config, device: torch.device):
+def build_optimizer(params: list[torch.Tensor], cfg: Config, dims: ParallelDims, device: torch.device):
+    """AdamW (fused on GPU, foreach on CPU), no weight decay on norms; with ZeRO-1 each DP rank
+    keeps the states of its share of the parameters (ZeroRedundancyOptimizer)."""
     t = cfg.training
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norms
     ]
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                                  fused=fused or None, foreach=None if fused else True)
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None, foreach=None if fused else True)
+    if dims.zero == 1 and dims.dp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                            process_group=dims.dp_group, **kwargs, weight_decay=t.weight_decay)
+        optimizer.add_param_group(groups[1])
+    else:
+        optimizer = torch.optim.AdamW(groups, **kwargs)
 
     def lr_factor(step: int) -> float:  # step = optimizer steps taken so far
         if step < t.warmup_steps:
@@ -101,37 +100,92 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int,
-                     device: torch.device, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """Accumulate gradients over micro-batches; returns this rank's mean loss (a tensor: no sync)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def step_context(model: ParallelModel, dims: ParallelDims, cfg: Config, device: torch.device) -> ExitStack:
+    """Vocabulary-parallel loss under TP; autocast for bf16 unless FSDP casts the parameters itself."""
+    stack = ExitStack()
+    if dims.tp > 1 and cfg.parallel.loss_parallel:
+        stack.enter_context(loss_parallel())
+    if cfg.training.dtype == "bf16" and not model.fsdp:
+        stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+    return stack
+
+
+def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int,
+                     device: torch.device) -> torch.Tensor:
+    """Gradients of this rank's local batch; returns its mean loss (a tensor: no host sync).
+    Under PP the schedule splits the batch into micro-batches; otherwise gradients accumulate over
+    them, with the DP gradient reduction only on the last."""
+    if model.schedule is not None:
+        return _pipeline_loss(model, inputs, targets, device, train=True)
+    (part,) = model.parts
     chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(chunks):
         last = i == len(chunks) - 1
-        sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-                logits = model(_to_device(x, device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), _to_device(y, device).flatten()) / len(chunks)
+        if hasattr(part, "set_requires_gradient_sync"):  # FSDP
+            part.set_requires_gradient_sync(last)
+        with nullcontext() if last or not hasattr(part, "no_sync") else part.no_sync():  # DDP
+            loss = cross_entropy(part(_to_device(x, device)), _to_device(y, device)) / len(chunks)
             loss.backward()
-        total += loss.detach()
+        total += local_value(loss.detach())
     return total
 
 
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss_parallel) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _pipeline_loss(model: ParallelModel, inputs, targets, device, train: bool) -> torch.Tensor:
+    """Run the schedule; the mean micro-batch loss on the rank with the last stage, else 0."""
+    losses = [] if model.has_last_stage else None
+    target = _to_device(targets, device) if model.has_last_stage else None
+    args = (_to_device(inputs, device),) if model.has_first_stage else ()
+    if train:
+        model.schedule.step(*args, target=target, losses=losses)
+    elif isinstance(model.schedule, ScheduleZBVZeroBubble):
+        # ZBV's eval() fails in torch 2.13 ("stage doesn't have backward"): run a training step and
+        # throw its gradients away (validation batches are few).
+        with torch.enable_grad():
+            model.schedule.step(*args, target=target, losses=losses)
+        for part in model.parts:
+            part.zero_grad(set_to_none=True)
+    else:
+        model.schedule.eval(*args, target=target, losses=losses)
+    if not losses:
+        return torch.zeros((), device=device)
+    return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
+
+
+def reduce_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
+    """The global mean loss: from the last pipeline stage (sum over pp), averaged over DP."""
+    if dims.pp > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=dims.mesh("pp").get_group())
+    return mean_over(loss, dims.dp_group)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, micro_batch: int, device: torch.device, autocast_dtype,
-             group) -> float:
-    model.eval()
+def evaluate(model: ParallelModel, batches, micro_batch: int, device: torch.device, dims: ParallelDims,
+             context) -> float:
+    for part in model.parts:
+        part.eval()
     total = torch.zeros((), device=device)
-    count = 0
     for inputs, targets in batches:
-        for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
-            with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-                logits = model(_to_device(x, device))
-            total += F.cross_entropy(logits.flatten(0, 1).float(), _to_device(y, device).flatten())
-            count += 1
-    model.train()
-    return mean_over(total / count, group)
+        with context():
+            if model.schedule is not None:
+                total += _pipeline_loss(model, inputs, targets, device, train=False)
+                continue
+            for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
+                loss = cross_entropy(model.parts[0](_to_device(x, device)), _to_device(y, device))
+                total += local_value(loss) * len(x) / len(inputs)
+    for part in model.parts:
+        part.train()
+    return reduce_loss(total / len(batches), dims)
 
 
 def mean_over(value: torch.Tensor, group) -> float:
@@ -142,13 +196,24 @@ def mean_over(value: torch.Tensor, group) -> float:
     return value.item()
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on rank 0's CPU, from any layout (other ranks get {})."""
+def full_state_dict(model: ParallelModel, dims: ParallelDims) -> dict[str, torch.Tensor]:
+    """The whole model's weights on global rank 0's CPU, from any layout (other ranks get {})."""
     if not dist.is_initialized():
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in model.parts[0].state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dims.pp == 1:
+        return get_model_state_dict(model.parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Each stage gathers its own weights, then the stages' first replicas send them to rank 0.
+    state = {}
+    for part in model.parts:
+        full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        state.update({k: v.detach().cpu() for k, v in full.items()})
+    if dims.rank_in("dp") or dims.rank_in("tp"):
+        return {}
+    gathered = [None] * dims.pp if dist.get_rank() == 0 else None
+    dist.gather_object(state, gathered, dst=0, group=dims.mesh("pp").get_group())
+    return {k: v for stage in gathered for k, v in stage.items()} if gathered else {}
 
 
 def save_model(state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path) -> Path:
@@ -181,7 +246,25 @@ def sample_text(state: dict[str, torch.Tensor], args: ModelArgs, tokenizer_path:
 
 
 def describe_layout(dims: ParallelDims) -> str:
-    return " x ".join(f"{name} {size}" for name, size in dims.named_dims()) or "single process"
+    names = {"dp_shard": "FSDP" if dims.zero >= 2 else "DDP", "dp_replicate": "replicate", "tp": "TP", "pp": "PP"}
+    layout = " x ".join(f"{names[n]} {size}" for n, size in dims.named_dims()) or "single process"
+    return f"{layout}, ZeRO-{dims.zero}" if dims.dp > 1 else layout
+
+
+def report_memory(model: ParallelModel, optimizer, log: MetricsLogger) -> None:
+    """Rank 0 prints every rank's parameter, gradient and optimizer-state bytes (a collective)."""
+    from meshtrain.parallel.memory import model_state_bytes
+
+    mine = model_state_bytes(model.parameters(), optimizer)
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    mib = 2**20
+    for rank, b in enumerate(ranks):
+        log.print(f"rank {rank}: params {b['params'] / mib:8.2f} MiB | grads {b['grads'] / mib:8.2f} MiB | "
+                  f"optimizer {b['optimizer'] / mib:8.2f} MiB")
+    log.write_json("memory.json", ranks)
 
 
 def train(cfg: Config) -> dict:
@@ -193,15 +276,18 @@ def train(cfg: Config) -> dict:
     t = cfg.training
     torch.manual_seed(t.seed)
 
-    dims = ParallelDims(world_size=env.world_size, dp_shard=env.world_size)
+    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     dims.build_mesh(device.type)
-    model = build_model(args, dims, t.seed, device)
-    optimizer, scheduler = build_optimizer(model, cfg, device)
+    with torch.device("meta"):
+        full_model = Llama(args)
+    model = parallelize(full_model, dims, cfg.parallel, t, device, cross_entropy)
+    optimizer, scheduler = build_optimizer(model.parameters(), cfg, dims, device)
     loader = DistributedLoader(dataset.train, t.global_batch_size, dims.dp_rank, dims.dp, t.seed)
     val = validation_batches(dataset.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp) \
         if len(dataset.val) else []
-    autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
     accum = grad_accum_steps(cfg, dims.dp)
+    context = lambda: step_context(model, dims, cfg, device)  # noqa: E731
+    pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
 
     run_dir = Path(cfg.run.dir)
     is_rank0 = env.rank == 0
@@ -210,21 +296,27 @@ def train(cfg: Config) -> dict:
         write_resolved(cfg, run_dir, args)
         shutil.copyfile(dataset.tokenizer_path, run_dir / "tokenizer.json")
         log.print(
-            f"meshtrain | {cfg.model.preset}: {num_params(model) / 1e6:.2f}M params | world {env.world_size} "
+            f"meshtrain | {cfg.model.preset}: {num_params(full_model) / 1e6:.2f}M params | world {env.world_size} "
             f"({describe_layout(dims)}) | {device.type} {t.dtype} | global batch {t.global_batch_size} x "
-            f"{t.seq_len} tokens (micro {t.micro_batch_size}, accumulation {accum}) | {t.steps} steps"
+            f"{t.seq_len} tokens (micro {t.micro_batch_size} x {accum}"
+            f"{' pipeline micro-batches' if dims.pp > 1 else ' accumulation'}) | {t.steps} steps"
         )
+        for line in dims.describe_groups():
+            log.print("  " + line)
         if not val:
             log.print(f"[yellow]warning: {dataset.val.path} holds less than one sequence; no validation loss")
-    peak = device_peak_tflops(device, autocast_dtype or torch.float32, t.peak_tflops)
+    peak = device_peak_tflops(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, t.peak_tflops)
     meter = Throughput(flops_per_token(args, t.seq_len), peak, env.world_size)
     tokens_per_step = t.global_batch_size * t.seq_len
     history = []
 
     for step in range(1, t.steps + 1):
         inputs, targets = loader.next_batch()
-        loss = forward_backward(model, inputs, targets, t.micro_batch_size, device, autocast_dtype)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf, foreach=True)
+        with context():
+            loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
+        grad_norm = clip_grad_norm(model.parameters(), t.grad_clip or math.inf, pp_group)
+        if step == 1:
+            report_memory(model, optimizer, log)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -234,15 +326,14 @@ def train(cfg: Config) -> dict:
 
         metrics = {}
         if step % cfg.run.log_every == 0 or step in (1, t.steps):
-            metrics = {"loss": mean_over(loss, dims.dp_group), "lr": lr, "grad_norm": grad_norm.item(),
-                       **meter.report()}
+            metrics = {"loss": reduce_loss(loss, dims), "lr": lr, "grad_norm": grad_norm.item(), **meter.report()}
         if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-            metrics["val_loss"] = evaluate(model, val, t.micro_batch_size, device, autocast_dtype, dims.dp_group)
+            metrics["val_loss"] = evaluate(model, val, t.micro_batch_size, device, dims, context)
         if metrics:
             log.log(step, metrics)
             history.append({"step": step, **metrics})
 
-    state = full_state_dict(model)
+    state = full_state_dict(model, dims)
     if is_rank0:
         if cfg.run.save_model:
             path = save_model(state, args, run_dir)

@@ -17,7 +17,7 @@ def generate(model: Llama, prompt: list[int], max_new_tokens: int, temperature: 
     gen = torch.Generator(device=device).manual_seed(seed)
     for _ in range(max_new_tokens):
         context = tokens[:, -model.args.max_seq_len :]
-        logits = model(context)[0, -1].float()
+        logits = model(context)[0, -1, : model.args.vocab_size].float()  # no padding rows
         if temperature <= 0:
             nxt = logits.argmax()
         else:

@@ -33,10 +33,15 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    vocab_multiple: int = 64  # embedding rows padded to a multiple of this (tensor-parallel friendly)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +80,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        cos, sin = cos[:seq], sin[:seq]  # full sequence here, even when the blocks' inputs are sequence-sharded
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         group = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(group, dim=2)
@@ -115,10 +121,10 @@ class Llama(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.padded_vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.padded_vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -129,10 +135,8 @@ class Llama(nn.Module):
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab). A pipeline stage without the
         embedding takes hidden states instead, and one without the output returns them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -153,7 +157,8 @@ class Llama(nn.Module):
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: scale residual outputs
-        for name, param in self.named_parameters():
+        for wrapped_name, param in self.named_parameters():
+            name = clean_fqn(wrapped_name)
             if name.endswith("norm.weight"):
                 full = torch.ones(param.shape)
             else:
@@ -161,6 +166,11 @@ class Llama(nn.Module):
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 full = torch.randn(param.shape, generator=gen) * std
             copy_full_into(param, full)
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter's name without the wrappers' prefixes (activation checkpointing, compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -191,5 +201,5 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     convention, no causal halving)."""
     layer = 2 * args.dim * args.dim + 2 * args.dim * args.n_kv_heads * args.head_dim
     layer += 3 * args.dim * args.ffn_dim + 2 * args.dim
-    n = args.n_layers * layer + args.dim + args.vocab_size * args.dim
+    n = args.n_layers * layer + args.dim + args.padded_vocab_size * args.dim
     return 6.0 * n + 12.0 * args.n_layers * args.dim * seq_len

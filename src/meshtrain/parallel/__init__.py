@@ -1,3 +1,72 @@
-from meshtrain.parallel.mesh import ParallelDims
+"""Layouts, composed the way torchtitan does: one small function per technique, applied in order
+TP -> activation checkpointing -> FSDP (on meta) -> materialise -> DDP; pipeline stages first."""
 
-__all__ = ["ParallelDims"]
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshtrain.parallel.activation_checkpoint import apply_ac
+from meshtrain.parallel.data_parallel import apply_ddp
+from meshtrain.parallel.fully_shard import apply_fsdp
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.pipeline import build_schedule, pipeline_stage_modules
+from meshtrain.parallel.tensor_parallel import apply_tp
+
+__all__ = ["ParallelDims", "ParallelModel", "apply_ac", "apply_ddp", "apply_fsdp", "apply_tp", "parallelize"]
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model: one part, or one per pipeline stage it holds."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int]
+    n_stages: int
+    schedule: object | None  # a torch.distributed.pipelining schedule when pp > 1
+    fsdp: bool  # parameters are FSDP shards (mixed precision handled by FSDP, not autocast)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for part in self.parts for p in part.parameters()]
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device: torch.device,
+                loss_fn: Callable) -> ParallelModel:
+    """`model` is built on the meta device; returns materialised, initialised parts."""
+    if dims.pp > 1:
+        staged = pipeline_stage_modules(model, dims.rank_in("pp"), dims.pp, parallel.pp_virtual_stages,
+                                        parallel.pp_schedule)
+        n_stages = dims.pp * (len(staged))
+    else:
+        staged, n_stages = [(0, model)], 1
+    fsdp = dims.zero >= 2 and dims.dp > 1
+    parts = []
+    for _, part in staged:
+        if dims.tp > 1:
+            apply_tp(part, dims.mesh("tp"), parallel.sequence_parallel, parallel.loss_parallel)
+        apply_ac(part, training.activation_checkpointing, training.ac_every)
+        if fsdp:
+            apply_fsdp(part, dims.fsdp_mesh(), dims.zero, torch.bfloat16 if training.dtype == "bf16" else None)
+        part.to_empty(device=device)
+        part.init_weights(training.seed, buffer_device=device)
+        if dims.dp > 1 and not fsdp:
+            part = apply_ddp(part, dims.mesh("dp"))
+        parts.append(part)
+    stage_ids = [idx for idx, _ in staged]
+    schedule = None
+    if dims.pp > 1:
+        n_micro = training.global_batch_size // (training.micro_batch_size * dims.dp)
+        schedule = build_schedule(list(zip(stage_ids, parts)), n_stages, dims.mesh("pp"), device,
+                                  parallel.pp_schedule, n_micro, loss_fn)
+    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp)

@@ -1,4 +1,4 @@
-"""Data parallelism: replicas that average gradients (DDP)."""
+"""Data parallelism with replicas: DDP (ZeRO-0) and, with ZeroRedundancyOptimizer, ZeRO-1."""
 
 from __future__ import annotations
 

@@ -1,0 +1,24 @@
+"""ZeRO-2/3 and hybrid sharding with FSDP2 (`fully_shard`): per-parameter DTensor shards on the dp mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype | None) -> None:
+    """Shard each block, then the rest (embeddings, final norm, output) as the root group.
+
+    zero 3 frees the gathered parameters after each block's forward and gathers them again in
+    backward; zero 2 keeps them between forward and backward (less communication, more memory).
+    A 2-D dp_mesh (dp_replicate, dp_shard) is HSDP: shard within a group, replicate across groups.
+    bf16 training computes in bf16 and reduces gradients in fp32; the sharded master weights and
+    the optimizer states stay fp32.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    reshard = zero == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)

@@ -1,0 +1,25 @@
+"""What sharding did: bytes of parameters, gradients and optimizer states this rank holds."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Local bytes (DTensor shards count only their local piece; shared tensors once)."""
+    seen: set[int] = set()
+    unique = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+    local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
+    states = [v for state in local_optimizer.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {
+        "params": sum(_local_bytes(p) for p in unique),
+        "grads": sum(_local_bytes(p.grad) for p in unique if p.grad is not None),
+        "optimizer": sum(_local_bytes(s) for s in states),
+    }

@@ -1,0 +1,73 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: split the layers into stages, one
+schedule drives micro-batches through them.
+
+Stages are cut from the full model (built on `meta`, so this costs nothing): a stage keeps its
+layers (keeping their names, since `layers` is a ModuleDict), the first keeps the embedding and the
+last the final norm and output. Placement: loop-style for gpipe/1f1b/interleaved/zero_bubble (rank r
+holds stages r, r+pp, ...), V-style for zbv (rank r holds r and 2pp-1-r).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Contiguous, as even as possible; earlier stages take the remainder."""
+    base, extra = divmod(n_layers, n_stages)
+    bounds, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        bounds.append(list(range(start, start + size)))
+        start += size
+    return bounds
+
+
+def pipeline_stage_modules(model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule: str) -> list[tuple[int, nn.Module]]:
+    """(stage index, module) for each stage this rank holds, cut from a meta-device model."""
+    n_stages = pp * (1 if schedule in ("gpipe", "1f1b") else virtual)
+    layers = split_layers(len(model.layers), n_stages)
+    parts = []
+    for stage in stage_ids(pp_rank, pp, n_stages // pp, schedule):
+        part = copy.deepcopy(model)
+        keep = {str(i) for i in layers[stage]}
+        for name in list(part.layers):
+            if name not in keep:
+                del part.layers[name]
+        if stage != 0:
+            part.tok_embeddings = None
+        if stage != n_stages - 1:
+            part.norm, part.output = None, None
+        parts.append((stage, part))
+    return parts
+
+
+def build_schedule(parts: list[tuple[int, nn.Module]], n_stages: int, pp_mesh: DeviceMesh, device: torch.device,
+                   schedule: str, n_microbatches: int, loss_fn: Callable):
+    """The schedule over this rank's stages; gradients are averaged over micro-batches."""
+    stages = [PipelineStage(module, idx, n_stages, device, group=pp_mesh.get_group()) for idx, module in parts]
+    cls = SCHEDULES[schedule]
+    if schedule in ("gpipe", "1f1b"):
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
