@@ -30,6 +30,7 @@ from meshtrain.launch import LaunchEnv, detect
 from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
 from meshtrain.model import Llama, ModelArgs, flops_per_token, num_params
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
+from meshtrain.parallel.data_parallel import average_gradients
 from meshtrain.parallel.grads import clip_grad_norm
 
 
@@ -120,7 +121,10 @@ def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.
     Under PP the schedule splits the batch into micro-batches; otherwise gradients accumulate over
     them, with the DP gradient reduction only on the last."""
     if model.schedule is not None:
-        return _pipeline_loss(model, inputs, targets, device, train=True)
+        loss = _pipeline_loss(model, inputs, targets, device, train=True)
+        if model.grad_average_group is not None:
+            average_gradients(model.parameters(), model.grad_average_group)
+        return loss
     (part,) = model.parts
     chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
     total = torch.zeros((), device=device)
@@ -315,10 +319,10 @@ def train(cfg: Config) -> dict:
         with context():
             loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
         grad_norm = clip_grad_norm(model.parameters(), t.grad_clip or math.inf, pp_group)
-        if step == 1:
-            report_memory(model, optimizer, log)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
+        if step == 1:  # gradients and optimizer states exist now
+            report_memory(model, optimizer, log)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         meter.add(tokens_per_step)

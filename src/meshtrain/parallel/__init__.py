@@ -28,6 +28,7 @@ class ParallelModel:
     n_stages: int
     schedule: object | None  # a torch.distributed.pipelining schedule when pp > 1
     fsdp: bool  # parameters are FSDP shards (mixed precision handled by FSDP, not autocast)
+    grad_average_group: object | None = None  # pipeline stages with plain DP: average after backward
 
     @property
     def has_first_stage(self) -> bool:
@@ -60,7 +61,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
             apply_fsdp(part, dims.fsdp_mesh(), dims.zero, torch.bfloat16 if training.dtype == "bf16" else None)
         part.to_empty(device=device)
         part.init_weights(training.seed, buffer_device=device)
-        if dims.dp > 1 and not fsdp:
+        if dims.dp > 1 and not fsdp and dims.pp == 1:
             part = apply_ddp(part, dims.mesh("dp"))
         parts.append(part)
     stage_ids = [idx for idx, _ in staged]
@@ -69,4 +70,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
         n_micro = training.global_batch_size // (training.micro_batch_size * dims.dp)
         schedule = build_schedule(list(zip(stage_ids, parts)), n_stages, dims.mesh("pp"), device,
                                   parallel.pp_schedule, n_micro, loss_fn)
-    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp)
+    plain_dp_pipeline = dims.pp > 1 and dims.dp > 1 and not fsdp
+    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp, dims.dp_group if plain_dp_pipeline else None)

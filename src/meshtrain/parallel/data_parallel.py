@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
@@ -14,3 +16,22 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     return DistributedDataParallel(
         model, process_group=dp_mesh.get_group(), device_ids=device_ids, gradient_as_bucket_view=True
     )
+
+
+@torch.no_grad()
+def average_gradients(params: list[torch.Tensor], group, bucket_bytes: int = 64 * 2**20) -> None:
+    """Average gradients over `group` after backward, in flat buckets: data parallelism for
+    pipeline stages, whose several forwards per backward DDP's reducer miscounts (it fails its
+    bucket rebuild after the first step in torch 2.13)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    for i, grad in enumerate(grads):
+        bucket.append(grad)
+        if sum(g.numel() * g.element_size() for g in bucket) >= bucket_bytes or i == len(grads) - 1:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket = []
