@@ -59,7 +59,7 @@ def test_init_is_seeded_and_independent_of_which_layers_a_rank_holds():
 def test_tied_embeddings_share_one_tensor():
     model = make(dataclasses.replace(ARGS, tie_embeddings=True))
     assert model.output.weight is model.tok_embeddings.weight
-    assert num_params(model) == num_params(make()) - ARGS.vocab_size * ARGS.dim
+    assert num_params(model) == num_params(make()) - ARGS.padded_vocab_size * ARGS.dim
 
 
 def test_rope_is_a_rotation_that_encodes_relative_position():
