@@ -56,8 +56,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from meshtrain.train import train
 
-    train(cfg)
-    return 0
+    return train(cfg)["exit_code"]
 
 
 def _finish(code: int) -> None:

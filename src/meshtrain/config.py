@@ -71,6 +71,10 @@ class TrainingConfig:
     eval_every: int = 50  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches of validation data per pass
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = look up the GPU or measure the CPU
+    # Planned stops, so a long schedule runs as a chain of jobs (both checkpoint, then exit 0):
+    stop_at_step: int = 0  # stop after this step of the `steps`-long schedule (0: run to the end)
+    time_limit: str = ""  # wall-clock budget, "HH:MM:SS" or seconds (Slurm --time, ABCI h_rt)
+    on_nonfinite: Literal["skip", "stop"] = "skip"  # a NaN/Inf loss or gradient norm: skip the step, or stop
 
 
 @dataclass
@@ -91,6 +95,19 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints (0: none, except on preemption and planned stops)
+    keep: int = 3  # committed checkpoints kept; older ones are deleted after a newer one commits
+    async_: bool = False  # TOML key `async`: DCP async save, training continues while it writes
+    resume: str = "auto"  # "auto": latest committed checkpoint in dir, if any; "none"; or a path
+    dir: str = ""  # default: <run.dir>/checkpoints
+
+
+# TOML keys that are Python keywords.
+ALIASES = {"async": "async_"}
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/tiny"
     log_every: int = 10
@@ -107,6 +124,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:
@@ -164,6 +182,7 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
 
 def set_dotted(cfg: Config, key: str, text: str) -> None:
     section_name, _, name = key.partition(".")
+    name = ALIASES.get(name, name)
     section = getattr(cfg, section_name, None)
     if section is None or not dataclasses.is_dataclass(section) or "." in name:
         raise ConfigError(f"unknown config key {key!r}: sections are {', '.join(_field_names(cfg))}")
@@ -176,18 +195,20 @@ def set_dotted(cfg: Config, key: str, text: str) -> None:
 
 
 def _field_names(obj: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(obj)]
+    inverse = {v: k for k, v in ALIASES.items()}
+    return [inverse.get(f.name, f.name) for f in dataclasses.fields(obj)]
 
 
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
+    for toml_key, value in raw.items():
+        key = ALIASES.get(toml_key, toml_key)
+        dotted = f"{prefix}{toml_key}"
         if key not in hints:
             where = f"[{prefix[:-1]}]" if prefix else "the top level"
             raise ConfigError(
-                f"unknown config key {dotted!r}: keys of {where} are {', '.join(hints)}"
+                f"unknown config key {dotted!r}: keys of {where} are {', '.join(_field_names(cls))}"
             )
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
@@ -295,6 +316,14 @@ def validate(cfg: Config, world_size: int | None = None, data_vocab_size: int | 
             "leave it unset to use the data's"
         )
     _positive(t.ac_every, "training.ac_every")
+    if t.stop_at_step < 0 or t.stop_at_step > t.steps:
+        raise ConfigError(f"training.stop_at_step = {t.stop_at_step} must be between 0 and training.steps ({t.steps})")
+    parse_duration(t.time_limit, "training.time_limit")
+    c = cfg.checkpoint
+    if c.every < 0 or c.keep < 1:
+        raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
+        raise ConfigError(f"checkpoint.resume = {c.resume!r}: no such checkpoint (use auto, none or a path)")
     if world_size is not None:
         from meshtrain.parallel.mesh import ParallelDims
 
@@ -309,14 +338,34 @@ def validate(cfg: Config, world_size: int | None = None, data_vocab_size: int | 
         dims.validate_schedule(cfg.parallel, t.global_batch_size // per_step)
 
 
+def parse_duration(text: str, key: str) -> float:
+    """"HH:MM:SS", "MM:SS", "D-HH:MM:SS" (Slurm) or seconds -> seconds; "" -> 0 (no limit)."""
+    if not text:
+        return 0.0
+    try:
+        days, _, clock = text.rpartition("-")
+        parts = [float(x) for x in clock.split(":")]
+        if len(parts) > 3:
+            raise ValueError
+        seconds = sum(v * 60**i for i, v in enumerate(reversed(parts)))
+        seconds += 86400 * int(days) if days else 0
+    except ValueError:
+        raise ConfigError(f'{key} = "{text}" is not a duration: use "HH:MM:SS" or seconds') from None
+    if seconds <= 0:
+        raise ConfigError(f"{key} = {text!r} must be positive")
+    return seconds
+
+
 def grad_accum_steps(cfg: Config, dp: int) -> int:
     """Micro-batches per step on one rank (under PP: the schedule's number of micro-batches)."""
     return cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
 
 
 def to_toml(cfg: Config) -> str:
+    inverse = {v: k for k, v in ALIASES.items()}
+
     def drop_none(d: dict) -> dict:
-        return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+        return {inverse.get(k, k): drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
     return tomli_w.dumps(drop_none(dataclasses.asdict(cfg)))
 

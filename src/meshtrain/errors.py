@@ -11,3 +11,7 @@ class ConfigError(MeshtrainError):
 
 class DataError(MeshtrainError):
     pass
+
+
+class CheckpointError(MeshtrainError):
+    pass

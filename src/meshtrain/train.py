@@ -10,9 +10,12 @@ One training step on each rank:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
+import signal
+import time
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -24,9 +27,12 @@ from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshtrain.config import Config, grad_accum_steps, validate, write_resolved
+from meshtrain.checkpoint import Checkpointer, find_resume, maybe_inject_failure, rng_state, set_rng_state
+from meshtrain.config import Config, grad_accum_steps, parse_duration, validate, write_resolved
+from meshtrain.errors import MeshtrainError
 from meshtrain.data import Dataset, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
 from meshtrain.launch import LaunchEnv, detect
+from meshtrain.launch.local import PREEMPTED_EXIT_CODE
 from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
 from meshtrain.model import Llama, ModelArgs, flops_per_token, num_params
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
@@ -271,7 +277,38 @@ def report_memory(model: ParallelModel, optimizer, log: MetricsLogger) -> None:
     log.write_json("memory.json", ranks)
 
 
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 (Slurm's --signal=USR1@90) only set a flag: every rank finishes its step,
+    then all agree (a MAX all-reduce) to checkpoint and exit together."""
+
+    def __init__(self):
+        self.received = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+
+def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpointer,
+          device: torch.device) -> tuple[bool, bool, bool]:
+    """(preempted, out of time, async save finished everywhere), agreed over all ranks with one
+    small all-reduce per step. Out of time: the next step and a save (estimated as two steps)
+    would not fit before the deadline."""
+    flags = torch.tensor([float(signals.received != 0),
+                          float(deadline > 0 and time.monotonic() + 3 * step_time > deadline),
+                          float(ckpt.pending is not None and not ckpt.pending[0].done())], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
+
+
 def train(cfg: Config) -> dict:
+    """Returns {"history": logged metrics, "exit_code": 0, or PREEMPTED_EXIT_CODE}."""
+    start_time = time.monotonic()
+    signals = StopSignals()
     env = detect()
     device = init_distributed(env)
     dataset = load_dataset(cfg, env)
@@ -309,19 +346,53 @@ def train(cfg: Config) -> dict:
             log.print("  " + line)
         if not val:
             log.print(f"[yellow]warning: {dataset.val.path} holds less than one sequence; no validation loss")
+
+    layout = {"world_size": env.world_size, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
+              "dp_shard": dims.dp_shard, "zero": dims.zero}
+    model_shape = dataclasses.asdict(args)
+    ckpt = Checkpointer(Path(cfg.checkpoint.dir or run_dir / "checkpoints"), model.parts, optimizer,
+                        cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank)
+    start_step, skipped = 0, 0
+    resume_from = find_resume(cfg.checkpoint.resume, ckpt.root, lambda m: log.print(f"[yellow]warning: {m}"))
+    if resume_from is not None:
+        state = ckpt.load(resume_from, model_shape)
+        start_step, skipped = state["step"], state.get("skipped_steps", 0)
+        loader.load_state_dict(state["loader"])
+        scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        set_rng_state(state["rng"])
+        log.print(f"resumed from {resume_from} (step {start_step}, saved with {state['layout']})")
+
+    def save(step: int, blocking: bool = False) -> None:
+        ckpt.save(step, {"step": step, "skipped_steps": skipped, "loader": loader.state_dict(),
+                         "scheduler": scheduler.state_dict(), "rng": rng_state(), "layout": layout,
+                         "model": model_shape}, blocking=blocking)
+
     peak = device_peak_tflops(device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, t.peak_tflops)
     meter = Throughput(flops_per_token(args, t.seq_len), peak, env.world_size)
     tokens_per_step = t.global_batch_size * t.seq_len
-    history = []
+    deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
+    last_step = t.stop_at_step or t.steps
+    history, exit_code, step_time, step = [], 0, 0.0, start_step
 
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, last_step + 1):
+        maybe_inject_failure(step)
+        step_start = time.monotonic()
         inputs, targets = loader.next_batch()
         with context():
             loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
         grad_norm = clip_grad_norm(model.parameters(), t.grad_clip or math.inf, pp_group)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        if step == 1:  # gradients and optimizer states exist now
+        if torch.isfinite(grad_norm):  # a non-finite loss gives a non-finite norm on every rank
+            optimizer.step()
+        elif t.on_nonfinite == "stop":
+            raise MeshtrainError(f"step {step}: the loss or gradient norm is not finite ({grad_norm.item()}); "
+                                 "lower training.lr, check the data, or set training.on_nonfinite = skip")
+        else:
+            skipped += 1
+            log.print(f"[yellow]step {step}: non-finite gradient norm, step skipped ({skipped} so far)")
+        if step == start_step + 1:  # gradients and optimizer states exist now
             report_memory(model, optimizer, log)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -329,22 +400,40 @@ def train(cfg: Config) -> dict:
         log.advance(step)
 
         metrics = {}
-        if step % cfg.run.log_every == 0 or step in (1, t.steps):
-            metrics = {"loss": reduce_loss(loss, dims), "lr": lr, "grad_norm": grad_norm.item(), **meter.report()}
+        if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
+            metrics = {"loss": reduce_loss(loss, dims), "lr": lr, "grad_norm": grad_norm.item(),
+                       "skipped_steps": skipped, **meter.report()}
         if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             metrics["val_loss"] = evaluate(model, val, t.micro_batch_size, device, dims, context)
         if metrics:
             log.log(step, metrics)
             history.append({"step": step, **metrics})
 
-    state = full_state_dict(model, dims)
-    if is_rank0:
-        if cfg.run.save_model:
-            path = save_model(state, args, run_dir)
-            log.print(f"saved the trained weights to {path}")
-        if cfg.run.sample_prompt:
-            text = sample_text(state, args, dataset.tokenizer_path, cfg.run.sample_prompt, cfg.run.sample_tokens,
-                               dataset.eos_id)
-            log.print("sample:\n" + text)
+        if os.environ.get("MESHTRAIN_TEST_STEP_SLEEP"):  # lets tests signal a run mid-way
+            time.sleep(float(os.environ["MESHTRAIN_TEST_STEP_SLEEP"]))
+        step_time = max(step_time, time.monotonic() - step_start)
+        preempted, out_of_time, save_finished = agree(signals, deadline, step_time, ckpt, device)
+        if save_finished:
+            ckpt.wait()  # commit the async checkpoint now that every rank has written it
+        if preempted or out_of_time or step == t.stop_at_step:
+            save(step, blocking=True)
+            reason = "preempted" if preempted else "time limit reached" if out_of_time else "training.stop_at_step"
+            log.print(f"{reason}: checkpoint of step {step} saved in {ckpt.root}; run again to continue")
+            exit_code = PREEMPTED_EXIT_CODE if preempted else 0
+            break
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (cfg.checkpoint.every and step == t.steps):
+            save(step)
+    ckpt.wait()
+
+    if step == t.steps and not exit_code:
+        state = full_state_dict(model, dims)
+        if is_rank0:
+            if cfg.run.save_model:
+                path = save_model(state, args, run_dir)
+                log.print(f"saved the trained weights to {path}")
+            if cfg.run.sample_prompt:
+                text = sample_text(state, args, dataset.tokenizer_path, cfg.run.sample_prompt, cfg.run.sample_tokens,
+                                   dataset.eos_id)
+                log.print("sample:\n" + text)
     log.close()
-    return {"history": history}
+    return {"history": history, "exit_code": exit_code}

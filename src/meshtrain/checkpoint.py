@@ -1,0 +1,225 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): save, commit, resume, reshard, prune.
+
+A checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
+  .metadata, __<rank>_0.distcp   DCP: model and optimizer, keyed by parameter name (so any layout
+                                 can load what any other layout saved)
+  train_state.json               step, data-loader position, LR schedule, RNG, layout, model shape
+  COMMITTED.json                 written last, once every rank has finished: step, layout, the size
+                                 of every file and the SHA-256 of .metadata
+A directory without COMMITTED.json is an interrupted save: `resume = "auto"` skips it with a
+warning. Older checkpoints are deleted only after a newer one has committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from meshtrain.errors import CheckpointError
+
+MARKER = "COMMITTED.json"
+TRAIN_STATE = "train_state.json"
+STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+def merge_parts(parts: list[nn.Module]) -> nn.Module:
+    """One module over several pipeline stages of this rank, with the full model's parameter names
+    (layers.{i}, tok_embeddings, ...), so that the state dict does not depend on the split."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = nn.Module()
+    merged.layers = nn.ModuleDict()
+    for part in parts:
+        for name, child in part.named_children():
+            if name == "layers":
+                merged.layers.update(child)
+            elif child is not None:
+                setattr(merged, name, child)
+    return merged
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verify(path: Path) -> dict:
+    """The commit marker of a complete checkpoint, or a CheckpointError naming what is wrong."""
+    marker_path = path / MARKER
+    if not marker_path.is_file():
+        raise CheckpointError(f"checkpoint {path} was never committed (no {MARKER}): an interrupted save")
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"{marker_path} is corrupt; resume from an earlier checkpoint") from None
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}: a shard was lost; resume from an earlier one")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} is {f.stat().st_size} bytes, expected {size} (truncated or overwritten)"
+            )
+    if _sha256(path / ".metadata") != marker["metadata_sha256"]:
+        raise CheckpointError(f"checkpoint {path}: .metadata does not match its checksum in {MARKER}")
+    return marker
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoint directories, oldest first."""
+    if not root.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+    return [p for _, p in steps if (p / MARKER).is_file()]
+
+
+def find_resume(resume: str, root: Path, warn) -> Path | None:
+    """The checkpoint to resume from: for "auto" the newest committed one (uncommitted newer ones
+    are skipped with a warning), for a path that checkpoint (it must be complete)."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not (path / MARKER).is_file() and committed_checkpoints(path):
+            path = committed_checkpoints(path)[-1]  # a checkpoint root or run dir
+        verify(path)
+        return path
+    if not root.is_dir():
+        return None
+    candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))), reverse=True)
+    for _, path in candidates:
+        if not (path / MARKER).is_file():
+            warn(f"skipping uncommitted checkpoint {path} (an interrupted save)")
+            continue
+        verify(path)
+        return path
+    return None
+
+
+class Checkpointer:
+    def __init__(self, root: Path, model_parts: list[nn.Module], optimizer, keep: int, use_async: bool, rank: int):
+        self.root, self.keep, self.rank = root, keep, rank
+        self.model = merge_parts(model_parts)
+        # ZeroRedundancyOptimizer: each rank saves/loads the states of its own parameters.
+        self.optimizer = getattr(optimizer, "optim", optimizer)
+        # Async saves run collectives in the background: on the training group they would interleave
+        # with training's and crash or hang, so they get a group of their own.
+        self.async_group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
+        self.use_async = use_async
+        self.pending = None
+
+    def _state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, step: int, train_state: dict, blocking: bool = False) -> None:
+        self.wait()
+        path = self.root / f"step_{step:08d}"
+        if self.rank == 0 and path.exists():
+            shutil.rmtree(path)  # an uncommitted leftover of the same step
+        if dist.is_initialized():
+            dist.barrier()
+        state = self._state()
+        if self.use_async and not blocking:
+            kwargs = {"process_group": self.async_group} if self.async_group is not None else {}
+            self.pending = (dcp.async_save(state, checkpoint_id=str(path), **kwargs), step, path, train_state)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+            self._commit(step, path, train_state)
+
+    def wait(self) -> None:
+        """Finish and commit an async save in flight."""
+        if self.pending is not None:
+            future, step, path, train_state = self.pending
+            self.pending = None
+            future.result()
+            self._commit(step, path, train_state)
+
+    def _commit(self, step: int, path: Path, train_state: dict) -> None:
+        fail_step = os.environ.get("MESHTRAIN_FAIL_IN_SAVE_AT_STEP")
+        if fail_step and int(fail_step) == step and _is_fail_rank() and _first_attempt():
+            print(f"[fault injection] rank {self.rank} dies during the save of step {step}", flush=True)
+            os._exit(1)
+        if dist.is_initialized():
+            dist.barrier()  # every rank has written its shards
+        if self.rank == 0:
+            _write_json(path / TRAIN_STATE, train_state)
+            files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != MARKER}
+            _write_json(path / MARKER, {"step": step, "layout": train_state.get("layout"), "files": files,
+                                        "metadata_sha256": _sha256(path / ".metadata")})
+            self._prune()
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _prune(self) -> None:
+        committed = committed_checkpoints(self.root)
+        for old in committed[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        if committed:  # interrupted saves older than the newest commit are garbage
+            newest = int(STEP_DIR.match(committed[-1].name).group(1))
+            for p in self.root.iterdir():
+                m = STEP_DIR.match(p.name)
+                if m and int(m.group(1)) < newest and not (p / MARKER).is_file():
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def load(self, path: Path, model_shape: dict) -> dict:
+        """Load model and optimizer into the current layout; returns the train state."""
+        train_state = json.loads((path / TRAIN_STATE).read_text())
+        saved_shape = train_state.get("model")
+        if saved_shape is not None and saved_shape != model_shape:
+            diff = ", ".join(f"{k} {saved_shape.get(k)} -> {v}" for k, v in model_shape.items() if saved_shape.get(k) != v)
+            raise CheckpointError(f"checkpoint {path} holds a different model ({diff}); use a matching "
+                                  "model config or checkpoint.resume = none")
+        state = self._state()
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:  # DCP wraps per-rank failures; keep the first line of the cause
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).strip().splitlines()[0]}") from None
+        # Hyperparameters come from the config (and the LR from the schedule's state), not the
+        # checkpoint: DCP does not always bring back a pipeline stage's param-group options.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group, options in zip(self.optimizer.param_groups, hyper):
+            group.update(options)
+        return train_state
+
+
+def _is_fail_rank() -> bool:
+    return int(os.environ.get("MESHTRAIN_FAIL_RANK", "0")) == int(os.environ.get("RANK", "0"))
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def maybe_inject_failure(step: int) -> None:
+    """Test hook: MESHTRAIN_FAIL_AT_STEP=7 (and MESHTRAIN_FAIL_RANK=1) kills that rank at the start of
+    that step, on the first attempt only, so that an elastic restart can recover."""
+    fail_step = os.environ.get("MESHTRAIN_FAIL_AT_STEP")
+    if fail_step and int(fail_step) == step and _is_fail_rank() and _first_attempt():
+        print(f"[fault injection] rank {os.environ.get('RANK', '0')} dies at step {step}", flush=True)
+        os._exit(1)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))

@@ -1,0 +1,184 @@
+"""Checkpoints: exact resume, resharding, crash and preemption recovery, corrupt checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import assert_user_error, read_metrics, run_cli, train_args
+from safetensors.torch import load_file
+
+from meshtrain.checkpoint import MARKER, find_resume, verify
+from meshtrain.errors import CheckpointError
+
+SCHEDULE = ["--model.n_layers", "4", "--training.micro_batch_size", "2", "--training.steps", "12"]
+LAYOUTS = {
+    "ddp2": ["--nproc", "2"],
+    "zero3-2": ["--nproc", "2", "--parallel.zero", "3"],
+    "tp2": ["--nproc", "2", "--parallel.tp", "2"],
+    "pp2": ["--nproc", "2", "--parallel.pp", "2"],
+}
+
+
+def train(corpus, cli_env, run_dir, *extra, env=None, check=True):
+    result = run_cli(train_args(corpus, run_dir, *SCHEDULE, *extra), env or cli_env)
+    if check:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def losses(run_dir):
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
+
+
+def assert_same_weights(a, b, exact=True):
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        if exact:
+            assert torch.equal(wa[key], wb[key]), key
+        else:
+            torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, cli_env, tmp_path_factory):
+    """Uninterrupted 12-step runs, per layout (and one process)."""
+    runs = {}
+    for name, extra in {"single": [], **LAYOUTS}.items():
+        runs[name] = tmp_path_factory.mktemp(f"straight-{name}")
+        train(corpus, cli_env, runs[name], *extra)
+    return runs
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_stop_and_resume_is_exact(name, straight, corpus, cli_env, tmp_path):
+    train(corpus, cli_env, tmp_path, *LAYOUTS[name], "--training.stop_at_step", "6")
+    assert max(losses(tmp_path)) == 6 and not (tmp_path / "model.safetensors").exists()
+    result = train(corpus, cli_env, tmp_path, *LAYOUTS[name])
+    assert "resumed from" in result.stdout and "step 6" in result.stdout
+    assert losses(tmp_path) == losses(straight[name])  # identical, not just close
+    assert_same_weights(tmp_path, straight[name], exact=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("target", [[], ["--nproc", "2", "--parallel.tp", "2"], ["--nproc", "2", "--parallel.pp", "2"],
+                                    ["--nproc", "4"]], ids=["single", "tp2", "pp2", "dp4"])
+def test_reshard_zero3_checkpoint_onto_other_layouts(target, straight, corpus, cli_env, tmp_path_factory):
+    source = tmp_path_factory.mktemp("zero3-source")
+    train(corpus, cli_env, source, *LAYOUTS["zero3-2"], "--training.stop_at_step", "6")
+    run_dir = tmp_path_factory.mktemp("resharded")
+    ckpt = source / "checkpoints" / "step_00000006"
+    result = train(corpus, cli_env, run_dir, *target, "--checkpoint.resume", str(ckpt))
+    assert "'zero': 3" in result.stdout  # it says which layout saved it
+    expected, got = losses(straight["single"]), losses(run_dir)
+    assert sorted(got) == list(range(7, 13))
+    for step, loss in got.items():
+        assert abs(loss - expected[step]) <= 1e-4 * abs(expected[step]), (step, loss, expected[step])
+    assert_same_weights(run_dir, straight["single"], exact=False)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fault, use_async", [("MESHTRAIN_FAIL_AT_STEP", "false"),
+                                              ("MESHTRAIN_FAIL_IN_SAVE_AT_STEP", "true")])
+def test_crash_recovery_with_elastic_restart(fault, use_async, straight, corpus, cli_env, tmp_path):
+    """Rank 1 dies at step 7, or while committing the (async) save of step 10; checkpoints every 5
+    steps; the restarted workers resume from the last committed checkpoint and end identical."""
+    env = {**cli_env, fault: "7" if fault == "MESHTRAIN_FAIL_AT_STEP" else "10", "MESHTRAIN_FAIL_RANK": "1"}
+    result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"], "--max-restarts", "1", "--checkpoint.every", "5",
+                   "--checkpoint.async", use_async, env=env)
+    assert "[fault injection]" in result.stdout
+    assert "resumed from" in result.stdout and "step_00000005" in result.stdout
+    if fault == "MESHTRAIN_FAIL_IN_SAVE_AT_STEP":
+        assert "skipping uncommitted checkpoint" in result.stdout
+    assert_same_weights(tmp_path, straight["ddp2"], exact=True)
+    steps = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == [5, 10, 12]  # keep = 3, all committed
+    assert all((tmp_path / "checkpoints" / f"step_{s:08d}" / MARKER).is_file() for s in steps)
+
+
+@pytest.mark.multiproc
+def test_preemption_checkpoints_and_the_next_run_continues(straight, corpus, cli_env, tmp_path):
+    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, *SCHEDULE, *LAYOUTS["ddp2"])]
+    args[args.index("--training.steps") + 1] = "12"
+    env = {**cli_env, "MESHTRAIN_TEST_STEP_SLEEP": "0.5"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-2000:] + err[-3000:]
+    assert "preempted: checkpoint of step" in out
+    stopped = max(losses(tmp_path))
+    assert 3 <= stopped < 12
+    result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"])
+    assert f"step {stopped}" in result.stdout
+    assert losses(tmp_path) == losses(straight["ddp2"])
+    assert_same_weights(tmp_path, straight["ddp2"], exact=True)
+
+
+@pytest.fixture(scope="module")
+def saved(corpus, cli_env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("saved")
+    train(corpus, cli_env, run_dir, "--checkpoint.every", "4", "--training.steps", "8", *LAYOUTS["ddp2"])
+    return run_dir / "checkpoints"
+
+
+def test_corrupt_checkpoints_are_named(saved, tmp_path):
+    import shutil
+    good = saved / "step_00000008"
+    assert verify(good)["step"] == 8
+    for damage, fragment in [("truncate", "__1_0.distcp is"), ("remove", "missing __0_0.distcp"),
+                             ("metadata", ".metadata"), ("marker", "never committed")]:
+        bad = tmp_path / damage / "step_00000008"
+        shutil.copytree(good, bad)
+        if damage == "truncate":
+            (bad / "__1_0.distcp").write_bytes((bad / "__1_0.distcp").read_bytes()[:100])
+        elif damage == "remove":
+            (bad / "__0_0.distcp").unlink()
+        elif damage == "metadata":
+            data = bytearray((bad / ".metadata").read_bytes())
+            data[-1] ^= 0xFF
+            (bad / ".metadata").write_bytes(bytes(data))
+        else:
+            (bad / MARKER).unlink()
+        with pytest.raises(CheckpointError, match=fragment.replace(".", r"\.")):
+            verify(bad)
+
+
+def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
+    import shutil
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    shutil.copytree(root / "step_00000008", root / "step_00000012")
+    (root / "step_00000012" / MARKER).unlink()
+    warnings = []
+    assert find_resume("auto", root, warnings.append) == root / "step_00000008"
+    assert "step_00000012" in warnings[0]
+    assert find_resume("none", root, warnings.append) is None
+    assert find_resume(str(root), root, warnings.append) == root / "step_00000008"
+
+
+def test_resume_into_a_different_model_is_a_clear_error(saved, corpus, cli_env, tmp_path):
+    result = train(corpus, cli_env, tmp_path, "--checkpoint.resume", str(saved / "step_00000008"),
+                   "--model.n_layers", "3", check=False)
+    assert_user_error(result, "different model", "n_layers 4 -> 3")
+
+
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_nonfinite_loss_is_skipped_or_stops(mode, corpus, cli_env, tmp_path):
+    result = train(corpus, cli_env, tmp_path, "--training.lr", "1e30", "--training.warmup_steps", "0",
+                   "--training.grad_clip", "0", "--training.on_nonfinite", mode, check=False)
+    if mode == "stop":
+        assert_user_error(result, "not finite", "training.on_nonfinite")
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert read_metrics(tmp_path)[-1]["skipped_steps"] > 0
