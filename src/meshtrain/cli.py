@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
     prep.add_argument("--dtype", default="auto", help="token dtype: auto, uint16 or uint32")
 
+    x = sub.add_parser("export", help="write a Hugging Face Llama directory from a run or checkpoint")
+    x.add_argument("source", help="a run directory (its latest checkpoint, else model.safetensors) or a checkpoint")
+    x.add_argument("--out", required=True, help="output directory")
+    x.add_argument("--max-shard-size", default="5GB", help="split the safetensors above this size")
+
     e = sub.add_parser("env", help="print the launch environment this process detects")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -89,6 +94,11 @@ def main(argv: list[str] | None = None) -> None:
                                    args.dtype, progress=sys.stderr.isatty())
                 print(f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
                       f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})")
+                code = 0
+            elif args.command == "export":
+                from meshtrain.interop import export_hf
+
+                print(f"wrote {export_hf(args.source, args.out, args.max_shard_size)}")
                 code = 0
             else:
                 from meshtrain.launch import detect

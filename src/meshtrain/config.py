@@ -39,6 +39,8 @@ class ModelConfig:
     # Pad the embedding/output rows to a multiple of this (Megatron's make-vocab-size-divisible-by);
     # must be a multiple of parallel.tp. The padding is recorded and stripped on export.
     vocab_multiple: int | None = None
+    # "hf:DIR": start from a local Hugging Face Llama directory (its config.json replaces the preset)
+    init_from: str = ""
 
 
 @dataclass
@@ -128,8 +130,15 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:
-        """The preset with this config's overrides applied; `vocab_size` fills an unset one."""
-        args = dataclasses.replace(PRESETS[self.model.preset])
+        """The preset (or the model.init_from config) with this config's overrides applied;
+        `vocab_size` fills an unset one."""
+        if self.model.init_from:
+            from meshtrain.interop.hf import hf_model_args
+
+            args = hf_model_args(self.model.init_from.removeprefix("hf:"))
+            vocab_size = None  # the checkpoint's embedding decides
+        else:
+            args = dataclasses.replace(PRESETS[self.model.preset])
         for f in dataclasses.fields(ModelArgs):
             value = getattr(self.model, f.name, None)
             if value is not None:
@@ -284,6 +293,9 @@ def validate(cfg: Config, world_size: int | None = None, data_vocab_size: int | 
     m, t, r = cfg.model, cfg.training, cfg.run
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset = {m.preset!r} is unknown: use one of {', '.join(PRESETS)}")
+    if m.init_from and not (m.init_from.startswith("hf:") and Path(m.init_from[3:], "config.json").is_file()):
+        raise ConfigError(f"model.init_from = {m.init_from!r}: use \"hf:DIR\" with a local Hugging Face Llama "
+                          "directory (config.json + safetensors)")
     for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "eval_batches"):
         _positive(getattr(t, key), f"training.{key}")
     _positive(r.log_every, "run.log_every")
@@ -310,10 +322,10 @@ def validate(cfg: Config, world_size: int | None = None, data_vocab_size: int | 
             f"training.seq_len ({t.seq_len}) is longer than the model allows "
             f"(model.max_seq_len = {args.max_seq_len}); lower it or raise model.max_seq_len"
         )
-    if data_vocab_size is not None and m.vocab_size is not None and m.vocab_size < data_vocab_size:
+    if data_vocab_size is not None and (m.vocab_size is not None or m.init_from) and args.vocab_size < data_vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({m.vocab_size}) is smaller than the data's vocabulary ({data_vocab_size}); "
-            "leave it unset to use the data's"
+            f"the model's vocabulary ({args.vocab_size}) is smaller than the data's ({data_vocab_size}); "
+            "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from"
         )
     _positive(t.ac_every, "training.ac_every")
     if t.stop_at_step < 0 or t.stop_at_step > t.steps:

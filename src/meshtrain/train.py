@@ -354,6 +354,11 @@ def train(cfg: Config) -> dict:
                         cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank)
     start_step, skipped = 0, 0
     resume_from = find_resume(cfg.checkpoint.resume, ckpt.root, lambda m: log.print(f"[yellow]warning: {m}"))
+    if resume_from is None and cfg.model.init_from:
+        from meshtrain.interop import load_hf_weights
+
+        load_hf_weights(model.parts, cfg.model.init_from.removeprefix("hf:"), args)
+        log.print(f"initialised from {cfg.model.init_from}")
     if resume_from is not None:
         state = ckpt.load(resume_from, model_shape)
         start_step, skipped = state["step"], state.get("skipped_steps", 0)

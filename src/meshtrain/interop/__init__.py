@@ -1,0 +1,3 @@
+from meshtrain.interop.hf import export_hf, hf_model_args, load_hf_weights
+
+__all__ = ["export_hf", "hf_model_args", "load_hf_weights"]

@@ -1,0 +1,118 @@
+"""Hugging Face export / import round trip, offline, from a sharded (ZeRO-3) training run."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import assert_user_error, read_metrics, run_cli, train_args
+
+from meshtrain.interop import export_hf, hf_model_args, load_hf_weights
+from meshtrain.interop.hf import load_full_model
+from meshtrain.model import Llama
+from meshtrain.model.generate import generate
+
+# GQA (4 query heads, 2 KV heads) and a vocabulary padded from 512 to 576 rows.
+MODEL = ["--model.n_layers", "2", "--model.vocab_multiple", "96"]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, cli_env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("hf-run")
+    result = run_cli(train_args(corpus, run_dir, *MODEL, "--nproc", "2", "--parallel.zero", "3",
+                                "--checkpoint.every", "10"), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path_factory.mktemp("hf") / "export"
+    result = run_cli(["export", str(run_dir), "--out", str(out)], cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, out
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_exported_directory_is_a_complete_hf_llama(trained):
+    _, out = trained
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 512
+    assert config["num_key_value_heads"] == 2 and config["num_attention_heads"] == 4
+    for name in ("model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+
+
+def test_transformers_gives_the_same_logits_and_greedy_tokens(trained):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, out = trained
+    ours, args, _ = load_full_model(run_dir)
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = ours(tokens)[..., : args.vocab_size]
+        theirs = hf(tokens).logits
+    assert (mine - theirs).abs().max().item() <= 1e-4
+
+    prompt = tokens[0, :8].tolist()
+    greedy = generate(ours, prompt, 12, temperature=0)
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
+    assert greedy == hf_out
+
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    from tokenizers import Tokenizer
+    text = "def f(x):\n    return x + 1\n"
+    assert tok(text)["input_ids"] == Tokenizer.from_file(str(run_dir / "tokenizer.json")).encode(text).ids
+
+
+def test_export_from_checkpoint_equals_export_from_final_weights(trained, tmp_path):
+    run_dir, out = trained
+    final_only = tmp_path / "final"
+    final_only.mkdir()
+    for name in ("model.safetensors", "model.json", "tokenizer.json"):
+        shutil.copy(run_dir / name, final_only / name)
+    other = export_hf(final_only, tmp_path / "export")
+    from safetensors.torch import load_file
+    a, b = load_file(out / "model.safetensors"), load_file(other / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_import_gives_identical_logits(trained):
+    run_dir, out = trained
+    ours, args, _ = load_full_model(run_dir)
+    imported_args = hf_model_args(out, vocab_multiple=96)
+    assert imported_args == args
+    fresh = Llama(imported_args)
+    fresh.init_weights(seed=123)
+    load_hf_weights([fresh], out, imported_args)
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(fresh(tokens)[..., :512], ours(tokens)[..., :512])
+
+
+def test_training_continues_from_a_hf_directory(trained, corpus, cli_env, tmp_path):
+    run_dir, out = trained
+    result = run_cli(train_args(corpus, tmp_path, "--model.init_from", f"hf:{out}", "--nproc", "2",
+                                "--parallel.tp", "2", "--parallel.zero", "3", "--training.steps", "2"), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "initialised from hf:" in result.stdout
+    trained_loss = read_metrics(run_dir)[-1]["loss"]
+    first = read_metrics(tmp_path)[0]["loss"]
+    assert first < trained_loss + 0.3  # starts where the exported model ended, not from scratch (~6.2)
+
+
+def test_broken_hf_directories_are_clear_errors(trained, corpus, cli_env, tmp_path):
+    _, out = trained
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", f"hf:{broken}"), cli_env)
+    assert_user_error(result, "model.init_from", "model.layers.1.mlp.up_proj.weight")
+    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", "hf:/nonexistent"), cli_env)
+    assert_user_error(result, "model.init_from")
