@@ -182,3 +182,13 @@ def test_nonfinite_loss_is_skipped_or_stops(mode, corpus, cli_env, tmp_path):
     else:
         assert result.returncode == 0, result.stderr[-2000:]
         assert read_metrics(tmp_path)[-1]["skipped_steps"] > 0
+
+
+@pytest.mark.multiproc
+def test_time_limit_checkpoints_before_the_budget_runs_out(straight, corpus, cli_env, tmp_path):
+    env = {**cli_env, "MESHTRAIN_TEST_STEP_SLEEP": "0.5"}
+    result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"], "--training.time_limit", "00:00:06", env=env)
+    assert "time limit reached" in result.stdout
+    assert max(losses(tmp_path)) < 12 and not (tmp_path / "model.safetensors").exists()
+    train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"])
+    assert losses(tmp_path) == losses(straight["ddp2"])
