@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -97,7 +98,9 @@ def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
     model.init_weights(0)
     if ckpt is not None:
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
         model.load_state_dict(state["model"])
     else:
         model.load_state_dict(load_file(run_dir / "model.safetensors"), strict=not args.tie_embeddings)
