@@ -80,6 +80,21 @@ def test_export_from_checkpoint_equals_export_from_final_weights(trained, tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_large_exports_are_split_into_indexed_shards(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, out = trained
+    split = export_hf(run_dir, tmp_path / "split", max_shard_size="200KB")
+    index = json.loads((split / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (split / "model.safetensors").exists()
+    a = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, torch_dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(split, local_files_only=True, torch_dtype=torch.float32)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    args = hf_model_args(split, vocab_multiple=96)
+    model = Llama(args)
+    load_hf_weights([model], split, args)  # import reads the index too
+
+
 def test_import_gives_identical_logits(trained):
     run_dir, out = trained
     ours, args, _ = load_full_model(run_dir)

@@ -85,3 +85,16 @@ def test_default_job_prepares_its_corpus_and_learns(cli_env, tmp_path):
     assert metrics[-1]["val_loss"] < metrics[0]["loss"] - 1.5
     assert all(math.isfinite(m[f]) for m in metrics for f in FIELDS)
     assert "sample:\ndef " in result.stdout
+
+
+@pytest.mark.multiproc
+def test_external_torchrun_runs_the_same_training(single_run, corpus, cli_env, tmp_path):
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "meshtrain", *train_args(corpus, tmp_path)]
+    import subprocess
+    result = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for s, d in zip(read_metrics(single_run[0]), read_metrics(tmp_path)):
+        assert rel(d["loss"], s["loss"]) <= 1e-5 and rel(d["grad_norm"], s["grad_norm"]) <= 1e-5

@@ -20,6 +20,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="TOML config file (default: built-in defaults = configs/tiny.toml)")
     t.add_argument("--nproc", type=int, help="start this many local worker processes (torch elastic)")
     t.add_argument("--max-restarts", type=int, default=0, help="restart failed workers up to this many times")
+    t.add_argument("--nnodes", type=int, help="nodes, each running one `meshtrain train --nproc G` (default: "
+                   "the Slurm allocation's when run as one srun task per node, else 1)")
+    t.add_argument("--node-rank", type=int, help="this node's index (static rendezvous at --master-addr)")
+    t.add_argument("--master-addr", help="the first node's address (default: the first Slurm host)")
+    t.add_argument("--master-port", type=int, help="rendezvous port (default: derived from the job id)")
 
     d = sub.add_parser("data", help="prepare training data")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -39,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("env", help="print the launch environment this process detects")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    e.add_argument("--all-ranks", action="store_true", help="print on every rank, not only rank 0")
+    e.add_argument("--launcher", default="auto", help="force an environment (torchrun, slurm, openmpi, ...)")
     return p
 
 
@@ -46,7 +53,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshtrain.config import load_config, validate
 
     cfg = load_config(args.config, overrides)
-    in_worker = "RANK" in os.environ
+    in_worker = "RANK" in os.environ  # a worker started by torch elastic (ours or torchrun)
     if args.nproc is not None and not in_worker:
         if args.nproc < 1:
             raise MeshtrainError(f"--nproc {args.nproc} must be at least 1")
@@ -57,7 +64,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
         validate(cfg, args.nproc, Dataset(cfg.data.path, cfg.training.seq_len).vocab_size)
         worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
-        return launch_workers(args.nproc, worker_argv, args.max_restarts)
+        return launch_workers(args.nproc, worker_argv, args.max_restarts, args.nnodes, args.node_rank,
+                              args.master_addr, args.master_port)
 
     from meshtrain.train import train
 
@@ -103,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 from meshtrain.launch import detect
 
-                env = detect().as_dict()
-                print(json.dumps(env) if args.json else "\n".join(f"{k:18} {v}" for k, v in env.items()))
+                env = detect(launcher=args.launcher).as_dict()
+                if args.all_ranks or env["rank"] == 0:
+                    print(json.dumps(env) if args.json else "\n".join(f"{k:18} {v}" for k, v in env.items()),
+                          flush=True)
                 code = 0
     except MeshtrainError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -110,6 +110,12 @@ ALIASES = {"async": "async_"}
 
 
 @dataclass
+class LaunchConfig:
+    # "auto" detects torchrun, Slurm, Open MPI, MPICH, AzureML (see docs/launching.md); or force one
+    env: Literal["auto", "torchrun", "azureml", "openmpi", "mpich", "slurm", "single"] = "auto"
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/tiny"
     log_every: int = 10
@@ -127,6 +133,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:

@@ -309,7 +309,7 @@ def train(cfg: Config) -> dict:
     """Returns {"history": logged metrics, "exit_code": 0, or PREEMPTED_EXIT_CODE}."""
     start_time = time.monotonic()
     signals = StopSignals()
-    env = detect()
+    env = detect(launcher=cfg.launch.env)
     device = init_distributed(env)
     dataset = load_dataset(cfg, env)
     args = cfg.model_args(dataset.vocab_size)

@@ -1,11 +1,29 @@
-"""Who am I: rank, world size and rendezvous address, read from the launcher's environment."""
+"""Who am I: rank, world size and rendezvous address, read from whichever launcher started us.
+
+One small class per environment (in the spirit of Lightning's cluster environments). Precedence,
+first match wins:
+  1. torchrun / torch elastic: RANK + WORLD_SIZE (also pyxis/enroot's PyTorch hook, Kubeflow)
+  2. AzureML: AZ_BATCH_MASTER_NODE with Open MPI ranks
+  3. Open MPI: OMPI_COMM_WORLD_* (wins over Slurm: under `mpirun` inside `sbatch` every rank also
+     carries the batch step's SLURM_PROCID=0)
+  4. MPICH / Intel MPI (Hydra), `srun --mpi=pmi2`: PMI_RANK + PMI_SIZE
+  5. Slurm `srun` task: SLURM_PROCID inside a job step (SLURM_STEP_ID set). The batch step has
+     SLURM_PROCID=0 and SLURM_NTASKS=2 but no step id: it is one process, not rank 0 of 2.
+  6. a single process.
+Under MPI the hosts come from the scheduler (Slurm node list, SGE's PE_HOSTFILE or
+SGE_JOB_HOSTLIST, PBS_NODEFILE); MASTER_ADDR/MASTER_PORT, when set, always win.
+"""
 
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
+
+LAUNCHERS = ("auto", "torchrun", "azureml", "openmpi", "mpich", "slurm", "single")
 
 
 @dataclass
@@ -30,36 +48,256 @@ class LaunchEnv:
     def export(self) -> None:
         """Set the variables torch.distributed's env:// rendezvous reads."""
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+                          LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=self.master_addr,
+                          MASTER_PORT=str(self.master_port))
 
 
-def _int(env: dict, key: str) -> int:
-    try:
-        return int(env[key])
-    except ValueError:
-        raise MeshtrainError(f"environment variable {key}={env[key]!r} is not an integer") from None
+class ClusterEnvironment:
+    """rank, world_size, local_rank, local_world_size, node_rank, master_addr, master_port, job_id."""
 
+    name = ""
 
-def detect(env: dict | None = None) -> LaunchEnv:
-    """torchrun / torch elastic (also what pyxis's PyTorch hook and Kubeflow set), else one process."""
-    env = dict(os.environ) if env is None else env
-    if "RANK" in env or "WORLD_SIZE" in env:
-        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
-        if missing:
-            raise MeshtrainError(f"{' and '.join(missing)} missing from the environment while "
-                                 f"{'WORLD_SIZE' if 'RANK' in missing else 'RANK'} is set; set both or neither")
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        if not 0 <= rank < world:
-            raise MeshtrainError(f"RANK={rank} is outside WORLD_SIZE={world}")
-        return LaunchEnv(
-            launcher="torchrun",
-            rank=rank,
-            world_size=world,
-            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world,
-            node_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0,
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
-            job_id=env.get("TORCHELASTIC_RUN_ID", ""),
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+
+    @staticmethod
+    def detect(env: dict[str, str]) -> bool:
+        raise NotImplementedError
+
+    def int(self, key: str, default: int | None = None) -> int:
+        if key not in self.env:
+            if default is None:
+                raise MeshtrainError(f"{self.name}: environment variable {key} is missing")
+            return default
+        try:
+            return int(self.env[key])
+        except ValueError:
+            raise MeshtrainError(f"environment variable {key}={self.env[key]!r} is not an integer") from None
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_world_size  # block distribution of ranks over nodes
+
+    def label(self) -> str:
+        """The launcher, with the scheduler that allocated the hosts when it is not the launcher."""
+        if self.name in ("openmpi", "mpich"):
+            for scheduler, key in (("slurm", "SLURM_JOB_ID"), ("sge", "PE_HOSTFILE"), ("sge", "SGE_JOB_HOSTLIST"),
+                                   ("pbs", "PBS_JOBID")):
+                if self.env.get(key):
+                    return f"{self.name}+{scheduler}"
+        return self.name
+
+    @property
+    def job_id(self) -> str:
+        for key in ("SLURM_JOB_ID", "JOB_ID", "PBS_JOBID"):
+            if self.env.get(key):
+                return self.env[key]
+        return ""
+
+    @property
+    def master_addr(self) -> str:
+        if self.env.get("MASTER_ADDR"):
+            return self.env["MASTER_ADDR"]
+        host = first_scheduler_host(self.env)
+        if host:
+            return host
+        if self.world_size == self.local_world_size:
+            return "127.0.0.1"  # one node
+        raise MeshtrainError(
+            f"{self.name}: cannot tell which host is the first of {self.world_size} ranks on several nodes "
+            "(no Slurm, SGE or PBS host list); export MASTER_ADDR=<first host> to every rank"
         )
-    return LaunchEnv(launcher="single")
+
+    @property
+    def master_port(self) -> int:
+        if self.env.get("MASTER_PORT"):
+            return self.int("MASTER_PORT")
+        return port_from_job_id(self.job_id)
+
+    def resolve(self) -> LaunchEnv:
+        launch = LaunchEnv(self.label(), self.rank, self.world_size, self.local_rank, self.local_world_size,
+                           self.node_rank, self.master_addr, self.master_port, self.job_id)
+        check_consistent(launch)
+        return launch
+
+
+class TorchElastic(ClusterEnvironment):
+    name = "torchrun"
+
+    @staticmethod
+    def detect(env):
+        return "RANK" in env or "WORLD_SIZE" in env
+
+    def resolve(self) -> LaunchEnv:
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in self.env]
+        if missing:
+            present = "WORLD_SIZE" if "RANK" in missing else "RANK"
+            raise MeshtrainError(f"{missing[0]} is missing from the environment while {present} is set; "
+                                 "set both (torchrun does) or neither")
+        return super().resolve()
+
+    rank = property(lambda self: self.int("RANK"))
+    world_size = property(lambda self: self.int("WORLD_SIZE"))
+    local_rank = property(lambda self: self.int("LOCAL_RANK", 0))
+    local_world_size = property(lambda self: self.int("LOCAL_WORLD_SIZE", self.world_size))
+    node_rank = property(lambda self: self.int("GROUP_RANK", self.rank // self.local_world_size))
+    job_id = property(lambda self: self.env.get("TORCHELASTIC_RUN_ID", "") or ClusterEnvironment.job_id.fget(self))
+
+
+class OpenMPI(ClusterEnvironment):
+    name = "openmpi"
+
+    @staticmethod
+    def detect(env):
+        return "OMPI_COMM_WORLD_RANK" in env
+
+    rank = property(lambda self: self.int("OMPI_COMM_WORLD_RANK"))
+    world_size = property(lambda self: self.int("OMPI_COMM_WORLD_SIZE"))
+    local_rank = property(lambda self: self.int("OMPI_COMM_WORLD_LOCAL_RANK"))
+    local_world_size = property(lambda self: self.int("OMPI_COMM_WORLD_LOCAL_SIZE"))
+
+    @property
+    def job_id(self) -> str:
+        return ClusterEnvironment.job_id.fget(self) or self.env.get("OMPI_MCA_ess_base_jobid", "")
+
+
+class AzureML(OpenMPI):
+    name = "azureml"
+
+    @staticmethod
+    def detect(env):
+        return "AZ_BATCH_MASTER_NODE" in env and "OMPI_COMM_WORLD_RANK" in env
+
+    @property
+    def master_addr(self) -> str:
+        return self.env.get("MASTER_ADDR") or self.env["AZ_BATCH_MASTER_NODE"].split(":")[0]
+
+    @property
+    def master_port(self) -> int:
+        host_port = self.env["AZ_BATCH_MASTER_NODE"].split(":")
+        return self.int("MASTER_PORT") if self.env.get("MASTER_PORT") else (
+            int(host_port[1]) if len(host_port) > 1 else port_from_job_id(self.job_id))
+
+
+class MPICH(ClusterEnvironment):
+    """MPICH / Intel MPI (Hydra) and `srun --mpi=pmi2`."""
+
+    name = "mpich"
+
+    @staticmethod
+    def detect(env):
+        return "PMI_RANK" in env and "PMI_SIZE" in env
+
+    rank = property(lambda self: self.int("PMI_RANK"))
+    world_size = property(lambda self: self.int("PMI_SIZE"))
+    local_rank = property(lambda self: self.int("MPI_LOCALRANKID", self.int("SLURM_LOCALID", 0)))
+    local_world_size = property(lambda self: self.int("MPI_LOCALNRANKS", self._slurm_tasks_on_node()))
+
+    def _slurm_tasks_on_node(self) -> int:
+        per_node = self.env.get("SLURM_STEP_TASKS_PER_NODE") or self.env.get("SLURM_TASKS_PER_NODE")
+        return int(per_node.split("(")[0]) if per_node else self.world_size
+
+
+class Slurm(ClusterEnvironment):
+    """One task per rank, started by `srun` (only inside a job step)."""
+
+    name = "slurm"
+
+    @staticmethod
+    def detect(env):
+        return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+
+    rank = property(lambda self: self.int("SLURM_PROCID"))
+    world_size = property(lambda self: self.int("SLURM_STEP_NUM_TASKS", self.int("SLURM_NTASKS")))
+    local_rank = property(lambda self: self.int("SLURM_LOCALID"))
+    node_rank = property(lambda self: self.int("SLURM_NODEID"))
+
+    @property
+    def local_world_size(self) -> int:
+        per_node = self.env.get("SLURM_STEP_TASKS_PER_NODE") or self.env.get("SLURM_TASKS_PER_NODE", "")
+        # "4(x2),3": tasks on each node; this node's entry, by node id
+        counts = []
+        for item in per_node.split(","):
+            count, _, times = item.partition("(x")
+            counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+        return counts[self.node_rank] if self.node_rank < len(counts) else self.world_size
+
+
+class Single(ClusterEnvironment):
+    name = "single"
+
+    @staticmethod
+    def detect(env):
+        return True
+
+    rank = local_rank = node_rank = 0
+    world_size = local_world_size = 1
+    master_addr = "127.0.0.1"
+    master_port = 29500
+
+
+ENVIRONMENTS: dict[str, type[ClusterEnvironment]] = {
+    "torchrun": TorchElastic, "azureml": AzureML, "openmpi": OpenMPI, "mpich": MPICH, "slurm": Slurm,
+    "single": Single,
+}
+
+
+def first_scheduler_host(env: dict[str, str]) -> str:
+    """The first host of the allocation, from Slurm, SGE or PBS."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodelist:
+        import hostlist
+
+        return hostlist.expand_hostlist(nodelist)[0]
+    for key in ("PE_HOSTFILE", "SGE_JOB_HOSTLIST", "PBS_NODEFILE"):
+        path = env.get(key)
+        if path and Path(path).is_file():
+            lines = [line.split() for line in Path(path).read_text().splitlines() if line.strip()]
+            if lines:
+                return lines[0][0]
+    return ""
+
+
+def port_from_job_id(job_id: str) -> int:
+    """A port below the ephemeral range (15000-31999), the same on every rank of one job."""
+    if not job_id:
+        return 29500
+    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return 15000 + number % 17000
+
+
+def check_consistent(launch: LaunchEnv) -> None:
+    if not 0 <= launch.rank < launch.world_size:
+        raise MeshtrainError(f"{launch.launcher}: rank {launch.rank} is outside world size {launch.world_size}")
+    if not 0 <= launch.local_rank < launch.local_world_size or launch.world_size % launch.local_world_size:
+        raise MeshtrainError(
+            f"{launch.launcher}: local rank {launch.local_rank} of {launch.local_world_size} per node does not fit "
+            f"world size {launch.world_size}; start the same number of tasks on every node"
+        )
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        gpus = 0
+    if gpus and launch.local_world_size > gpus:
+        raise MeshtrainError(
+            f"{launch.launcher}: {launch.local_world_size} tasks per node but {gpus} GPUs per node; start one task "
+            f"per GPU (e.g. srun --ntasks-per-node={gpus}, mpirun -npernode {gpus})"
+        )
+
+
+def detect(env: dict[str, str] | None = None, launcher: str = "auto") -> LaunchEnv:
+    env = dict(os.environ) if env is None else env
+    launcher = env.get("MESHTRAIN_LAUNCHER", launcher) if launcher == "auto" else launcher
+    if launcher not in LAUNCHERS:
+        raise MeshtrainError(f"launch.env = {launcher!r} is unknown: use one of {', '.join(LAUNCHERS)}")
+    if launcher != "auto":
+        cls = ENVIRONMENTS[launcher]
+        if not cls.detect(env):
+            raise MeshtrainError(f"launch.env = {launcher!r} but this process was not started by it")
+        return cls(env).resolve()
+    for cls in ENVIRONMENTS.values():
+        if cls.detect(env):
+            return cls(env).resolve()
+    raise AssertionError("Single always matches")

@@ -32,8 +32,33 @@ def _forward_to_workers(signum, frame) -> None:
             pass
 
 
-def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0) -> int:
-    """Run `python -m meshtrain <worker_argv>` in nproc processes; returns the exit code."""
+def rendezvous_args(nnodes: int | None, node_rank: int | None, master_addr: str | None,
+                    master_port: int | None, env: dict[str, str]) -> list[str]:
+    """torchrun's rendezvous options. One node: standalone. --node-rank given: static rendezvous at
+    --master-addr (like torchrun). One srun task per node: c10d rendezvous on the first Slurm host,
+    keyed by the job id."""
+    from meshtrain.launch.env import first_scheduler_host, port_from_job_id
+
+    in_slurm_step = "SLURM_STEP_ID" in env and "SLURM_JOB_ID" in env
+    if nnodes is None:
+        nnodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1))) if in_slurm_step else 1
+    if nnodes == 1 and master_addr is None:
+        return ["--standalone"]
+    job_id = env.get("SLURM_JOB_ID", "meshtrain")
+    addr = master_addr or first_scheduler_host(env) or "127.0.0.1"
+    port = master_port or port_from_job_id(job_id)
+    if node_rank is not None:
+        return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", addr,
+                "--master-port", str(port)]
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}",
+            "--rdzv-id", job_id]
+
+
+def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0, nnodes: int | None = None,
+                   node_rank: int | None = None, master_addr: str | None = None,
+                   master_port: int | None = None) -> int:
+    """Run `python -m meshtrain <worker_argv>` in nproc processes on this node (torch elastic's
+    agent); with several nodes, one such launcher per node. Returns the exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -42,7 +67,11 @@ def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0) ->
     # Restarted gloo workers otherwise reconnect to stale peers of the previous attempt
     # (pytorch#135712): measured 3/7 restarts succeeding without this, 9/9 with it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    argv = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+    rdzv = rendezvous_args(nnodes, node_rank, master_addr, master_port, dict(os.environ))
+    # The workers must not take this launcher's Slurm task variables for their own ranks.
+    for key in [k for k in os.environ if k.startswith(("SLURM_PROCID", "SLURM_LOCALID", "PMI_", "OMPI_COMM_WORLD"))]:
+        os.environ.pop(key)
+    argv = [*rdzv, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.5", "-m", "meshtrain", *worker_argv]
     signal.signal(signal.SIGUSR1, _forward_to_workers)
     try:

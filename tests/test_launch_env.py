@@ -1,0 +1,102 @@
+"""Launch environment detection, from the variables each launcher really sets (captured on real
+Slurm 22.05, Open MPI 4.1.4, MPICH 4.0.2 and SGE 8.1.9 installs: shared/reference recipes)."""
+
+import pytest
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.launch.env import detect, port_from_job_id
+from meshtrain.launch.local import rendezvous_args
+
+SLURM_TASK = {  # srun task 1 of 2 inside sbatch job 7
+    "SLURM_JOB_ID": "7", "SLURM_JOBID": "7", "SLURM_JOB_NODELIST": "vm", "SLURM_STEP_NODELIST": "vm",
+    "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
+    "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NNODES": "1",
+}
+SLURM_BATCH_STEP = {k: v for k, v in SLURM_TASK.items() if "STEP" not in k} | {"SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1",
+           "OMPI_MCA_ess_base_jobid": "1978859521"}
+MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "8"}
+
+
+def test_torchrun():
+    env = detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                  "MASTER_ADDR": "node7", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"})
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
+            env.master_addr, env.master_port, env.job_id) == ("torchrun", 3, 4, 1, 2, 1, "node7", 29400, "abc")
+
+
+def test_rank_without_world_size_is_an_error():
+    with pytest.raises(MeshtrainError, match="WORLD_SIZE is missing"):
+        detect({"RANK": "0"})
+
+
+def test_slurm_task():
+    env = detect(SLURM_TASK)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 1, 2, 1, 2)
+    assert env.master_addr == "vm" and env.master_port == 15007 and env.job_id == "7"
+
+
+def test_slurm_batch_step_is_not_rank_0_of_2():
+    env = detect(SLURM_BATCH_STEP)
+    assert env.launcher == "single" and env.world_size == 1
+
+
+def test_slurm_multi_node_hostlist_and_tasks_per_node():
+    env = detect(SLURM_TASK | {"SLURM_STEP_NODELIST": "gpu[012-013,020]", "SLURM_JOB_NODELIST": "gpu[012-013,020]",
+                               "SLURM_STEP_NUM_TASKS": "12", "SLURM_STEP_TASKS_PER_NODE": "4(x3)",
+                               "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "2"})
+    assert (env.master_addr, env.node_rank, env.local_world_size, env.world_size) == ("gpu012", 2, 4, 12)
+
+
+def test_openmpi_wins_over_the_batch_steps_slurm_variables():
+    env = detect(SLURM_BATCH_STEP | OPENMPI)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("openmpi+slurm", 1, 2, 1)
+    assert env.master_addr == "vm" and env.job_id == "7"
+
+
+def test_plain_openmpi_and_mpich_on_one_node():
+    env = detect(OPENMPI)
+    assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("openmpi", 1, 2, "127.0.0.1")
+    assert env.master_port == port_from_job_id("1978859521")
+    env = detect(MPICH)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("mpich", 1, 2, 1, 2)
+
+
+def test_mpi_on_several_nodes_needs_a_host(tmp_path):
+    two_nodes = OPENMPI | {"OMPI_COMM_WORLD_SIZE": "4"}
+    with pytest.raises(MeshtrainError, match="export MASTER_ADDR"):
+        detect(two_nodes)
+    hostfile = tmp_path / "pe_hostfile"
+    hostfile.write_text("node3 2 all.q@node3 UNDEFINED\nnode4 2 all.q@node4 UNDEFINED\n")
+    env = detect(two_nodes | {"PE_HOSTFILE": str(hostfile), "JOB_ID": "42"})
+    assert (env.launcher, env.master_addr, env.job_id, env.master_port) == ("openmpi+sge", "node3", "42", 15042)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("cn01\ncn01\ncn02\ncn02\n")
+    env = detect(MPICH | {"PMI_SIZE": "4", "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "1234.pbs01"})
+    assert (env.launcher, env.master_addr, env.job_id) == ("mpich+pbs", "cn01", "1234.pbs01")
+
+
+def test_azureml():
+    env = detect(OPENMPI | {"AZ_BATCH_MASTER_NODE": "10.0.0.4:6105"})
+    assert (env.launcher, env.master_addr, env.master_port) == ("azureml", "10.0.0.4", 6105)
+
+
+def test_forced_launcher_and_inconsistent_environments():
+    assert detect(SLURM_TASK | OPENMPI, launcher="slurm").launcher == "slurm"
+    with pytest.raises(MeshtrainError, match="was not started by it"):
+        detect({}, launcher="openmpi")
+    with pytest.raises(MeshtrainError, match="same number of tasks on every node"):
+        detect(OPENMPI | {"OMPI_COMM_WORLD_SIZE": "3", "MASTER_ADDR": "h"})
+    with pytest.raises(MeshtrainError, match="outside world size"):
+        detect({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_rendezvous_options():
+    assert rendezvous_args(None, None, None, None, {}) == ["--standalone"]
+    static = rendezvous_args(2, 1, "10.1.1.1", 29400, {})
+    assert static == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.1.1", "--master-port", "29400"]
+    per_node_task = SLURM_TASK | {"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "n[1-2]"}
+    assert rendezvous_args(None, None, None, None, per_node_task) == [
+        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:15007", "--rdzv-id", "7"]
