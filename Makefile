@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.meshtrain-installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup cluster-deps train test bench clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 train: setup
 	$(BIN)/meshtrain train --config configs/tiny.toml --nproc 2
 
-test: setup
+# Open MPI and MPICH for the launch tests (apt-get, as root; skipped otherwise).
+cluster-deps:
+	bash scripts/install-cluster-deps.sh
+
+test: setup cluster-deps
 	$(BIN)/python -m pytest -q -rs
 
 clean:

@@ -61,7 +61,7 @@ def test_batch_must_divide_over_data_parallel_ranks():
 
 def test_model_vocab_smaller_than_data_is_rejected():
     cfg = load_config(None, ["--model.vocab_size", "100"])
-    with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
+    with pytest.raises(ConfigError, match=r"model's vocabulary \(100\) is smaller than the data's \(512\)"):
         validate(cfg, data_vocab_size=512)
 
 

@@ -42,6 +42,26 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="output directory")
     x.add_argument("--max-shard-size", default="5GB", help="split the safetensors above this size")
 
+    j = sub.add_parser("jobscript", help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster)",
+                       epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5")
+    j.add_argument("kind", help="slurm, sge, pbs, mpirun, torchrun or pcluster")
+    j.add_argument("--config", required=True, help="the training config the job runs")
+    j.add_argument("--nodes", type=int, default=1)
+    j.add_argument("--gpus-per-node", type=int, default=0)
+    j.add_argument("--procs-per-node", type=int, default=1, help="ranks per node on CPU nodes")
+    j.add_argument("--time", default="01:00:00", help="wall-clock limit HH:MM:SS")
+    j.add_argument("--partition", default="", help="Slurm partition / PBS queue")
+    j.add_argument("--account", default="", help="Slurm account / PBS project / ABCI group")
+    j.add_argument("--job-name", default="meshtrain")
+    j.add_argument("--mode", default="task-per-rank", help="slurm: task-per-rank or agent-per-node")
+    j.add_argument("--container-image", default="", help="pyxis/enroot image for srun")
+    j.add_argument("--container-mounts", default="")
+    j.add_argument("--container-workdir", default="")
+    j.add_argument("--module", action="append", default=[], help="environment module to load (repeatable)")
+    j.add_argument("--instance-type", default="p5.48xlarge", help="pcluster: compute instance type")
+    j.add_argument("--venv", default=".venv", help="where meshtrain is installed on the cluster")
+    j.add_argument("--out", help="write to this file (pcluster also writes FILE.sbatch) instead of stdout")
+
     e = sub.add_parser("env", help="print the launch environment this process detects")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.add_argument("--all-ranks", action="store_true", help="print on every rank, not only rank 0")
@@ -72,6 +92,29 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return train(cfg)["exit_code"]
 
 
+def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
+    from pathlib import Path
+
+    from meshtrain.launch.jobscript import JobSpec, render
+
+    spec = JobSpec(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   procs_per_node=args.procs_per_node, time=args.time, partition=args.partition, account=args.account,
+                   job_name=args.job_name, container_image=args.container_image,
+                   container_mounts=args.container_mounts, container_workdir=args.container_workdir, mode=args.mode,
+                   modules=args.module, instance_type=args.instance_type, venv=args.venv, train_args=train_args)
+    files = render(args.kind, spec)
+    for suffix, text in files.items():
+        if args.out:
+            path = Path(args.out + suffix)
+            path.write_text(text)
+            if text.startswith("#!"):
+                path.chmod(0o755)
+            print(f"wrote {path}")
+        else:
+            print(text, end="")
+    return 0
+
+
 def _finish(code: int) -> None:
     """Leave a distributed worker in order: barrier, destroy the process group, flush, os._exit.
     Letting the interpreter tear down live gloo objects aborts ~1 run in 10 (pytorch#179291)."""
@@ -88,10 +131,21 @@ def _finish(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     args, extra = _parser().parse_known_args(argv)
     try:
+        if args.command == "jobscript":
+            if extra:
+                raise MeshtrainError(f"unexpected arguments: {' '.join(extra)} (put training overrides after --)")
+            extra = passthrough
+        elif passthrough:
+            extra += passthrough
         if args.command == "train":
             code = _train(args, extra)
+        elif args.command == "jobscript":
+            code = _jobscript(args, extra)
         else:
             if extra:
                 raise MeshtrainError(f"unexpected arguments: {' '.join(extra)}")

@@ -1,0 +1,248 @@
+"""`meshtrain jobscript KIND`: ready-to-submit scripts for Slurm, SGE (ABCI), PBS, plain mpirun,
+torchrun, and an AWS ParallelCluster config. Each line says what it does."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from meshtrain.errors import MeshtrainError
+
+KINDS = ("slurm", "sge", "pbs", "mpirun", "torchrun", "pcluster")
+
+
+@dataclass
+class JobSpec:
+    config: str
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU nodes, use procs_per_node
+    procs_per_node: int = 1
+    time: str = "01:00:00"
+    partition: str = ""
+    account: str = ""
+    job_name: str = "meshtrain"
+    container_image: str = ""
+    container_mounts: str = ""
+    container_workdir: str = ""
+    mode: str = "task-per-rank"  # slurm: "task-per-rank" (srun starts every rank) or "agent-per-node"
+    modules: list[str] = field(default_factory=list)
+    instance_type: str = "p5.48xlarge"
+    venv: str = ".venv"
+    train_args: list[str] = field(default_factory=list)
+
+    @property
+    def per_node(self) -> int:
+        return self.gpus_per_node or self.procs_per_node
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    def train_command(self, nproc: int | None = None) -> str:
+        args = [f"{self.venv}/bin/meshtrain", "train", "--config", self.config]
+        if nproc:
+            args += ["--nproc", str(nproc)]
+        return shlex.join(args + self.train_args)
+
+
+def _check(spec: JobSpec) -> None:
+    if spec.nodes < 1 or spec.per_node < 1:
+        raise MeshtrainError("--nodes and --gpus-per-node/--procs-per-node must be at least 1")
+    if spec.mode not in ("task-per-rank", "agent-per-node"):
+        raise MeshtrainError(f"--mode {spec.mode} is unknown: use task-per-rank or agent-per-node")
+
+
+NCCL_KNOBS = """\
+# Network knobs, uncomment what your cluster needs:
+# export NCCL_SOCKET_IFNAME=ib0          # the interface for bootstrap traffic
+# export NCCL_IB_HCA=mlx5                # InfiniBand adapters to use
+# export NCCL_DEBUG=INFO                 # print the topology NCCL found (first run on a new cluster)
+# export FI_PROVIDER=efa                 # AWS EFA (with the aws-ofi-nccl plugin)
+# export GLOO_SOCKET_IFNAME=ib0          # CPU-only jobs: the interface gloo uses
+"""
+
+
+def slurm(spec: JobSpec) -> str:
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={spec.job_name}",
+        f"#SBATCH --nodes={spec.nodes}                 # nodes in the allocation",
+    ]
+    if spec.mode == "task-per-rank":
+        lines.append(f"#SBATCH --ntasks-per-node={spec.per_node}       # one task per rank: srun starts every rank")
+    else:
+        lines.append("#SBATCH --ntasks-per-node=1       # one task per node: it runs the elastic agent for its ranks")
+    if spec.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+    cpus = 8 if spec.gpus_per_node else 1
+    if spec.mode == "agent-per-node":
+        cpus *= spec.per_node
+    lines += [
+        f"#SBATCH --cpus-per-task={cpus}        # data loading and host work per task",
+        f"#SBATCH --time={spec.time}            # wall-clock limit",
+        "#SBATCH --output=logs/%x.%j.log      # %x = job name, %j = job id",
+        "#SBATCH --signal=USR1@90             # 90 s before the limit: meshtrain checkpoints and exits 75",
+        "#SBATCH --requeue                    # a preempted job goes back into the queue and resumes",
+    ]
+    if spec.partition:
+        lines.append(f"#SBATCH --partition={spec.partition}")
+    if spec.account:
+        lines.append(f"#SBATCH --account={spec.account}")
+    lines += ["", "set -euo pipefail", "mkdir -p logs", ""]
+    lines += [*(f"module load {m}" for m in spec.modules), ""] if spec.modules else []
+    lines.append(NCCL_KNOBS)
+    srun = ["srun", "--kill-on-bad-exit=1"]
+    if spec.container_image:
+        srun += [f"--container-image={spec.container_image}"]
+        if spec.container_mounts:
+            srun += [f"--container-mounts={spec.container_mounts}"]
+        srun += [f"--container-workdir={spec.container_workdir or '$PWD'}"]
+    if spec.mode == "task-per-rank":
+        lines += ["# Every task is one rank; meshtrain reads SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS",
+                  "# and takes the first host of SLURM_JOB_NODELIST as the rendezvous address.",
+                  " ".join(srun) + " " + spec.train_command()]
+    else:
+        lines += ["# One task per node runs torch elastic's agent with --nproc ranks; the agents meet in a c10d",
+                  "# rendezvous on the first host (port derived from the job id).",
+                  " ".join(srun) + " " + spec.train_command(spec.per_node)]
+    return "\n".join(lines) + "\n"
+
+
+def sge(spec: JobSpec) -> str:
+    lines = [
+        "#!/bin/bash",
+        f"#$ -N {spec.job_name}",
+        f"#$ -l rt_F={spec.nodes}               # ABCI: full nodes (other SGE sites: -pe mpi <slots>)",
+        f"#$ -l h_rt={spec.time}          # wall-clock limit",
+        "#$ -cwd                         # run in the submission directory",
+        "#$ -j y                         # stdout and stderr into one log",
+        f"#$ -o logs/{spec.job_name}.log",
+    ]
+    if spec.account:
+        lines.append(f"#$ -g {spec.account}                  # ABCI group to charge")
+    lines += ["", "set -euo pipefail", "# shellcheck disable=SC1091  # the site's module system",
+              "source /etc/profile.d/modules.sh 2>/dev/null || true"]
+    lines += [f"module load {m}" for m in spec.modules]
+    lines += [
+        "",
+        NCCL_KNOBS,
+        "# The hosts of the job: ABCI writes SGE_JOB_HOSTLIST, other SGE sites PE_HOSTFILE.",
+        'HOSTFILE="${SGE_JOB_HOSTLIST:-${PE_HOSTFILE:-}}"',
+        'if [ -n "${PE_HOSTFILE:-}" ] && [ -z "${SGE_JOB_HOSTLIST:-}" ]; then',
+        '    HOSTFILE="$TMPDIR/hosts"',
+        "    awk '{print $1}' \"$PE_HOSTFILE\" > \"$HOSTFILE\"",
+        "fi",
+        "",
+        "# Ranks come from MPI (OMPI_COMM_WORLD_*); the first host is the rendezvous address.",
+        f"mpirun -npernode {spec.per_node} -np {spec.world} --hostfile \"$HOSTFILE\" {spec.train_command()}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def pbs(spec: JobSpec) -> str:
+    resources = f"select={spec.nodes}:ncpus={max(8, spec.per_node * 8) if spec.gpus_per_node else spec.per_node}"
+    resources += f":mpiprocs={spec.per_node}" + (f":ngpus={spec.gpus_per_node}" if spec.gpus_per_node else "")
+    lines = [
+        "#!/bin/bash",
+        f"#PBS -N {spec.job_name}",
+        f"#PBS -l {resources}",
+        f"#PBS -l walltime={spec.time}",
+        "#PBS -j oe                      # stdout and stderr into one log",
+    ]
+    if spec.partition:
+        lines.append(f"#PBS -q {spec.partition}")
+    if spec.account:
+        lines.append(f"#PBS -A {spec.account}")
+    lines += [
+        "", "set -euo pipefail", 'cd "$PBS_O_WORKDIR"', *(f"module load {m}" for m in spec.modules), "",
+        NCCL_KNOBS,
+        "# PBS_NODEFILE lists each host once per MPI process; the first is the rendezvous address.",
+        f"mpirun -np {spec.world} --hostfile \"$PBS_NODEFILE\" {spec.train_command()}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def mpirun(spec: JobSpec) -> str:
+    return "\n".join([
+        "#!/bin/bash",
+        "# Plain MPI over a hostfile: one line per host, e.g. `node1 slots=8`.",
+        "set -euo pipefail",
+        'HOSTFILE="${1:-hostfile}"',
+        "",
+        NCCL_KNOBS,
+        "# Ranks come from OMPI_COMM_WORLD_*. With several hosts set MASTER_ADDR to the first one.",
+        'MASTER_ADDR="$(awk \'NR==1{print $1}\' "$HOSTFILE")"',
+        "export MASTER_ADDR",
+        f"mpirun -np {spec.world} -npernode {spec.per_node} --hostfile \"$HOSTFILE\" -x MASTER_ADDR "
+        f"{spec.train_command()}",
+    ]) + "\n"
+
+
+def torchrun(spec: JobSpec) -> str:
+    lines = ["#!/bin/bash", "# Run on every node, with NODE_RANK = 0 .. "
+             f"{spec.nodes - 1} and HEAD = the address of node 0.", "set -euo pipefail",
+             'NODE_RANK="${NODE_RANK:?set NODE_RANK}"', 'HEAD="${HEAD:?set HEAD to the first node}"', "", NCCL_KNOBS]
+    if spec.nodes == 1:
+        lines.append(spec.train_command(spec.per_node))
+    else:
+        lines.append(f"{spec.train_command(spec.per_node)} --nnodes {spec.nodes} --node-rank \"$NODE_RANK\" "
+                     "--master-addr \"$HEAD\" --master-port 29500")
+    return "\n".join(lines) + "\n"
+
+
+def pcluster(spec: JobSpec) -> str:
+    """An AWS ParallelCluster 3 config: HeadNode, a Slurm GPU queue with EFA in a placement group,
+    FSx for Lustre. `render` adds the sbatch script for it."""
+    config = f"""\
+# AWS ParallelCluster 3: pcluster create-cluster --cluster-name meshtrain --cluster-configuration cluster.yaml
+Region: us-east-1
+Image:
+  Os: ubuntu2204
+HeadNode:
+  InstanceType: c5.2xlarge
+  Networking:
+    SubnetId: subnet-REPLACE_ME          # a public subnet
+  Ssh:
+    KeyName: REPLACE_ME
+Scheduling:
+  Scheduler: slurm
+  SlurmSettings:
+    QueueUpdateStrategy: DRAIN
+  SlurmQueues:
+    - Name: gpu
+      ComputeResources:
+        - Name: {spec.instance_type.replace('.', '-')}
+          InstanceType: {spec.instance_type}
+          MinCount: 0                    # scale to zero when idle
+          MaxCount: {spec.nodes}
+          Efa:
+            Enabled: true                # EFA for NCCL across nodes
+      Networking:
+        SubnetIds:
+          - subnet-REPLACE_ME            # a private subnet in one availability zone
+        PlacementGroup:
+          Enabled: true                  # nodes close together on the network
+SharedStorage:
+  - MountDir: /fsx
+    Name: fsx
+    StorageType: FsxLustre
+    FsxLustreSettings:
+      StorageCapacity: 1200
+      DeploymentType: PERSISTENT_2
+      PerUnitStorageThroughput: 250
+"""
+    return config
+
+
+GENERATORS = {"slurm": slurm, "sge": sge, "pbs": pbs, "mpirun": mpirun, "torchrun": torchrun, "pcluster": pcluster}
+
+
+def render(kind: str, spec: JobSpec) -> dict[str, str]:
+    """{file suffix: text}: "" is the main file; pcluster adds ".sbatch", the job for its queue."""
+    if kind not in GENERATORS:
+        raise MeshtrainError(f"jobscript kind {kind!r} is unknown: use one of {', '.join(KINDS)}")
+    _check(spec)
+    files = {"": GENERATORS[kind](spec)}
+    if kind == "pcluster":
+        files[".sbatch"] = slurm(JobSpec(**{**spec.__dict__, "partition": spec.partition or "gpu"}))
+    return files
