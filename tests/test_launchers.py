@@ -59,7 +59,8 @@ def test_mpi_launchers_train_like_one_process(name, reference, corpus, cli_env, 
 def test_two_nodes_simulated_with_two_agents(reference, corpus, cli_env, tmp_path):
     """Two `meshtrain train --nnodes 2 --node-rank K` agents on 127.0.0.1, 2 workers each: world 4."""
     port = "29611"
-    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path), "--nproc", "2", "--nnodes", "2",
+    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path), "--training.micro_batch_size", "2",
+            "--nproc", "2", "--nnodes", "2",
             "--master-addr", "127.0.0.1", "--master-port", port]
     procs = [subprocess.Popen([*args, "--node-rank", str(k)], env=cli_env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for k in (0, 1)]

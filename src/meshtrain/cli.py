@@ -82,7 +82,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from meshtrain.train import ensure_dataset
 
         ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
-        validate(cfg, args.nproc, Dataset(cfg.data.path, cfg.training.seq_len).vocab_size)
+        world = args.nproc * (args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1)))
+        validate(cfg, world, Dataset(cfg.data.path, cfg.training.seq_len).vocab_size)
         worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
         return launch_workers(args.nproc, worker_argv, args.max_restarts, args.nnodes, args.node_rank,
                               args.master_addr, args.master_port)
