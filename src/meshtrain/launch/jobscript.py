@@ -65,6 +65,7 @@ NCCL_KNOBS = """\
 def slurm(spec: JobSpec) -> str:
     lines = [
         "#!/bin/bash",
+        "# Submit with: mkdir -p logs && sbatch THIS_FILE   (Slurm opens the log before the script runs)",
         f"#SBATCH --job-name={spec.job_name}",
         f"#SBATCH --nodes={spec.nodes}                 # nodes in the allocation",
     ]
@@ -88,7 +89,7 @@ def slurm(spec: JobSpec) -> str:
         lines.append(f"#SBATCH --partition={spec.partition}")
     if spec.account:
         lines.append(f"#SBATCH --account={spec.account}")
-    lines += ["", "set -euo pipefail", "mkdir -p logs", ""]
+    lines += ["", "set -euo pipefail", ""]
     lines += [*(f"module load {m}" for m in spec.modules), ""] if spec.modules else []
     lines.append(NCCL_KNOBS)
     srun = ["srun", "--kill-on-bad-exit=1"]
@@ -111,6 +112,7 @@ def slurm(spec: JobSpec) -> str:
 def sge(spec: JobSpec) -> str:
     lines = [
         "#!/bin/bash",
+        "# Submit with: mkdir -p logs && qsub THIS_FILE",
         f"#$ -N {spec.job_name}",
         f"#$ -l rt_F={spec.nodes}               # ABCI: full nodes (other SGE sites: -pe mpi <slots>)",
         f"#$ -l h_rt={spec.time}          # wall-clock limit",

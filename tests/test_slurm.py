@@ -1,0 +1,96 @@
+"""Generated Slurm scripts on a real single-node Slurm (scripts/local-slurm.sh brings it up)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import read_metrics, run_cli, train_args
+
+ROOT = Path(__file__).parents[1]
+VENV = Path(sys.executable).parent.parent
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the Slurm tests need root on CI to install and start Slurm")
+        pytest.skip("starting a local Slurm needs root (scripts/local-slurm.sh start)")
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "local-slurm.sh"), "start"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    yield
+    subprocess.run(["bash", str(ROOT / "scripts" / "local-slurm.sh"), "stop"], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, cli_env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("slurm-reference")
+    assert run_cli(train_args(corpus, run_dir, "--nproc", "2"), cli_env).returncode == 0
+    return read_metrics(run_dir)
+
+
+def submit(script: Path, workdir: Path, env: dict, timeout: float = 300) -> str:
+    """sbatch, then poll squeue until the job has left it (sbatch --wait polls only every 10 s)."""
+    (workdir / "logs").mkdir(exist_ok=True)
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={workdir}", str(script)], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            break
+        time.sleep(0.5)
+    else:
+        subprocess.run(["scancel", job])
+        pytest.fail(f"job {job} did not finish in {timeout} s")
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    log = next((workdir / "logs").glob(f"*.{job}.log")).read_text()
+    assert "JobState=COMPLETED" in state, log[-3000:]
+    return log
+
+
+def jobscript(cli_env, tmp_path, mode, corpus, run_dir, *extra) -> Path:
+    out = tmp_path / "job.sbatch"
+    args = ["jobscript", "slurm", "--config", str(ROOT / "configs" / "tiny.toml"), "--procs-per-node", "2",
+            "--time", "00:10:00", "--venv", str(VENV), "--mode", mode, "--out", str(out), "--",
+            *train_args(corpus, run_dir)[1:], *extra]
+    assert run_cli(args, cli_env).returncode == 0
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["task-per-rank", "agent-per-node"])
+def test_sbatch_generated_script_trains_like_a_local_run(mode, slurm, reference, corpus, cli_env, tmp_path):
+    run_dir = tmp_path / "run"
+    log = submit(jobscript(cli_env, tmp_path, mode, corpus, run_dir), tmp_path, cli_env)
+    assert "world 2" in log
+    got = read_metrics(run_dir)
+    assert [round(m["loss"], 5) for m in got] == [round(m["loss"], 5) for m in reference]
+
+
+@pytest.mark.multiproc
+def test_mpirun_inside_sbatch_uses_mpi_ranks_not_the_batch_step(slurm, corpus, cli_env, tmp_path):
+    if not Path("/usr/bin/mpirun.openmpi").exists():
+        pytest.fail("Open MPI missing: `make test` installs it")
+    script = tmp_path / "mpi.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=logs/%x.%j.log\n"
+        "export OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_btl_tcp_if_include=lo\n"
+        f"mpirun.openmpi --allow-run-as-root {VENV}/bin/meshtrain env --json --all-ranks\n")
+    log = submit(script, tmp_path, cli_env)
+    envs = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert sorted(e["rank"] for e in envs) == [0, 1]
+    assert {e["launcher"] for e in envs} == {"openmpi+slurm"} and {e["world_size"] for e in envs} == {2}
+
+
+@pytest.mark.multiproc
+def test_env_under_srun_reports_each_task(slurm, cli_env):
+    out = subprocess.run(["srun", "-n", "2", str(VENV / "bin" / "meshtrain"), "env", "--json", "--all-ranks"],
+                         env=cli_env, capture_output=True, text=True, timeout=120)
+    envs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert sorted((e["rank"], e["local_rank"]) for e in envs) == [(0, 0), (1, 1)], out.stderr
+    assert {e["launcher"] for e in envs} == {"slurm"} and {e["master_addr"] for e in envs} == {"localhost"}
