@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--account", default="", help="Slurm account / PBS project / ABCI group")
     j.add_argument("--job-name", default="meshtrain")
     j.add_argument("--mode", default="task-per-rank", help="slurm: task-per-rank or agent-per-node")
+    j.add_argument("--pe", default="", help="sge: parallel environment to request (default: ABCI's -l rt_F)")
     j.add_argument("--container-image", default="", help="pyxis/enroot image for srun")
     j.add_argument("--container-mounts", default="")
     j.add_argument("--container-workdir", default="")
@@ -101,7 +102,7 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
     spec = JobSpec(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    procs_per_node=args.procs_per_node, time=args.time, partition=args.partition, account=args.account,
                    job_name=args.job_name, container_image=args.container_image,
-                   container_mounts=args.container_mounts, container_workdir=args.container_workdir, mode=args.mode,
+                   container_mounts=args.container_mounts, container_workdir=args.container_workdir, mode=args.mode, sge_pe=args.pe,
                    modules=args.module, instance_type=args.instance_type, venv=args.venv, train_args=train_args)
     files = render(args.kind, spec)
     for suffix, text in files.items():

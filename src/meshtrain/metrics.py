@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -137,11 +138,13 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tb"))
-        self.console = Console(highlight=False, soft_wrap=True)
+        # Colours and the live bar only on a real terminal: batch systems' log files get plain lines.
+        tty = sys.stdout.isatty()
+        self.console = Console(highlight=False, soft_wrap=True, force_terminal=tty, no_color=not tty)
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(), console=self.console, transient=True,
-            disable=not (progress and self.console.is_terminal),
+            disable=not (progress and tty),
         )
         self.task = self.progress.add_task("train", total=total_steps, status="")
         self.progress.start()

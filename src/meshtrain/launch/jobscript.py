@@ -24,6 +24,7 @@ class JobSpec:
     container_image: str = ""
     container_mounts: str = ""
     container_workdir: str = ""
+    sge_pe: str = ""  # sge: a parallel environment (-pe NAME slots) instead of ABCI's rt_F nodes
     mode: str = "task-per-rank"  # slurm: "task-per-rank" (srun starts every rank) or "agent-per-node"
     modules: list[str] = field(default_factory=list)
     instance_type: str = "p5.48xlarge"
@@ -114,7 +115,8 @@ def sge(spec: JobSpec) -> str:
         "#!/bin/bash",
         "# Submit with: mkdir -p logs && qsub THIS_FILE",
         f"#$ -N {spec.job_name}",
-        f"#$ -l rt_F={spec.nodes}               # ABCI: full nodes (other SGE sites: -pe mpi <slots>)",
+        f"#$ -pe {spec.sge_pe} {spec.world}                # parallel environment and slots (ranks)" if spec.sge_pe
+        else f"#$ -l rt_F={spec.nodes}               # ABCI: full nodes (other SGE sites: --pe mpi)",
         f"#$ -l h_rt={spec.time}          # wall-clock limit",
         "#$ -cwd                         # run in the submission directory",
         "#$ -j y                         # stdout and stderr into one log",
@@ -131,7 +133,7 @@ def sge(spec: JobSpec) -> str:
         "# The hosts of the job: ABCI writes SGE_JOB_HOSTLIST, other SGE sites PE_HOSTFILE.",
         'HOSTFILE="${SGE_JOB_HOSTLIST:-${PE_HOSTFILE:-}}"',
         'if [ -n "${PE_HOSTFILE:-}" ] && [ -z "${SGE_JOB_HOSTLIST:-}" ]; then',
-        '    HOSTFILE="$TMPDIR/hosts"',
+        '    HOSTFILE="$(mktemp)"',
         "    awk '{print $1}' \"$PE_HOSTFILE\" > \"$HOSTFILE\"",
         "fi",
         "",

@@ -1,0 +1,47 @@
+"""The generated SGE script on a real single-node Son of Grid Engine (scripts/local-sge.sh)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import read_metrics, run_cli, train_args
+
+ROOT = Path(__file__).parents[1]
+VENV = Path(sys.executable).parent.parent
+
+
+@pytest.fixture(scope="module")
+def sge():
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the SGE test needs root on CI to install and start Grid Engine")
+        pytest.skip("starting a local Grid Engine needs root (scripts/local-sge.sh start)")
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "local-sge.sh"), "start"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    yield
+    subprocess.run(["bash", str(ROOT / "scripts" / "local-sge.sh"), "stop"], capture_output=True, timeout=120)
+
+
+@pytest.mark.multiproc
+def test_qsub_pe_mpi_2_runs_the_generated_script(sge, corpus, cli_env, tmp_path):
+    reference = tmp_path / "reference"
+    assert run_cli(train_args(corpus, reference, "--nproc", "2"), cli_env).returncode == 0
+    script, run_dir = tmp_path / "job.sge", tmp_path / "run"
+    args = ["jobscript", "sge", "--config", str(ROOT / "configs" / "tiny.toml"), "--procs-per-node", "2", "--pe", "mpi",
+            "--venv", str(VENV), "--out", str(script), "--", *train_args(corpus, run_dir)[1:]]
+    assert run_cli(args, cli_env).returncode == 0
+    (tmp_path / "logs").mkdir()
+    mpi_env = "OMPI_ALLOW_RUN_AS_ROOT=1,OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,OMPI_MCA_oob_tcp_if_include=lo," \
+              "OMPI_MCA_btl_tcp_if_include=lo"
+    job = subprocess.run(["qsub", "-terse", "-v", mpi_env, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and job in subprocess.run(["qstat"], capture_output=True, text=True).stdout:
+        time.sleep(0.5)
+    log = (tmp_path / "logs" / "meshtrain.log").read_text()
+    assert "world 2" in log, log[-3000:]
+    assert [round(m["loss"], 5) for m in read_metrics(run_dir)] == [round(m["loss"], 5) for m in read_metrics(reference)]
