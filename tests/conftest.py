@@ -34,6 +34,20 @@ def cli_env(tmp_path_factory) -> dict:
     return env
 
 
+def local_cluster(script: str, timeout: int = 600):
+    """Start one of scripts/local-*.sh for a test module, stop it afterwards. Needs root; on CI a
+    missing root is a failure, elsewhere a skip with the reason."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"{script} needs root on CI to install and start the scheduler")
+        pytest.skip(f"starting a local scheduler needs root (scripts/{script} start)")
+    path = Path(__file__).parents[1] / "scripts" / script
+    result = subprocess.run(["bash", str(path), "start"], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    yield
+    subprocess.run(["bash", str(path), "stop"], capture_output=True, timeout=120)
+
+
 def run_cli(args: list[str], env: dict, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtrain", *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)

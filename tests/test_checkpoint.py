@@ -1,7 +1,5 @@
 """Checkpoints: exact resume, resharding, crash and preemption recovery, corrupt checkpoints."""
 
-import json
-import os
 import signal
 import subprocess
 import sys

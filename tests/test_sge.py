@@ -1,13 +1,12 @@
 """The generated SGE script on a real single-node Son of Grid Engine (scripts/local-sge.sh)."""
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_cli, train_args
+from conftest import local_cluster, read_metrics, run_cli, train_args
 
 ROOT = Path(__file__).parents[1]
 VENV = Path(sys.executable).parent.parent
@@ -15,15 +14,7 @@ VENV = Path(sys.executable).parent.parent
 
 @pytest.fixture(scope="module")
 def sge():
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the SGE test needs root on CI to install and start Grid Engine")
-        pytest.skip("starting a local Grid Engine needs root (scripts/local-sge.sh start)")
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "local-sge.sh"), "start"], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    yield
-    subprocess.run(["bash", str(ROOT / "scripts" / "local-sge.sh"), "stop"], capture_output=True, timeout=120)
+    yield from local_cluster("local-sge.sh")
 
 
 @pytest.mark.multiproc

@@ -1,14 +1,13 @@
 """Generated Slurm scripts on a real single-node Slurm (scripts/local-slurm.sh brings it up)."""
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_cli, train_args
+from conftest import local_cluster, read_metrics, run_cli, train_args
 
 ROOT = Path(__file__).parents[1]
 VENV = Path(sys.executable).parent.parent
@@ -16,15 +15,7 @@ VENV = Path(sys.executable).parent.parent
 
 @pytest.fixture(scope="module")
 def slurm():
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the Slurm tests need root on CI to install and start Slurm")
-        pytest.skip("starting a local Slurm needs root (scripts/local-slurm.sh start)")
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "local-slurm.sh"), "start"], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    yield
-    subprocess.run(["bash", str(ROOT / "scripts" / "local-slurm.sh"), "stop"], capture_output=True, timeout=60)
+    yield from local_cluster("local-slurm.sh")
 
 
 @pytest.fixture(scope="module")
