@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
 
@@ -63,6 +64,16 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--venv", default=".venv", help="where meshtrain is installed on the cluster")
     j.add_argument("--out", help="write to this file (pcluster also writes FILE.sbatch) instead of stdout")
 
+    b = sub.add_parser("bench", help="measure the interconnect: collective bandwidth (nccl-tests style)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    comm = bsub.add_parser("comm", help="all-reduce, all-gather, reduce-scatter, broadcast from --min to --max bytes")
+    comm.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast")
+    comm.add_argument("--min-bytes", default="1K", help="smallest message (e.g. 1K)")
+    comm.add_argument("--max-bytes", default="1G", help="largest message (e.g. 1G)")
+    comm.add_argument("--iters", type=int, default=20)
+    comm.add_argument("--json", help="also write the rows to this JSON file")
+    comm.add_argument("--nproc", type=int, help="start this many local processes (torch elastic)")
+
     e = sub.add_parser("env", help="print the launch environment this process detects")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.add_argument("--all-ranks", action="store_true", help="print on every rank, not only rank 0")
@@ -117,6 +128,31 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
     return 0
 
 
+def _bench_comm(args: argparse.Namespace, argv: list[str]) -> int:
+    from meshtrain.commbench import BUS_FACTOR, format_table, parse_size, run_comm_bench
+
+    ops = args.ops.split(",")
+    unknown = [op for op in ops if op not in BUS_FACTOR]
+    if unknown:
+        raise MeshtrainError(f"--ops {','.join(unknown)} unknown: use {', '.join(BUS_FACTOR)}")
+    try:
+        low, high = parse_size(args.min_bytes), parse_size(args.max_bytes)
+    except (ValueError, IndexError):
+        raise MeshtrainError(f"--min-bytes {args.min_bytes} / --max-bytes {args.max_bytes}: use sizes such as "
+                             "1K, 64M, 1G") from None
+    if args.nproc and "RANK" not in os.environ:
+        from meshtrain.launch.local import launch_workers
+
+        forwarded = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
+        return launch_workers(args.nproc, forwarded)
+    rows = run_comm_bench(ops, low, high, args.iters)
+    if rows:
+        print(format_table(rows), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def _finish(code: int) -> None:
     """Leave a distributed worker in order: barrier, destroy the process group, flush, os._exit.
     Letting the interpreter tear down live gloo objects aborts ~1 run in 10 (pytorch#179291)."""
@@ -159,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
                       f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})")
                 code = 0
+            elif args.command == "bench":
+                code = _bench_comm(args, argv)
             elif args.command == "export":
                 from meshtrain.interop import export_hf
 

@@ -1,0 +1,100 @@
+"""`meshtrain bench comm`: collective bandwidth, as nccl-tests reports it, under any launcher.
+
+algbw = bytes / time. busbw normalises to the bandwidth each link must carry, so numbers compare
+across world sizes: all-reduce x 2(n-1)/n, all-gather and reduce-scatter x (n-1)/n, broadcast x 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def sizes_between(low: int, high: int) -> list[int]:
+    sizes, size = [], low
+    while size <= high:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def _run(op: str, buf: torch.Tensor, out: torch.Tensor, world: int) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(buf)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(out, buf)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, buf)
+    else:
+        dist.broadcast(buf, src=0)
+
+
+def bench_collective(op: str, nbytes: int, device: torch.device, iters: int, warmup: int = 2) -> dict:
+    """One message size: mean time per call over `iters`, with algbw and busbw in GB/s. `nbytes`
+    is the per-rank message (nccl-tests' "size": the full buffer for all-reduce/broadcast, the
+    gathered output for all-gather, the input for reduce-scatter)."""
+    world = dist.get_world_size()
+    numel = max(world, nbytes // 4 // world * world)
+    if op == "all_gather":
+        buf, out = torch.ones(numel // world, device=device), torch.empty(numel, device=device)
+    elif op == "reduce_scatter":
+        buf, out = torch.ones(numel, device=device), torch.empty(numel // world, device=device)
+    else:
+        buf = out = torch.ones(numel, device=device)
+    for _ in range(warmup):
+        _run(op, buf, out, world)
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        _run(op, buf, out, world)
+    _sync(device)
+    elapsed = (time.perf_counter() - start) / iters
+    size = numel * 4
+    algbw = size / elapsed / 1e9
+    return {"op": op, "bytes": size, "time_us": elapsed * 1e6, "algbw_GBps": algbw,
+            "busbw_GBps": algbw * BUS_FACTOR[op](world), "world_size": world}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_comm_bench(ops: list[str], low: int, high: int, iters: int) -> list[dict]:
+    """Every rank runs this; rank 0 gets the rows (others an empty list)."""
+    from meshtrain.launch import detect
+    from meshtrain.train import init_distributed
+
+    env = detect()
+    device = init_distributed(env)
+    if not dist.is_initialized():  # one process: a group of one still measures the call overhead
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    rows = []
+    for op in ops:
+        for size in sizes_between(low, high):
+            iterations = max(1, min(iters, (64 * 2**20) // max(size, 1) or 1))  # fewer calls for big messages
+            rows.append(bench_collective(op, size, device, iterations))
+    return rows if dist.get_rank() == 0 else []
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'op':>15} {'size':>12} {'time (us)':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}   (world {rows[0]['world_size']})"]
+    for r in rows:
+        lines.append(f"{r['op']:>15} {r['bytes']:>12,} {r['time_us']:>12.1f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
+    return "\n".join(lines)
