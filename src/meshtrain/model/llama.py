@@ -82,11 +82,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         cos, sin = cos[:seq], sin[:seq]  # full sequence here, even when the blocks' inputs are sequence-sharded
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[2] // k.shape[2]
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        out = F.scaled_dot_product_attention(  # enable_gqa: KV heads shared by query groups, no copies
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
