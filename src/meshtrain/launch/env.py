@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class LaunchEnv:
                           MASTER_PORT=str(self.master_port))
 
 
-class ClusterEnvironment:
+class ClusterEnvironment(ABC):
     """rank, world_size, local_rank, local_world_size, node_rank, master_addr, master_port, job_id."""
 
     name = ""
@@ -61,8 +62,9 @@ class ClusterEnvironment:
         self.env = env
 
     @staticmethod
+    @abstractmethod
     def detect(env: dict[str, str]) -> bool:
-        raise NotImplementedError
+        """Whether this launcher started the process."""
 
     def int(self, key: str, default: int | None = None) -> int:
         if key not in self.env:
