@@ -60,17 +60,24 @@ def reference(corpus, cli_env, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
-    return {}
+def layout_run(corpus, cli_env, tmp_path_factory):
+    """(run dir, result) of a layout, launched on first use and shared by the tests that read it."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            nproc, extra = LAYOUTS[name]
+            run_dir = tmp_path_factory.mktemp(name)
+            runs[name] = (run_dir, launch(corpus, cli_env, run_dir, nproc, extra))
+        return runs[name]
+
+    return get
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, reference, corpus, cli_env, tmp_path_factory, layout_runs):
-    nproc, extra = LAYOUTS[name]
-    run_dir = tmp_path_factory.mktemp(name)
-    result = launch(corpus, cli_env, run_dir, nproc, extra)
-    layout_runs[name] = (run_dir, result)
+def test_layout_matches_single_process(name, reference, layout_run):
+    run_dir, _ = layout_run(name)
     ref, got = read_metrics(reference), read_metrics(run_dir)
     assert [m["step"] for m in got] == list(range(1, 11))
     for r, g in zip(ref, got):
@@ -84,29 +91,24 @@ def test_layout_matches_single_process(name, reference, corpus, cli_env, tmp_pat
 
 
 @pytest.mark.multiproc
-def test_startup_prints_the_mesh(layout_runs):
-    if "fsdp2-tp2" not in layout_runs:
-        pytest.skip("needs the fsdp2-tp2 layout run")
-    out = layout_runs["fsdp2-tp2"][1].stdout
+def test_startup_prints_the_mesh(layout_run):
+    out = layout_run("fsdp2-tp2")[1].stdout
     assert "dp_shard groups: [0, 2] [1, 3]" in out and "tp groups: [0, 1] [2, 3]" in out
     assert out.count("optimizer") >= 4  # one memory line per rank
 
 
 @pytest.mark.multiproc
-def test_model_state_bytes_follow_the_zero_formulas(reference, layout_runs):
+def test_model_state_bytes_follow_the_zero_formulas(reference, layout_run):
     """Per rank: ZeRO-1 shards optimizer states (O/N); ZeRO-2 also gradients; ZeRO-3 also parameters.
     (FSDP2 keeps ZeRO-2's gathered parameters only between forward and backward; at rest, when
     this is measured, they are sharded too.)"""
     import json
-    needed = ("ddp2", "zero1-2", "zero2-2-ac-selective", "zero3-2")
-    if any(n not in layout_runs for n in needed):
-        pytest.skip("needs the ZeRO layout runs")
     params = sum(t.numel() * 4 for t in load_file(reference / "model.safetensors").values())
     full = {"params": params, "grads": params, "optimizer": 2 * params}  # AdamW: exp_avg, exp_avg_sq
     sharded = {"ddp2": (), "zero1-2": ("optimizer",), "zero2-2-ac-selective": ("optimizer", "grads", "params"),
                "zero3-2": ("optimizer", "grads", "params")}
     for name, keys in sharded.items():
-        ranks = json.loads((layout_runs[name][0] / "memory.json").read_text())
+        ranks = json.loads((layout_run(name)[0] / "memory.json").read_text())
         assert len(ranks) == 2
         for key, total in full.items():
             expected = total / 2 if key in keys else total

@@ -6,12 +6,12 @@ class MeshtrainError(Exception):
 
 
 class ConfigError(MeshtrainError):
-    pass
+    """An invalid config value or layout, reported before any process group starts."""
 
 
 class DataError(MeshtrainError):
-    pass
+    """Missing, empty, corrupt or mis-encoded training data."""
 
 
 class CheckpointError(MeshtrainError):
-    pass
+    """A missing, partial, corrupt or mismatched checkpoint."""
