@@ -70,6 +70,9 @@ class TrainingConfig:
     # Recompute activations in backward: "full" every block, "selective" every ac_every-th block.
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = 2
+    # torch.compile each transformer block (and the loss): fused norms, RoPE, SwiGLU and casts.
+    # The first step pays the compile time (tens of seconds; cached in /tmp/torchinductor_$USER).
+    compile: bool = False
     eval_every: int = 50  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches of validation data per pass
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = look up the GPU or measure the CPU

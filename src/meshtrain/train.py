@@ -75,16 +75,16 @@ def load_dataset(cfg: Config, env: LaunchEnv) -> Dataset:
 
 
 def build_optimizer(params: list[torch.Tensor], cfg: Config, dims: ParallelDims, device: torch.device):
-    """AdamW (fused on GPU, foreach on CPU), no weight decay on norms; with ZeRO-1 each DP rank
-    keeps the states of its share of the parameters (ZeroRedundancyOptimizer)."""
+    """Fused AdamW (one kernel for all parameters; on CPU about 7x faster than foreach for the
+    `small` preset), no weight decay on norms; with ZeRO-1 each DP rank keeps the states of its
+    share of the parameters (ZeroRedundancyOptimizer)."""
     t = cfg.training
     params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norms
     ]
-    fused = device.type == "cuda"
-    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None, foreach=None if fused else True)
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)
     if dims.zero == 1 and dims.dp > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -139,10 +139,26 @@ def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.
         if hasattr(part, "set_requires_gradient_sync"):  # FSDP
             part.set_requires_gradient_sync(last)
         with nullcontext() if last or not hasattr(part, "no_sync") else part.no_sync():  # DDP
-            loss = cross_entropy(part(_to_device(x, device)), _to_device(y, device)) / len(chunks)
+            loss = model.loss_fn(part(_to_device(x, device)), _to_device(y, device)) / len(chunks)
             loss.backward()
         total += local_value(loss.detach())
     return total
+
+
+def train_step(model: ParallelModel, optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+               t, device: torch.device, context, pp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """forward/backward -> clip -> AdamW, with no host-device sync: a non-finite gradient norm
+    makes the fused optimizer skip the update on the device (its `found_inf`, as under
+    GradScaler). Returns tensors: (local mean loss, global grad norm, 1.0 if the update was skipped).
+    Gradients are cleared at the start, so they can be inspected after the step."""
+    optimizer.zero_grad(set_to_none=True)
+    with context():
+        loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
+    grad_norm = clip_grad_norm(model.parameters(), t.grad_clip or math.inf, pp_group)
+    skipped = (~torch.isfinite(grad_norm)).float()
+    getattr(optimizer, "optim", optimizer).found_inf = skipped  # ZeroRedundancyOptimizer wraps the AdamW
+    optimizer.step()
+    return loss, grad_norm, skipped
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +207,7 @@ def evaluate(model: ParallelModel, batches, micro_batch: int, device: torch.devi
                 total += _pipeline_loss(model, inputs, targets, device, train=False)
                 continue
             for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
-                loss = cross_entropy(model.parts[0](_to_device(x, device)), _to_device(y, device))
+                loss = model.loss_fn(model.parts[0](_to_device(x, device)), _to_device(y, device))
                 total += local_value(loss) * len(x) / len(inputs)
     for part in model.parts:
         part.train()
@@ -292,14 +308,13 @@ class StopSignals:
         self.received = signum
 
 
-def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpointer,
-          device: torch.device) -> tuple[bool, bool, bool]:
+def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpointer) -> tuple[bool, bool, bool]:
     """(preempted, out of time, async save finished everywhere), agreed over all ranks with one
-    small all-reduce per step. Out of time: the next step and a save (estimated as two steps)
-    would not fit before the deadline."""
+    small all-reduce per step, of a CPU tensor (gloo), so the device is never waited on. Out of
+    time: the next step and a save (estimated as two steps) would not fit before the deadline."""
     flags = torch.tensor([float(signals.received != 0),
                           float(deadline > 0 and time.monotonic() + 3 * step_time > deadline),
-                          float(ckpt.pending is not None and not ckpt.pending[0].done())], device=device)
+                          float(ckpt.pending is not None and not ckpt.pending[0].done())])
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
@@ -352,7 +367,7 @@ def train(cfg: Config) -> dict:
     model_shape = dataclasses.asdict(args)
     ckpt = Checkpointer(Path(cfg.checkpoint.dir or run_dir / "checkpoints"), model.parts, optimizer,
                         cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank)
-    start_step, skipped = 0, 0
+    start_step, skipped = 0, 0  # skipped: updates skipped for a non-finite gradient norm
     resume_from = find_resume(cfg.checkpoint.resume, ckpt.root, lambda m: log.print(f"[yellow]warning: {m}"))
     if resume_from is None and cfg.model.init_from:
         from meshtrain.interop import load_hf_weights
@@ -370,7 +385,7 @@ def train(cfg: Config) -> dict:
         log.print(f"resumed from {resume_from} (step {start_step}, saved with {state['layout']})")
 
     def save(step: int, blocking: bool = False) -> None:
-        ckpt.save(step, {"step": step, "skipped_steps": skipped, "loader": loader.state_dict(),
+        ckpt.save(step, {"step": step, "skipped_steps": int(skipped_total.item()), "loader": loader.state_dict(),
                          "scheduler": scheduler.state_dict(), "rng": rng_state(), "layout": layout,
                          "model": model_shape}, blocking=blocking)
 
@@ -380,32 +395,31 @@ def train(cfg: Config) -> dict:
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
     last_step = t.stop_at_step or t.steps
     history, exit_code, step_time, step = [], 0, 0.0, start_step
+    skipped_total, reported_skips = torch.tensor(float(skipped), device=device), skipped
 
     for step in range(start_step + 1, last_step + 1):
         maybe_inject_failure(step)
         step_start = time.monotonic()
         inputs, targets = loader.next_batch()
-        with context():
-            loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
-        grad_norm = clip_grad_norm(model.parameters(), t.grad_clip or math.inf, pp_group)
         lr = scheduler.get_last_lr()[0]
-        if torch.isfinite(grad_norm):  # a non-finite loss gives a non-finite norm on every rank
-            optimizer.step()
-        elif t.on_nonfinite == "stop":
+        loss, grad_norm, skipped_now = train_step(model, optimizer, inputs, targets, t, device, context, pp_group)
+        skipped_total += skipped_now
+        if t.on_nonfinite == "stop" and skipped_now.item():  # the one mode that syncs every step
             raise MeshtrainError(f"step {step}: the loss or gradient norm is not finite ({grad_norm.item()}); "
                                  "lower training.lr, check the data, or set training.on_nonfinite = skip")
-        else:
-            skipped += 1
-            log.print(f"[yellow]step {step}: non-finite gradient norm, step skipped ({skipped} so far)")
         if step == start_step + 1:  # gradients and optimizer states exist now
             report_memory(model, optimizer, log)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         meter.add(tokens_per_step)
         log.advance(step)
 
         metrics = {}
         if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
+            skipped = int(skipped_total.item())
+            if skipped > reported_skips:
+                log.print(f"[yellow]step {step}: {skipped - reported_skips} step(s) skipped since the last log "
+                          f"(non-finite gradient norm; {skipped} in all)")
+                reported_skips = skipped
             metrics = {"loss": reduce_loss(loss, dims), "lr": lr, "grad_norm": grad_norm.item(),
                        "skipped_steps": skipped, **meter.report()}
         if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
@@ -417,7 +431,7 @@ def train(cfg: Config) -> dict:
         if os.environ.get("MESHTRAIN_TEST_STEP_SLEEP"):  # lets tests signal a run mid-way
             time.sleep(float(os.environ["MESHTRAIN_TEST_STEP_SLEEP"]))
         step_time = max(step_time, time.monotonic() - step_start)
-        preempted, out_of_time, save_finished = agree(signals, deadline, step_time, ckpt, device)
+        preempted, out_of_time, save_finished = agree(signals, deadline, step_time, ckpt)
         if save_finished:
             ckpt.wait()  # commit the async checkpoint now that every rank has written it
         if preempted or out_of_time or step == t.stop_at_step:

@@ -1,5 +1,6 @@
 """Layouts, composed the way torchtitan does: one small function per technique, applied in order
-TP -> activation checkpointing -> FSDP (on meta) -> materialise -> DDP; pipeline stages first."""
+TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise -> DDP; pipeline stages
+first."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 from torch import nn
 
 from meshtrain.parallel.activation_checkpoint import apply_ac
+from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline import build_schedule, pipeline_stage_modules
 from meshtrain.parallel.tensor_parallel import apply_tp
 
-__all__ = ["ParallelDims", "ParallelModel", "apply_ac", "apply_ddp", "apply_fsdp", "apply_tp", "parallelize"]
+__all__ = ["ParallelDims", "ParallelModel", "apply_ac", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp",
+           "parallelize"]
 
 
 @dataclass
@@ -28,6 +31,7 @@ class ParallelModel:
     n_stages: int
     schedule: object | None  # a torch.distributed.pipelining schedule when pp > 1
     fsdp: bool  # parameters are FSDP shards (mixed precision handled by FSDP, not autocast)
+    loss_fn: Callable  # (logits, targets) -> mean loss; compiled with training.compile
     grad_average_group: object | None = None  # pipeline stages with plain DP: average after backward
 
     @property
@@ -45,6 +49,8 @@ class ParallelModel:
 def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device: torch.device,
                 loss_fn: Callable) -> ParallelModel:
     """`model` is built on the meta device; returns materialised, initialised parts."""
+    if training.compile and dims.tp == 1:  # loss_parallel's DTensor logits stay eager
+        loss_fn = torch.compile(loss_fn)
     if dims.pp > 1:
         staged = pipeline_stage_modules(model, dims.rank_in("pp"), dims.pp, parallel.pp_virtual_stages,
                                         parallel.pp_schedule)
@@ -57,6 +63,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
         if dims.tp > 1:
             apply_tp(part, dims.mesh("tp"), parallel.sequence_parallel, parallel.loss_parallel)
         apply_ac(part, training.activation_checkpointing, training.ac_every)
+        if training.compile:
+            apply_compile(part)
         if fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), dims.zero, torch.bfloat16 if training.dtype == "bf16" else None)
         part.to_empty(device=device)
@@ -71,4 +79,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
         schedule = build_schedule(list(zip(stage_ids, parts)), n_stages, dims.mesh("pp"), device,
                                   parallel.pp_schedule, n_micro, loss_fn)
     plain_dp_pipeline = dims.pp > 1 and dims.dp > 1 and not fsdp
-    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp, dims.dp_group if plain_dp_pipeline else None)
+    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp, loss_fn,
+                         dims.dp_group if plain_dp_pipeline else None)
