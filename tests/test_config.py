@@ -40,6 +40,7 @@ def test_model_args_merge_preset_overrides_and_data_vocab():
         ("", ["training.steps", "3"], ["unexpected argument"]),
         ("", ["--training.steps"], ["needs a value"]),
         ("[training\n", [], ["not valid TOML"]),
+        ("", ["--training.compile", "true", "--parallel.tp", "2"], ["training.compile", "parallel.tp > 1"]),
     ],
 )
 def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):

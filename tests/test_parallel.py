@@ -36,6 +36,10 @@ LAYOUTS = {
     "pp2-zero1-dp2": (4, ["--parallel.pp", "2", "--parallel.zero", "1"]),
     "pp2-tp2": (4, ["--parallel.pp", "2", "--parallel.tp", "2"]),
     "pp2-fsdp2-tp2": (8, ["--parallel.pp", "2", "--parallel.zero", "3", "--parallel.tp", "2"]),
+    # torch.compile'd blocks and loss: the same numbers as eager, alone and composed.
+    "compiled": (None, ["--training.compile", "true"]),
+    "compiled-zero3-2-ac": (2, ["--training.compile", "true", "--parallel.zero", "3", *AC_FULL]),
+    "compiled-pp2-1f1b": (2, ["--training.compile", "true", "--parallel.pp", "2"]),
 }
 
 

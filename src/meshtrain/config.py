@@ -338,6 +338,11 @@ def validate(cfg: Config, world_size: int | None = None, data_vocab_size: int | 
             "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from"
         )
     _positive(t.ac_every, "training.ac_every")
+    if t.compile and cfg.parallel.tp > 1:
+        raise ConfigError(
+            "training.compile = true with parallel.tp > 1 fails in torch's DTensor backward (a compiled block "
+            "returns plain-tensor gradients to the TP redistribute); use compile with DP/FSDP/PP, or TP eagerly"
+        )
     if t.stop_at_step < 0 or t.stop_at_step > t.steps:
         raise ConfigError(f"training.stop_at_step = {t.stop_at_step} must be between 0 and training.steps ({t.steps})")
     parse_duration(t.time_limit, "training.time_limit")
