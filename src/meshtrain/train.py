@@ -278,10 +278,11 @@ def describe_layout(dims: ParallelDims) -> str:
 
 
 def report_memory(model: ParallelModel, optimizer, log: MetricsLogger) -> None:
-    """Rank 0 prints every rank's parameter, gradient and optimizer-state bytes (a collective)."""
-    from meshtrain.parallel.memory import model_state_bytes
+    """Rank 0 prints every rank's parameter, gradient and optimizer-state bytes and its peak memory
+    so far (host RSS; on a GPU also the allocator's peak), after the first step (a collective)."""
+    from meshtrain.parallel.memory import model_state_bytes, peak_memory_bytes
 
-    mine = model_state_bytes(model.parameters(), optimizer)
+    mine = {**model_state_bytes(model.parameters(), optimizer), **peak_memory_bytes()}
     ranks = [mine]
     if dist.is_initialized():
         ranks = [None] * dist.get_world_size()
@@ -289,7 +290,8 @@ def report_memory(model: ParallelModel, optimizer, log: MetricsLogger) -> None:
     mib = 2**20
     for rank, b in enumerate(ranks):
         log.print(f"rank {rank}: params {b['params'] / mib:8.2f} MiB | grads {b['grads'] / mib:8.2f} MiB | "
-                  f"optimizer {b['optimizer'] / mib:8.2f} MiB")
+                  f"optimizer {b['optimizer'] / mib:8.2f} MiB | peak RSS {b['peak_rss'] / mib:8.1f} MiB"
+                  + (f" | peak GPU {b['peak_gpu'] / mib:8.1f} MiB" if "peak_gpu" in b else ""))
     log.write_json("memory.json", ranks)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -23,3 +25,12 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
         "grads": sum(_local_bytes(p.grad) for p in unique if p.grad is not None),
         "optimizer": sum(_local_bytes(s) for s in states),
     }
+
+
+def peak_memory_bytes() -> dict[str, int]:
+    """This process's peak resident set size (Linux reports KiB) and, on a GPU, the caching
+    allocator's peak."""
+    peak = {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["peak_gpu"] = torch.cuda.max_memory_allocated()
+    return peak
