@@ -11,7 +11,7 @@ setup: $(STAMP)
 # Re-runs only when the package metadata or the pins change (idempotent).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
 	touch $(STAMP)
 
 # The default job: tiny Llama on the Python standard library, 2 processes, DDP.
@@ -24,6 +24,10 @@ cluster-deps:
 
 test: setup cluster-deps
 	$(BIN)/python -m pytest -q -rs
+
+# The benchmark suite (tens of minutes on 2 CPU cores): bench/results/*.json, *.md and *.png.
+bench: setup
+	$(BIN)/python -m bench all
 
 clean:
 	rm -rf $(VENV) runs

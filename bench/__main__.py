@@ -1,5 +1,24 @@
-"""python -m bench [--presets tiny,small] [--dtypes fp32,bf16] [--steps N] [--rounds R]"""
+"""python -m bench [throughput|scaling|memory|plots|all] [options]: see bench/README.md."""
 
-from bench.throughput import main
+import argparse
 
-main()
+from bench import memory, plots, scaling, throughput
+
+p = argparse.ArgumentParser(prog="python -m bench")
+p.add_argument("suite", nargs="?", default="all", choices=("throughput", "scaling", "memory", "plots", "all"))
+p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
+p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
+p.add_argument("--batch", type=int, default=8, help="throughput: sequences per step")
+p.add_argument("--seq-len", type=int, default=256)
+p.add_argument("--steps", type=int, default=2, help="throughput: steps per timed round")
+p.add_argument("--rounds", type=int, default=3, help="throughput: interleaved timing rounds")
+p.add_argument("--scaling-preset", default="tiny")
+p.add_argument("--train-steps", type=int, default=12, help="scaling: steps per run (the first 2 are not timed)")
+p.add_argument("--procs", type=int, default=0, help="scaling: processes (default: one per core)")
+p.add_argument("--memory-preset", default="small")
+p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+a = p.parse_args()
+for name, suite in (("throughput", throughput), ("scaling", scaling), ("memory", memory), ("plots", plots)):
+    if a.suite in (name, "all"):
+        print(f"== {name}", flush=True)
+        suite.main(a)

@@ -1,101 +1,115 @@
-"""Single-process training throughput: meshtrain vs Hugging Face `LlamaForCausalLM` on the same
-shape, same AdamW, batch, sequence length, thread count and SDPA attention, timed in interleaved
-rounds in one process (so machine noise hits both alike). MFU is against the matmul peak measured
-in the same run. Writes bench/results/throughput.json and prints a Markdown table."""
+"""Single-process training throughput: meshtrain against Hugging Face `LlamaForCausalLM` of the same
+shape, trained with a plain PyTorch loop (same AdamW hyperparameters, batch, sequence length,
+thread count, SDPA attention, autocast), timed in interleaved rounds in one process so machine
+noise hits every variant alike. MFU is against the matmul peak measured in the same run.
+
+Variants:
+  meshtrain           meshtrain's own step (`parallelize` + `train_step`: fused AdamW, clipping)
+  meshtrain+compile   the same with training.compile = true (blocks and loss compiled)
+  hf                  the plain loop: torch.optim.AdamW with its defaults, clip_grad_norm_
+  hf+fused            the plain loop with fused AdamW: isolates the model code from the optimizer
+"""
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
-from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from bench.common import device, markdown, timed, write_results
+from meshtrain.config import load_config
 from meshtrain.interop.hf import hf_config
-from meshtrain.metrics import measure_cpu_peak_tflops
-from meshtrain.model import PRESETS, Llama, flops_per_token
-from meshtrain.train import cross_entropy
+from meshtrain.metrics import device_peak_tflops
+from meshtrain.model import Llama, flops_per_token
+from meshtrain.parallel import ParallelDims, parallelize
+from meshtrain.train import build_optimizer, cross_entropy, step_context, train_step
 
-RESULTS = Path(__file__).parent / "results"
+VARIANTS = ("meshtrain", "meshtrain+compile", "hf", "hf+fused")
 
 
-def build_pair(preset: str, seed: int = 0):
+def meshtrain_step(preset: str, dtype: str, compile: bool, batch: tuple, dev: torch.device):
+    inputs, targets = batch
+    cfg = load_config(None, ["--model.preset", preset, "--training.dtype", dtype, "--training.compile",
+                             str(compile).lower(), "--training.seq_len", str(inputs.shape[1]),
+                             "--training.global_batch_size", str(len(inputs)),
+                             "--training.micro_batch_size", str(len(inputs)), "--training.lr", "3e-4"])
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    dims.build_mesh(dev.type)
+    with torch.device("meta"):
+        model = Llama(cfg.model_args())
+    model = parallelize(model, dims, cfg.parallel, cfg.training, dev, cross_entropy)
+    optimizer, _ = build_optimizer(model.parameters(), cfg, dims, dev)
+    context = lambda: step_context(model, dims, cfg, dev)  # noqa: E731
+    return lambda: train_step(model, optimizer, inputs, targets, cfg.training, dev, context)
+
+
+def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device):
+    """What a user writes around transformers: forward, loss, backward, clip, AdamW."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    args = PRESETS[preset]
-    ours = Llama(args)
-    ours.init_weights(seed)
     config = LlamaConfig(**{k: v for k, v in hf_config(args, None).items() if k not in ("architectures", "model_type")})
     config._attn_implementation = "sdpa"
-    theirs = LlamaForCausalLM(config)
-    return args, ours, theirs
-
-
-def make_step(model, forward, dtype, batch):
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    model = LlamaForCausalLM(config).to(dev)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=True if fused else None)
     inputs, targets = batch
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            logits = forward(inputs)
-        loss = cross_entropy(logits, targets)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
 
     return step
 
 
-def time_steps(step, n: int) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - start) / n
-
-
 def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, rounds: int) -> dict:
-    args, ours, theirs = build_pair(preset)
+    dev = device()
+    args = load_config(None, ["--model.preset", preset]).model_args()
     tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    batch = (tokens[:, :-1], tokens[:, 1:])
-    steps_fn = {"meshtrain": make_step(ours, ours, dtype, batch),
-                "hf": make_step(theirs, lambda x: theirs(input_ids=x).logits, dtype, batch)}
-    for fn in steps_fn.values():  # warm-up
-        time_steps(fn, 1)
-    times = {name: [] for name in steps_fn}
+    batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
+    fns = {"meshtrain": meshtrain_step(preset, dtype, False, batch, dev),
+           "meshtrain+compile": meshtrain_step(preset, dtype, True, batch, dev),
+           "hf": hf_step(args, dtype, False, batch, dev),
+           "hf+fused": hf_step(args, dtype, True, batch, dev)}
+    for fn in fns.values():  # warm-up: compilation, allocator, oneDNN primitive caches
+        timed(fn, 2, dev)
+    times = {name: [] for name in fns}
     for _ in range(rounds):
-        for name, fn in steps_fn.items():
-            times[name].append(time_steps(fn, steps))
-    peak = measure_cpu_peak_tflops(torch.bfloat16 if dtype == "bf16" else torch.float32, n=2048, repeats=3)
+        for name, fn in fns.items():
+            times[name].append(timed(fn, steps, dev))
+    peak = device_peak_tflops(dev, torch.bfloat16 if dtype == "bf16" else torch.float32)
     flops = flops_per_token(args, seq_len)
-    row = {"preset": preset, "dtype": dtype, "threads": torch.get_num_threads(), "batch": batch_size,
-           "seq_len": seq_len, "peak_tflops": peak}
+    row = {"preset": preset, "dtype": dtype, "device": dev.type, "threads": torch.get_num_threads(),
+           "batch": batch_size, "seq_len": seq_len, "peak_tflops": peak}
     for name, ts in times.items():
         tok_s = batch_size * seq_len / statistics.median(ts)
         row[f"{name}_tokens_per_s"] = tok_s
-        row[f"{name}_mfu"] = tok_s * flops / 1e12 / peak
-    row["ratio"] = row["meshtrain_tokens_per_s"] / row["hf_tokens_per_s"]
+        row[f"{name}_mfu"] = tok_s * flops / 1e12 / peak if peak else 0.0
+    for name in ("meshtrain", "meshtrain+compile"):
+        row[f"{name}_vs_hf"] = row[f"{name}_tokens_per_s"] / row["hf_tokens_per_s"]
+        row[f"{name}_vs_hf+fused"] = row[f"{name}_tokens_per_s"] / row["hf+fused_tokens_per_s"]
+    print(f"  {preset} {dtype}: " + ", ".join(f"{n} {row[f'{n}_tokens_per_s']:,.0f} tok/s" for n in VARIANTS),
+          flush=True)
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench")
-    p.add_argument("--presets", default="tiny,small")
-    p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3, help="steps per timed round")
-    p.add_argument("--rounds", type=int, default=3)
-    a = p.parse_args()
+def table(rows: list[dict]) -> str:
+    header = ["preset", "dtype", *[f"{n} tok/s (MFU)" for n in VARIANTS], "meshtrain / hf",
+              "meshtrain+compile / hf", "meshtrain+compile / hf+fused", "peak TFLOP/s"]
+    lines = [[r["preset"], r["dtype"],
+              *[f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})" for n in VARIANTS],
+              f"{r['meshtrain_vs_hf']:.2f}x", f"{r['meshtrain+compile_vs_hf']:.2f}x",
+              f"{r['meshtrain+compile_vs_hf+fused']:.2f}x", f"{r['peak_tflops']:.3f}"] for r in rows]
+    return markdown(header, lines)
+
+
+def main(a) -> list[dict]:
     rows = [run(preset, dtype, a.batch, a.seq_len, a.steps, a.rounds)
             for preset in a.presets.split(",") for dtype in a.dtypes.split(",")]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps(rows, indent=1))
-    print("| preset | dtype | threads | meshtrain tok/s | HF tok/s | ratio | meshtrain MFU | HF MFU | peak TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['preset']} | {r['dtype']} | {r['threads']} | {r['meshtrain_tokens_per_s']:,.0f} | "
-              f"{r['hf_tokens_per_s']:,.0f} | {r['ratio']:.2f}x | {r['meshtrain_mfu']:.1%} | {r['hf_mfu']:.1%} | "
-              f"{r['peak_tflops']:.3f} |")
+    write_results("throughput", rows, table(rows))
+    return rows

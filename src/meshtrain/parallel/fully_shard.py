@@ -18,7 +18,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: to
     the optimizer states stay fp32.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
-    reshard = zero == 3
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's backward comes right after its forward: resharding it would only mean
+        # gathering the same parameters again (torchtitan does the same).
+        reshard = zero == 3 and i < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
