@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,9 +29,16 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
 
 
 def peak_memory_bytes() -> dict[str, int]:
-    """This process's peak resident set size (Linux reports KiB) and, on a GPU, the caching
-    allocator's peak."""
-    peak = {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    """This process's peak resident set size and, on a GPU, the caching allocator's peak.
+
+    Linux's VmHWM, not getrusage's ru_maxrss: the latter survives fork + exec, so a process
+    started by a large one (a benchmark driver) would report its parent's peak."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        rss = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS
+    peak = {"peak_rss": rss}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["peak_gpu"] = torch.cuda.max_memory_allocated()
     return peak
