@@ -4,7 +4,7 @@ One training step on each rank:
   loader.next_batch()            this DP rank's slice of the global batch (global / DP sequences)
   forward_backward()             micro-batches of training.micro_batch_size; DDP averages gradients
                                  on the last one (no_sync before), so global = micro x accum x DP
-  clip_grad_norm_ -> AdamW -> LR  (linear warm-up, cosine decay)
+  global grad norm -> fused AdamW (clips and skips in its kernel) -> LR  (warm-up, cosine decay)
   every run.log_every steps      loss averaged over DP ranks, tokens/s, TFLOP/s, MFU -> rank 0 sinks
 """
 
@@ -37,7 +37,7 @@ from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
 from meshtrain.model import Llama, ModelArgs, flops_per_token, num_params
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.parallel.data_parallel import average_gradients
-from meshtrain.parallel.grads import clip_grad_norm
+from meshtrain.parallel.grads import global_grad_norm
 
 
 def init_distributed(env: LaunchEnv) -> torch.device:
@@ -147,16 +147,22 @@ def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.
 
 def train_step(model: ParallelModel, optimizer, inputs: torch.Tensor, targets: torch.Tensor,
                t, device: torch.device, context, pp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """forward/backward -> clip -> AdamW, with no host-device sync: a non-finite gradient norm
-    makes the fused optimizer skip the update on the device (its `found_inf`, as under
-    GradScaler). Returns tensors: (local mean loss, global grad norm, 1.0 if the update was skipped).
+    """forward/backward -> global grad norm -> AdamW, with no host-device sync.
+
+    Clipping and skipping are folded into the fused AdamW kernel through the hooks GradScaler
+    uses: it divides the gradients by `grad_scale` (max(1, norm / grad_clip): clipping without a
+    separate pass over the gradients) and skips the update where `found_inf` is set (a non-finite
+    norm). Returns tensors: (local mean loss, global grad norm, 1.0 if the update was skipped).
     Gradients are cleared at the start, so they can be inspected after the step."""
     optimizer.zero_grad(set_to_none=True)
     with context():
         loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
-    grad_norm = clip_grad_norm(model.parameters(), t.grad_clip or math.inf, pp_group)
+    grad_norm = global_grad_norm(model.parameters(), pp_group)
     skipped = (~torch.isfinite(grad_norm)).float()
-    getattr(optimizer, "optim", optimizer).found_inf = skipped  # ZeroRedundancyOptimizer wraps the AdamW
+    adamw = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the AdamW
+    adamw.found_inf = skipped
+    if t.grad_clip > 0:
+        adamw.grad_scale = torch.clamp((grad_norm + 1e-6) / t.grad_clip, min=1.0)
     optimizer.step()
     return loss, grad_norm, skipped
 

@@ -1,8 +1,8 @@
-"""Gradient-norm clipping across any layout: plain tensors, DTensors on several meshes, pipeline stages."""
+"""The global gradient norm across any layout: plain tensors, DTensors on several meshes, pipeline
+stages. Clipping itself happens inside the fused AdamW kernel (see `train.train_step`)."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
-    """The global L2 norm of all gradients (as if the model were on one device), and clip to it.
+def global_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
+    """The global L2 norm of all gradients, as if the model were on one device.
 
     Gradients are grouped by mesh, since one model can hold plain tensors, FSDP shards and TP
     shards at once; each group's norm is completed with `full_tensor()`, and pipeline stages add
@@ -31,8 +31,4 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
-    if math.isfinite(max_norm):
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
-    return total
+    return total_sq.sqrt()

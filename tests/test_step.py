@@ -1,0 +1,78 @@
+"""`train_step` folds clipping and non-finite skipping into the fused AdamW kernel (its grad_scale
+and found_inf): the result must equal the textbook loop (clip_grad_norm_, then a plain AdamW)."""
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.config import load_config
+from meshtrain.model import Llama
+from meshtrain.parallel import ParallelDims, parallelize
+from meshtrain.train import build_optimizer, cross_entropy, step_context, train_step
+
+MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+         "--model.ffn_dim", "128", "--model.vocab_size", "256", "--model.max_seq_len", "32",
+         "--training.seq_len", "16", "--training.global_batch_size", "4", "--training.micro_batch_size", "2"]
+
+
+def build(clip: float):
+    cfg = load_config(None, [*MODEL, "--training.grad_clip", str(clip), "--training.lr", "1e-2",
+                             "--training.warmup_steps", "0"])  # the LR schedule is not under test
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Llama(cfg.model_args())
+    device = torch.device("cpu")
+    model = parallelize(model, dims, cfg.parallel, cfg.training, device, cross_entropy)
+    optimizer, _ = build_optimizer(model.parameters(), cfg, dims, device)
+
+    def step(x, y):
+        return train_step(model, optimizer, x, y, cfg.training, device, lambda: step_context(model, dims, cfg, device))
+
+    return cfg, model.parts[0], step
+
+
+def batches(n: int):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (4, 17), generator=gen) for _ in range(n)]
+
+
+def test_clipping_in_the_optimizer_equals_clip_grad_norm_then_adamw():
+    cfg, model, step = build(clip=0.05)  # small enough that every step clips
+    ref = Llama(cfg.model_args())
+    ref.load_state_dict(model.state_dict())
+    t = cfg.training
+    decay = [p for p in ref.parameters() if p.ndim >= 2]
+    rest = [p for p in ref.parameters() if p.ndim < 2]
+    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                 {"params": rest, "weight_decay": 0.0}],
+                                lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False)
+    for tokens in batches(3):
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        loss, norm, skipped = step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = (F.cross_entropy(ref(x[:2]).flatten(0, 1), y[:2].flatten()) / 2
+                    + F.cross_entropy(ref(x[2:]).flatten(0, 1), y[2:].flatten()) / 2)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        assert ref_norm > 0.05 and skipped.item() == 0
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_non_finite_gradients_skip_the_update_on_the_device():
+    _, model, step = build(clip=1.0)
+    (x0, x1) = batches(2)
+    step(x0[:, :-1], x0[:, 1:])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = model.layers["0"].attention.wq.weight.register_hook(lambda g: g * float("nan"))
+    _, norm, skipped = step(x1[:, :-1], x1[:, 1:])
+    handle.remove()
+    assert not torch.isfinite(norm) and skipped.item() == 1.0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    _, norm, skipped = step(x1[:, :-1], x1[:, 1:])  # and training goes on
+    assert torch.isfinite(norm) and skipped.item() == 0.0
+    assert not torch.equal(model.layers["0"].attention.wq.weight, before["layers.0.attention.wq.weight"])
