@@ -15,6 +15,7 @@ p.add_argument("--rounds", type=int, default=3, help="throughput: interleaved ti
 p.add_argument("--scaling-preset", default="tiny")
 p.add_argument("--train-steps", type=int, default=12, help="scaling: steps per run (the first 2 are not timed)")
 p.add_argument("--procs", type=int, default=0, help="scaling: processes (default: one per core)")
+p.add_argument("--data-path", default="", help="scaling/memory: a prepared data set (default: the stdlib corpus)")
 p.add_argument("--memory-preset", default="small")
 p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
 a = p.parse_args()

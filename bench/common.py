@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(os.environ.get("MESHTRAIN_BENCH_RESULTS", Path(__file__).parent / "results"))
 
 
 def device() -> torch.device:
@@ -57,6 +57,11 @@ def run_train(run_dir: Path, overrides: list[str], nproc: int = 1, threads: int 
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return metrics, json.loads((run_dir / "memory.json").read_text())
+
+
+def data_overrides(a) -> list[str]:
+    """`--data-path DIR`: a prepared data set instead of the default corpus (built on first use)."""
+    return ["--data.path", a.data_path, "--data.corpus", ""] if a.data_path else []
 
 
 def steady_tokens_per_s(metrics: list[dict], skip: int = 2) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown, run_train, write_results
+from bench.common import data_overrides, markdown, run_train, write_results
 
 STATES = ("params", "grads", "optimizer")
 
@@ -30,7 +30,8 @@ def main(a) -> list[dict]:
     worlds = [n for n in a.worlds if not gpus or n <= gpus]
     common = ["--model.preset", a.memory_preset, "--training.dtype", "fp32", "--training.steps", "2",
               "--training.warmup_steps", "1", "--training.global_batch_size", "4", "--training.micro_batch_size",
-              "1", "--training.seq_len", "128", "--training.eval_batches", "1", "--run.log_every", "1"]
+              "1", "--training.seq_len", "128", "--training.eval_batches", "1", "--run.log_every", "1",
+              *data_overrides(a)]
     cases = [(1, 0)] + [(n, zero) for n in worlds if n > 1 for zero in (0, 1, 2, 3)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

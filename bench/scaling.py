@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown, run_train, steady_tokens_per_s, write_results
+from bench.common import data_overrides, markdown, run_train, steady_tokens_per_s, write_results
 
 LAYOUTS = {
     "DDP": ["--parallel.zero", "0"],
@@ -32,7 +32,8 @@ def main(a) -> list[dict]:
     dtype = "bf16" if gpus else "fp32"
     common = ["--model.preset", a.scaling_preset, "--training.dtype", dtype, "--training.steps", str(a.train_steps),
               "--training.warmup_steps", "2", "--training.global_batch_size", "16", "--training.micro_batch_size",
-              "8", "--training.seq_len", "256", "--training.eval_batches", "1", "--run.log_every", "1"]
+              "8", "--training.seq_len", "256", "--training.eval_batches", "1", "--run.log_every", "1",
+              *data_overrides(a)]
     with tempfile.TemporaryDirectory() as tmp:
         def measure(name: str, nproc: int, threads: int | None, extra: list[str], tag: str = "") -> dict:
             run_dir = Path(tmp) / (name.replace(" ", "_") + tag)
