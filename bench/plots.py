@@ -33,7 +33,8 @@ def main(_=None) -> list[str]:
             sizes = []
             for r in mine:
                 with torch.device("meta"):
-                    sizes.append(num_params(Llama(load_config(None, ["--model.preset", r["preset"]]).model_args())) / 1e6)
+                    model = Llama(load_config(None, ["--model.preset", r["preset"]]).model_args())
+                sizes.append(num_params(model) / 1e6)
             for name in VARIANTS:
                 ax.plot(sizes, [r[f"{name}_tokens_per_s"] for r in mine], marker="o", label=name)
             ax.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="training tokens/s",

@@ -1,7 +1,7 @@
 """Scaling on this machine: one process using every core against one process per core (on a GPU
-machine: one GPU against one process per GPU, bf16) under each layout, through `meshtrain train` as a user runs it. Efficiency = layout tokens/s / single-process
-tokens/s (same global batch, model and step count), so 100% means splitting the work over
-processes cost nothing."""
+machine: one GPU against one process per GPU, bf16) under each layout, through `meshtrain train`
+as a user runs it. Efficiency = layout tokens/s / single-process tokens/s (same global batch,
+model and step count), so 100% means splitting the work over processes cost nothing."""
 
 from __future__ import annotations
 
