@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.checkpoint import Checkpointer, find_resume, maybe_inject_failure, rng_state, set_rng_state
-from meshtrain.config import Config, grad_accum_steps, parse_duration, validate, write_resolved
+from meshtrain.config import Config, TrainingConfig, grad_accum_steps, parse_duration, validate, write_resolved
 from meshtrain.errors import MeshtrainError
 from meshtrain.data import Dataset, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
 from meshtrain.launch import LaunchEnv, detect
@@ -146,7 +146,8 @@ def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.
 
 
 def train_step(model: ParallelModel, optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               t, device: torch.device, context, pp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               t: TrainingConfig, device: torch.device, context, pp_group=None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """forward/backward -> global grad norm -> AdamW, with no host-device sync.
 
     Clipping and skipping are folded into the fused AdamW kernel through the hooks GradScaler
