@@ -64,11 +64,11 @@ def main(_=None) -> list[str]:
         fig.savefig(RESULTS / "memory.png", dpi=110)
         written.append("memory.png")
     if rows := _load("scaling"):
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, ax = plt.subplots(figsize=(8, 4))
         ax.bar([r["layout"] for r in rows], [100 * r["efficiency"] for r in rows])
         ax.axhline(85, color="gray", linestyle="--", label="target 85%")
         ax.set(ylabel="% of single-process tokens/s", title="scaling: processes x 1 thread vs 1 process")
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=20)
         ax.legend()
         fig.tight_layout()
         fig.savefig(RESULTS / "scaling.png", dpi=110)
