@@ -40,7 +40,6 @@ def test_model_args_merge_preset_overrides_and_data_vocab():
         ("", ["training.steps", "3"], ["unexpected argument"]),
         ("", ["--training.steps"], ["needs a value"]),
         ("[training\n", [], ["not valid TOML"]),
-        ("", ["--training.compile", "true", "--parallel.tp", "2"], ["training.compile", "parallel.tp > 1"]),
     ],
 )
 def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):
@@ -58,6 +57,13 @@ def test_batch_must_divide_over_data_parallel_ranks():
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*micro_batch_size \(8\).*\(3\) = 24"):
         validate(cfg, world_size=3)
+
+
+def test_compile_with_tensor_parallel_and_fsdp_is_rejected():
+    cfg = load_config(None, ["--training.compile", "true", "--parallel.tp", "2", "--parallel.zero", "3"])
+    validate(cfg, world_size=2)  # TP alone compiles (the whole model)
+    with pytest.raises(ConfigError, match=r"training.compile = true with parallel.tp = 2 and FSDP over 2"):
+        validate(cfg, world_size=4)
 
 
 def test_model_vocab_smaller_than_data_is_rejected():

@@ -40,6 +40,7 @@ LAYOUTS = {
     "compiled": (None, ["--training.compile", "true"]),
     "compiled-zero3-2-ac": (2, ["--training.compile", "true", "--parallel.zero", "3", *AC_FULL]),
     "compiled-pp2-1f1b": (2, ["--training.compile", "true", "--parallel.pp", "2"]),
+    "compiled-pp2-tp2": (4, ["--training.compile", "true", "--parallel.pp", "2", "--parallel.tp", "2"]),
 }
 
 

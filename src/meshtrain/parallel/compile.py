@@ -1,12 +1,19 @@
 """torch.compile per transformer block (torchtitan's choice): blocks are identical, so one graph is
-compiled and reused, and each block stays its own FSDP / activation-checkpointing unit."""
+compiled and reused, and each block stays its own FSDP / activation-checkpointing unit.
+
+With tensor parallelism the whole model is compiled instead: in torch 2.13 a compiled block hands
+plain-tensor gradients back to the eager DTensor redistribution at its boundary (sequence-parallel
+input), which fails in backward; with the redistributions inside one graph it works."""
 
 from __future__ import annotations
 
 from torch import nn
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile every block in place (`Module.compile`), which keeps parameter names unchanged."""
+def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
+    """Compile in place (`Module.compile`), which keeps parameter names unchanged."""
+    if tensor_parallel:
+        model.compile()
+        return
     for block in model.layers.values():
         block.compile(fullgraph=True)
