@@ -34,9 +34,9 @@ def timed(fn, n: int, dev: torch.device) -> float:
 
 
 def machine() -> dict:
-    from meshtrain.metrics import _cpu_model
+    from meshtrain.metrics import cpu_model
 
-    info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__}
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

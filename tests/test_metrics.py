@@ -1,15 +1,14 @@
 import json
-import os
 
 import torch
 
-from meshtrain.metrics import _cpu_model, cpu_peak_tflops
+from meshtrain.metrics import cpu_peak_key, cpu_peak_tflops
 
 
 def test_cpu_peak_keeps_the_best_probe(tmp_path, monkeypatch):
     """A low cached probe (taken on a busy machine) is replaced; a higher one is kept."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    key = f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.float32}"
+    key = cpu_peak_key(torch.float32)
     cache = tmp_path / "meshtrain" / "cpu_peak.json"
     cache.parent.mkdir()
     cache.write_text(json.dumps({key: 1e-9}))

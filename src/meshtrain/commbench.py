@@ -33,7 +33,7 @@ def sizes_between(low: int, high: int) -> list[int]:
     return sizes
 
 
-def _run(op: str, buf: torch.Tensor, out: torch.Tensor, world: int) -> None:
+def _run(op: str, buf: torch.Tensor, out: torch.Tensor) -> None:
     if op == "all_reduce":
         dist.all_reduce(buf)
     elif op == "all_gather":
@@ -57,12 +57,12 @@ def bench_collective(op: str, nbytes: int, device: torch.device, iters: int, war
     else:
         buf = out = torch.ones(numel, device=device)
     for _ in range(warmup):
-        _run(op, buf, out, world)
+        _run(op, buf, out)
     _sync(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
-        _run(op, buf, out, world)
+        _run(op, buf, out)
     _sync(device)
     elapsed = (time.perf_counter() - start) / iters
     size = numel * 4

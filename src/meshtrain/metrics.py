@@ -53,7 +53,7 @@ def measure_cpu_peak_tflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3)
     return 2 * n**3 / best / 1e12
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -63,11 +63,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_peak_key(dtype: torch.dtype) -> str:
+    """A peak holds for one CPU model, core count, thread count and dtype."""
+    return f"{cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{dtype}"
+
+
 def cpu_peak_tflops(dtype: torch.dtype) -> float:
     """The best matmul throughput ever measured on this (CPU, thread count, dtype). Every run
     probes again (well under a second) and keeps the maximum: a probe taken while the machine was
     busy reads low and would inflate MFU (once 119%), but it can never read high."""
-    key = f"{_cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{dtype}"
+    key = cpu_peak_key(dtype)
     path = _cache_file()
     try:
         cache = json.loads(path.read_text())
