@@ -124,9 +124,19 @@ def test_model_state_bytes_follow_the_zero_formulas(reference, layout_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("nproc, extra", [(None, []), (2, ["--parallel.zero", "3"])], ids=["autocast", "fsdp-mixed"])
+@pytest.mark.parametrize("nproc, extra", [
+    (None, ["--training.bf16_compute", "bf16"]),
+    (None, ["--training.bf16_compute", "fp32"]),
+    (None, ["--training.bf16_compute", "fp32", "--training.compile", "true"]),
+    (2, ["--parallel.zero", "3", "--training.bf16_compute", "bf16"]),
+    (2, ["--parallel.zero", "3", "--training.bf16_compute", "fp32"]),
+    (2, ["--parallel.tp", "2", "--training.bf16_compute", "fp32"]),
+], ids=["autocast", "autocast-fp32-arithmetic", "compiled-fp32-arithmetic", "fsdp-mixed", "fsdp-mixed-fp32-arithmetic",
+        "tp2-fp32-arithmetic"])
 def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_path):
-    launch(corpus, cli_env, tmp_path, nproc, ["--training.dtype", "bf16", *extra])
+    """bf16 with bf16 kernels, and with fp32 arithmetic (what "auto" picks on a CPU without AMX)."""
+    result = launch(corpus, cli_env, tmp_path, nproc, ["--training.dtype", "bf16", *extra])
+    assert ("bf16 (fp32 arithmetic)" in result.stdout) == ("fp32" in extra)
     for r, b in zip(read_metrics(reference), read_metrics(tmp_path)):
         assert rel(b["loss"], r["loss"]) <= 0.02, (r["step"], r["loss"], b["loss"])
 

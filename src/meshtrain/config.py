@@ -67,6 +67,10 @@ class TrainingConfig:
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     seed: int = 0
     dtype: Literal["fp32", "bf16"] = "fp32"
+    # With dtype bf16, the arithmetic of matmuls and attention: "bf16" kernels, or "fp32" on
+    # bf16-rounded inputs (same storage and numbers; faster on CPUs without AMX, see
+    # parallel/precision.py); "auto": fp32 on an x86 CPU without AMX, bf16 on GPUs and elsewhere.
+    bf16_compute: Literal["auto", "bf16", "fp32"] = "auto"
     # Recompute activations in backward: "full" every block, "selective" every ac_every-th block.
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = 2

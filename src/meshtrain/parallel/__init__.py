@@ -1,5 +1,5 @@
 """Layouts, composed the way torchtitan does: one small function per technique, applied in order
-TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise -> DDP; pipeline stages
+bf16 arithmetic choice -> TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise -> DDP; pipeline stages
 first."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline import build_schedule, pipeline_stage_modules
+from meshtrain.parallel.precision import apply_fp32_compute, wants_fp32_compute
 from meshtrain.parallel.tensor_parallel import apply_tp
 
-__all__ = ["ParallelDims", "ParallelModel", "apply_ac", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp",
-           "parallelize"]
+__all__ = ["ParallelDims", "ParallelModel", "apply_ac", "apply_compile", "apply_ddp", "apply_fp32_compute",
+           "apply_fsdp", "apply_tp", "parallelize", "wants_fp32_compute"]
 
 
 @dataclass
@@ -60,6 +61,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
     fsdp = dims.zero >= 2 and dims.dp > 1
     parts = []
     for _, part in staged:
+        if wants_fp32_compute(training, device):
+            apply_fp32_compute(part)
         if dims.tp > 1:
             apply_tp(part, dims.mesh("tp"), parallel.sequence_parallel, parallel.loss_parallel)
         apply_ac(part, training.activation_checkpointing, training.ac_every)

@@ -1,0 +1,95 @@
+"""bf16 training with fp32 arithmetic, for CPUs whose bf16 kernels are slower than their fp32 ones.
+
+Without AMX tiles an x86 core multiplies bf16 with AVX512-BF16 dot products, which run at or below
+the fp32 FMA rate: on a 2-core Xeon without AMX, oneDNN's bf16 GEMM reaches 0.15 TFLOP/s against
+0.25 for fp32, and the bf16 flash-attention backward is 3x slower than the fp32 one. There,
+`training.bf16_compute = "fp32"` (what "auto" picks) keeps everything bf16 training stores in bf16
+(activations saved for backward, FSDP's gathered parameters, the tensors between layers) and
+rounds the inputs of every matmul to bf16 exactly as autocast does, but multiplies them with fp32
+instructions. A product of two bf16 numbers is exact in fp32 and bf16 GEMMs accumulate in fp32, so
+a linear layer gives the bf16 GEMM's numbers up to summation order; attention is computed in fp32
+from bf16 q, k and v (more exact than the bf16 kernel, which rounds the probabilities).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+from torch import nn
+
+from meshtrain.model.llama import Attention
+
+BF16 = torch.bfloat16
+
+
+def wants_fp32_compute(training, device: torch.device) -> bool:
+    """training.bf16_compute "auto": fp32 arithmetic on an x86 CPU without AMX, bf16 kernels elsewhere."""
+    if training.dtype != "bf16" or training.bf16_compute == "bf16":
+        return False
+    if training.bf16_compute == "fp32":
+        return True
+    return device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64") and not _has_amx()
+
+
+def _has_amx() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older torch without the probe: assume a modern CPU
+        return True
+
+
+class _Bf16LinearInFp32(torch.autograd.Function):
+    """y = round_bf16(x) @ round_bf16(w).T in fp32, returned in bf16; saves only the bf16 inputs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        with torch.autocast(x.device.type, enabled=False):
+            x16, w16 = x.to(BF16), weight.to(BF16)
+            ctx.save_for_backward(x16, w16)
+            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+            out = x16.float() @ w16.float().t()
+            if bias is not None:
+                out = out + bias.to(BF16).float()
+            return out.to(BF16)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x16, w16 = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g = grad_out.float()
+            grad_x = (g @ w16.float()).to(x_dtype) if ctx.needs_input_grad[0] else None
+            g2d = g.flatten(0, -2)
+            grad_w = (g2d.t() @ x16.float().flatten(0, -2)).to(w_dtype) if ctx.needs_input_grad[1] else None
+            grad_b = g2d.sum(0).to(b_dtype) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+class Fp32ComputeLinear(nn.Linear):
+    """nn.Linear whose bf16 matmuls (under autocast, or on bf16 inputs) run in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == BF16 or torch.is_autocast_enabled(x.device.type):
+            return _Bf16LinearInFp32.apply(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+class Fp32ComputeAttention(Attention):
+    """Attention whose scaled-dot-product kernel runs in fp32 on the (bf16) q, k and v."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.dtype != BF16 and not torch.is_autocast_enabled(q.device.type):
+            return super().attend(q, k, v)
+        with torch.autocast(q.device.type, enabled=False):
+            return super().attend(q.to(BF16).float(), k.to(BF16).float(), v.to(BF16).float()).to(BF16)
+
+
+def apply_fp32_compute(model: nn.Module) -> None:
+    """Swap the classes of the model's linear and attention modules in place (parameters, names
+    and hooks unchanged). Before tensor parallelism: its plans match nn.Linear subclasses too."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = Fp32ComputeLinear
+        elif type(module) is Attention:
+            module.__class__ = Fp32ComputeAttention
