@@ -6,8 +6,14 @@ noise hits every variant alike. MFU is against the matmul peak measured in the s
 Variants:
   meshtrain           meshtrain's own step (`parallelize` + `train_step`: fused AdamW, clipping)
   meshtrain+compile   the same with training.compile = true (blocks and loss compiled)
+  meshtrain+compile/bf16-kernels
+                      bf16 rows only: training.bf16_compute = "bf16", i.e. without the fp32
+                      arithmetic that "auto" picks on a CPU without AMX (= the first two where it doesn't)
   hf                  the plain loop: torch.optim.AdamW with its defaults, clip_grad_norm_
   hf+fused            the plain loop with fused AdamW: isolates the model code from the optimizer
+
+MFU is against the peak of the arithmetic each variant runs: bf16 rows with fp32 arithmetic
+against the fp32 matmul peak, the others against the bf16 one.
 """
 
 from __future__ import annotations
@@ -22,18 +28,24 @@ from meshtrain.config import load_config
 from meshtrain.interop.hf import hf_config
 from meshtrain.metrics import device_peak_tflops
 from meshtrain.model import Llama, flops_per_token
-from meshtrain.parallel import ParallelDims, parallelize
+from meshtrain.parallel import ParallelDims, parallelize, wants_fp32_compute
 from meshtrain.train import build_optimizer, cross_entropy, step_context, train_step
 
-VARIANTS = ("meshtrain", "meshtrain+compile", "hf", "hf+fused")
+NATIVE = "meshtrain+compile/bf16-kernels"
+VARIANTS = ("meshtrain", "meshtrain+compile", NATIVE, "hf", "hf+fused")
 
 
-def meshtrain_step(preset: str, dtype: str, compile: bool, batch: tuple, dev: torch.device):
-    inputs, targets = batch
-    cfg = load_config(None, ["--model.preset", preset, "--training.dtype", dtype, "--training.compile",
-                             str(compile).lower(), "--training.seq_len", str(inputs.shape[1]),
+def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
+    inputs, _ = batch
+    return load_config(None, ["--model.preset", preset, "--training.dtype", dtype, "--training.compile",
+                             str(compile).lower(), "--training.bf16_compute", bf16_compute,
+                             "--training.seq_len", str(inputs.shape[1]),
                              "--training.global_batch_size", str(len(inputs)),
                              "--training.micro_batch_size", str(len(inputs)), "--training.lr", "3e-4"])
+
+
+def meshtrain_step(cfg, batch: tuple, dev: torch.device):
+    inputs, targets = batch
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh(dev.type)
     with torch.device("meta"):
@@ -72,39 +84,51 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     args = load_config(None, ["--model.preset", preset]).model_args()
     tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
-    fns = {"meshtrain": meshtrain_step(preset, dtype, False, batch, dev),
-           "meshtrain+compile": meshtrain_step(preset, dtype, True, batch, dev),
-           "hf": hf_step(args, dtype, False, batch, dev),
-           "hf+fused": hf_step(args, dtype, True, batch, dev)}
+    configs = {"meshtrain": meshtrain_config(preset, dtype, False, "auto", batch),
+               "meshtrain+compile": meshtrain_config(preset, dtype, True, "auto", batch)}
+    if dtype == "bf16":
+        configs[NATIVE] = meshtrain_config(preset, dtype, True, "bf16", batch)
+    fns = {name: meshtrain_step(cfg, batch, dev) for name, cfg in configs.items()}
+    fns["hf"] = hf_step(args, dtype, False, batch, dev)
+    fns["hf+fused"] = hf_step(args, dtype, True, batch, dev)
     for fn in fns.values():  # warm-up: compilation, allocator, oneDNN primitive caches
         timed(fn, 2, dev)
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             times[name].append(timed(fn, steps, dev))
-    peak = device_peak_tflops(dev, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    peaks = {"bf16": device_peak_tflops(dev, torch.bfloat16), "fp32": device_peak_tflops(dev, torch.float32)}
+    fp32_arithmetic = dtype == "fp32" or wants_fp32_compute(configs["meshtrain"].training, dev)
+    arithmetic = {name: "fp32" if name in ("meshtrain", "meshtrain+compile") and fp32_arithmetic else dtype
+                  for name in fns}
     flops = flops_per_token(args, seq_len)
     row = {"preset": preset, "dtype": dtype, "device": dev.type, "threads": torch.get_num_threads(),
-           "batch": batch_size, "seq_len": seq_len, "peak_tflops": peak}
+           "batch": batch_size, "seq_len": seq_len, "peak_tflops": peaks[dtype], "peak_tflops_fp32": peaks["fp32"],
+           "meshtrain_arithmetic": arithmetic["meshtrain"]}
     for name, ts in times.items():
         tok_s = batch_size * seq_len / statistics.median(ts)
+        peak = peaks[arithmetic[name]]
         row[f"{name}_tokens_per_s"] = tok_s
         row[f"{name}_mfu"] = tok_s * flops / 1e12 / peak if peak else 0.0
-    for name in ("meshtrain", "meshtrain+compile"):
+        row[f"{name}_mfu_vs_{dtype}_peak"] = tok_s * flops / 1e12 / peaks[dtype] if peaks[dtype] else 0.0
+    for name in configs:
         row[f"{name}_vs_hf"] = row[f"{name}_tokens_per_s"] / row["hf_tokens_per_s"]
         row[f"{name}_vs_hf+fused"] = row[f"{name}_tokens_per_s"] / row["hf+fused_tokens_per_s"]
-    print(f"  {preset} {dtype}: " + ", ".join(f"{n} {row[f'{n}_tokens_per_s']:,.0f} tok/s" for n in VARIANTS),
-          flush=True)
+    print(f"  {preset} {dtype}: " + ", ".join(f"{n} {row[f'{n}_tokens_per_s']:,.0f} tok/s" for n in fns), flush=True)
     return row
 
 
 def table(rows: list[dict]) -> str:
-    header = ["preset", "dtype", *[f"{n} tok/s (MFU)" for n in VARIANTS], "meshtrain / hf",
-              "meshtrain+compile / hf", "meshtrain+compile / hf+fused", "peak TFLOP/s"]
-    lines = [[r["preset"], r["dtype"],
-              *[f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})" for n in VARIANTS],
+    def cell(r, name, fmt):
+        return fmt(r) if f"{name}_tokens_per_s" in r else "-"
+
+    header = ["preset", "dtype (meshtrain arithmetic)", *[f"{n} tok/s (MFU)" for n in VARIANTS], "meshtrain / hf",
+              "meshtrain+compile / hf", "meshtrain+compile / hf+fused", "bf16 kernels / hf", "peak TFLOP/s (fp32)"]
+    lines = [[r["preset"], f"{r['dtype']} ({r['meshtrain_arithmetic']})",
+              *[cell(r, n, lambda r, n=n: f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})") for n in VARIANTS],
               f"{r['meshtrain_vs_hf']:.2f}x", f"{r['meshtrain+compile_vs_hf']:.2f}x",
-              f"{r['meshtrain+compile_vs_hf+fused']:.2f}x", f"{r['peak_tflops']:.3f}"] for r in rows]
+              f"{r['meshtrain+compile_vs_hf+fused']:.2f}x", cell(r, NATIVE, lambda r: f"{r[f'{NATIVE}_vs_hf']:.2f}x"),
+              f"{r['peak_tflops']:.3f} ({r['peak_tflops_fp32']:.3f})"] for r in rows]
     return markdown(header, lines)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from meshtrain.model import Llama
 from meshtrain.model.llama import Attention, ModelArgs
 from meshtrain.parallel import precision
+from meshtrain.parallel.compile import COMPILE_OPTIONS
 from meshtrain.parallel.precision import Fp32ComputeAttention, Fp32ComputeLinear, apply_fp32_compute
 
 BF16 = torch.bfloat16
@@ -60,6 +61,19 @@ def test_linear_saves_only_bf16_and_is_plain_without_bf16():
             ours(x)
     assert saved and set(saved) == {BF16}  # activation memory stays that of bf16 training
     torch.testing.assert_close(ours(x), F.linear(x, ours.weight), rtol=0, atol=0)  # fp32 training: untouched
+
+
+def test_compiled_linear_keeps_the_bf16_rounding():
+    """Inductor would fuse the round trip to bf16 away; training.compile must give the eager numbers."""
+    _, ours = linear_pair(False)
+    norm = nn.RMSNorm(64)
+
+    def f(x):
+        with torch.autocast("cpu", dtype=BF16):
+            return ours(norm(x) * 1.7)
+
+    x = torch.randn(4, 32, 64)
+    torch.testing.assert_close(torch.compile(f, options=COMPILE_OPTIONS)(x), f(x), rtol=0, atol=0)
 
 
 def test_attention_runs_in_fp32_on_bf16_inputs():
