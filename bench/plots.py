@@ -35,8 +35,9 @@ def main(_=None) -> list[str]:
                 with torch.device("meta"):
                     model = Llama(load_config(None, ["--model.preset", r["preset"]]).model_args())
                 sizes.append(num_params(model) / 1e6)
-            for name in (n for n in VARIANTS if f"{n}_tokens_per_s" in mine[0]):
-                ax.plot(sizes, [r[f"{name}_tokens_per_s"] for r in mine], marker="o", label=name)
+            for i, name in enumerate(VARIANTS):  # one colour per variant in every panel
+                if f"{name}_tokens_per_s" in mine[0]:
+                    ax.plot(sizes, [r[f"{name}_tokens_per_s"] for r in mine], marker="o", label=name, color=f"C{i}")
             ax.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="training tokens/s",
                    title=f"{dtype}, {mine[0]['device']}, batch {mine[0]['batch']} x {mine[0]['seq_len']}")
             ax.legend()
