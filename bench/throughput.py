@@ -28,7 +28,7 @@ from meshtrain.config import load_config
 from meshtrain.interop.hf import hf_config
 from meshtrain.metrics import device_peak_tflops
 from meshtrain.model import Llama, flops_per_token
-from meshtrain.parallel import ParallelDims, parallelize, wants_fp32_compute
+from meshtrain.parallel import ParallelDims, arithmetic_dtype, parallelize
 from meshtrain.train import build_optimizer, cross_entropy, step_context, train_step
 
 NATIVE = "meshtrain+compile/bf16-kernels"
@@ -98,9 +98,9 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
         for name, fn in fns.items():
             times[name].append(timed(fn, steps, dev))
     peaks = {"bf16": device_peak_tflops(dev, torch.bfloat16), "fp32": device_peak_tflops(dev, torch.float32)}
-    fp32_arithmetic = dtype == "fp32" or wants_fp32_compute(configs["meshtrain"].training, dev)
-    arithmetic = {name: "fp32" if name in ("meshtrain", "meshtrain+compile") and fp32_arithmetic else dtype
-                  for name in fns}
+    names = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    arithmetic = {name: names[arithmetic_dtype(cfg.training, dev)] for name, cfg in configs.items()}
+    arithmetic.update(hf=dtype, **{"hf+fused": dtype})
     flops = flops_per_token(args, seq_len)
     row = {"preset": preset, "dtype": dtype, "device": dev.type, "threads": torch.get_num_threads(),
            "batch": batch_size, "seq_len": seq_len, "peak_tflops": peaks[dtype], "peak_tflops_fp32": peaks["fp32"],

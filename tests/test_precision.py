@@ -131,7 +131,10 @@ def test_auto_picks_fp32_only_on_x86_cpus_without_amx(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(precision, "_has_amx", lambda: True)
     assert not precision.wants_fp32_compute(training(), cpu)
+    assert precision.arithmetic_dtype(training(), cpu) == BF16
     monkeypatch.setattr(precision, "_has_amx", lambda: False)
     assert precision.wants_fp32_compute(training(), cpu)
+    assert precision.arithmetic_dtype(training(), cpu) == torch.float32  # MFU against the fp32 peak
+    assert precision.arithmetic_dtype(training("fp32", "auto"), cuda) == torch.float32
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert not precision.wants_fp32_compute(training(), cpu)

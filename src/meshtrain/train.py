@@ -35,7 +35,7 @@ from meshtrain.launch import LaunchEnv, detect
 from meshtrain.launch.local import PREEMPTED_EXIT_CODE
 from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
 from meshtrain.model import Llama, ModelArgs, flops_per_token, num_params
-from meshtrain.parallel import ParallelDims, ParallelModel, parallelize, wants_fp32_compute
+from meshtrain.parallel import ParallelDims, ParallelModel, arithmetic_dtype, parallelize
 from meshtrain.parallel.data_parallel import average_gradients
 from meshtrain.parallel.grads import global_grad_norm
 
@@ -353,8 +353,9 @@ def train(cfg: Config) -> dict:
     accum = grad_accum_steps(cfg, dims.dp)
     context = lambda: step_context(model, dims, cfg, device)  # noqa: E731
     pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
-    fp32_compute = wants_fp32_compute(t, device)
-    precision = f"{t.dtype}{' (fp32 arithmetic)' if fp32_compute else ''}"
+    compute_dtype = arithmetic_dtype(t, device)
+    fp32_arithmetic = t.dtype == "bf16" and compute_dtype == torch.float32
+    precision = f"{t.dtype}{' (fp32 arithmetic)' if fp32_arithmetic else ''}"
 
     run_dir = Path(cfg.run.dir)
     is_rank0 = env.rank == 0
@@ -400,9 +401,7 @@ def train(cfg: Config) -> dict:
                          "scheduler": scheduler.state_dict(), "rng": rng_state(), "layout": layout,
                          "model": model_shape}, blocking=blocking)
 
-    # MFU against the peak of the arithmetic the step runs.
-    compute_dtype = torch.bfloat16 if t.dtype == "bf16" and not fp32_compute else torch.float32
-    peak = device_peak_tflops(device, compute_dtype, t.peak_tflops)
+    peak = device_peak_tflops(device, compute_dtype, t.peak_tflops)  # MFU of the arithmetic the step runs
     meter = Throughput(flops_per_token(args, t.seq_len), peak, env.world_size)
     tokens_per_step = t.global_batch_size * t.seq_len
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0

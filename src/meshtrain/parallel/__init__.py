@@ -16,11 +16,11 @@ from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline import build_schedule, pipeline_stage_modules
-from meshtrain.parallel.precision import apply_fp32_compute, wants_fp32_compute
+from meshtrain.parallel.precision import apply_fp32_compute, arithmetic_dtype, wants_fp32_compute
 from meshtrain.parallel.tensor_parallel import apply_tp
 
 __all__ = ["ParallelDims", "ParallelModel", "apply_ac", "apply_compile", "apply_ddp", "apply_fp32_compute",
-           "apply_fsdp", "apply_tp", "parallelize", "wants_fp32_compute"]
+           "apply_fsdp", "apply_tp", "arithmetic_dtype", "parallelize", "wants_fp32_compute"]
 
 
 @dataclass

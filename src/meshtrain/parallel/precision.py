@@ -32,6 +32,12 @@ def wants_fp32_compute(training, device: torch.device) -> bool:
     return device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64") and not _has_amx()
 
 
+def arithmetic_dtype(training, device: torch.device) -> torch.dtype:
+    """The dtype matmuls and attention compute in (what MFU is measured against)."""
+    bf16_kernels = training.dtype == "bf16" and not wants_fp32_compute(training, device)
+    return BF16 if bf16_kernels else torch.float32
+
+
 def _has_amx() -> bool:
     try:
         return bool(torch.cpu._is_amx_tile_supported())
