@@ -1,7 +1,9 @@
 """Single-process training throughput: meshtrain against Hugging Face `LlamaForCausalLM` of the same
 shape, trained with a plain PyTorch loop (same AdamW hyperparameters, batch, sequence length,
 thread count, SDPA attention, autocast), timed in interleaved rounds in one process so machine
-noise hits every variant alike. MFU is against the matmul peak measured in the same run.
+noise hits every variant alike. A ratio is the median over rounds of the ratio within a round (the
+host's speed drifts between rounds, far less within one), reported with its range over rounds.
+MFU is against the matmul peak measured in the same run.
 
 Variants:
   meshtrain           meshtrain's own step (`parallelize` + `train_step`: fused AdamW, clipping)
@@ -112,22 +114,29 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
         row[f"{name}_mfu"] = tok_s * flops / 1e12 / peak if peak else 0.0
         row[f"{name}_mfu_vs_{dtype}_peak"] = tok_s * flops / 1e12 / peaks[dtype] if peaks[dtype] else 0.0
     for name in configs:
-        row[f"{name}_vs_hf"] = row[f"{name}_tokens_per_s"] / row["hf_tokens_per_s"]
-        row[f"{name}_vs_hf+fused"] = row[f"{name}_tokens_per_s"] / row["hf+fused_tokens_per_s"]
+        for base in ("hf", "hf+fused"):
+            ratios = [b / t for t, b in zip(times[name], times[base])]
+            row[f"{name}_vs_{base}"] = statistics.median(ratios)
+            row[f"{name}_vs_{base}_range"] = [min(ratios), max(ratios)]
     print(f"  {preset} {dtype}: " + ", ".join(f"{n} {row[f'{n}_tokens_per_s']:,.0f} tok/s" for n in fns), flush=True)
     return row
+
+
+def ratio(row: dict, name: str, base: str) -> str:
+    low, high = row[f"{name}_vs_{base}_range"]
+    return f"{row[f'{name}_vs_{base}']:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def table(rows: list[dict]) -> str:
     def cell(r, name, fmt):
         return fmt(r) if f"{name}_tokens_per_s" in r else "-"
 
-    header = ["preset", "dtype (meshtrain arithmetic)", *[f"{n} tok/s (MFU)" for n in VARIANTS], "meshtrain / hf",
+    header = ["preset", "dtype (meshtrain arithmetic)", *[f"{n} tok/s (MFU)" for n in VARIANTS], "meshtrain / hf (range over rounds)",
               "meshtrain+compile / hf", "meshtrain+compile / hf+fused", "bf16 kernels / hf", "peak TFLOP/s (fp32)"]
     lines = [[r["preset"], f"{r['dtype']} ({r['meshtrain_arithmetic']})",
               *[cell(r, n, lambda r, n=n: f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})") for n in VARIANTS],
-              f"{r['meshtrain_vs_hf']:.2f}x", f"{r['meshtrain+compile_vs_hf']:.2f}x",
-              f"{r['meshtrain+compile_vs_hf+fused']:.2f}x", cell(r, NATIVE, lambda r: f"{r[f'{NATIVE}_vs_hf']:.2f}x"),
+              ratio(r, "meshtrain", "hf"), ratio(r, "meshtrain+compile", "hf"), ratio(r, "meshtrain+compile", "hf+fused"),
+              cell(r, NATIVE, lambda r: ratio(r, NATIVE, "hf")),
               f"{r['peak_tflops']:.3f} ({r['peak_tflops_fp32']:.3f})"] for r in rows]
     return markdown(header, lines)
 
