@@ -11,7 +11,7 @@ p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf
 p.add_argument("--batch", type=int, default=8, help="throughput: sequences per step")
 p.add_argument("--seq-len", type=int, default=256)
 p.add_argument("--steps", type=int, default=2, help="throughput: steps per timed round")
-p.add_argument("--rounds", type=int, default=3, help="throughput: interleaved timing rounds")
+p.add_argument("--rounds", type=int, default=6, help="throughput: interleaved timing rounds")
 p.add_argument("--scaling-preset", default="tiny")
 p.add_argument("--train-steps", type=int, default=12, help="scaling: steps per run (the first 2 are not timed)")
 p.add_argument("--procs", type=int, default=0, help="scaling: processes (default: one per core)")

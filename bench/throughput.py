@@ -96,12 +96,13 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     for fn in fns.values():  # warm-up: compilation, allocator, oneDNN primitive caches
         timed(fn, 2, dev)
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(timed(fn, steps, dev))
+    names = list(fns)
+    for i in range(rounds):  # each round starts at another variant: no variant always runs after the same one
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            times[name].append(timed(fns[name], steps, dev))
     peaks = {"bf16": device_peak_tflops(dev, torch.bfloat16), "fp32": device_peak_tflops(dev, torch.float32)}
-    names = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-    arithmetic = {name: names[arithmetic_dtype(cfg.training, dev)] for name, cfg in configs.items()}
+    dtype_names = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    arithmetic = {name: dtype_names[arithmetic_dtype(cfg.training, dev)] for name, cfg in configs.items()}
     arithmetic.update(hf=dtype, **{"hf+fused": dtype})
     flops = flops_per_token(args, seq_len)
     row = {"preset": preset, "dtype": dtype, "device": dev.type, "threads": torch.get_num_threads(),
