@@ -6,6 +6,7 @@ model and step count), so 100% means splitting the work over processes cost noth
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -23,6 +24,12 @@ LAYOUTS = {
 }
 
 
+def efficiency(row: dict) -> str:
+    """The median efficiency, with each round's in brackets when there were several."""
+    runs = row.get("efficiency_runs", [])
+    return f"{row['efficiency']:.0%}" + (f" ({', '.join(f'{e:.0%}' for e in runs)})" if len(runs) > 1 else "")
+
+
 def main(a) -> list[dict]:
     gpus = torch.cuda.device_count()
     procs = a.procs or gpus or os.cpu_count()
@@ -35,7 +42,7 @@ def main(a) -> list[dict]:
               "8", "--training.seq_len", "256", "--training.eval_batches", "1", "--run.log_every", "1",
               *data_overrides(a)]
     with tempfile.TemporaryDirectory() as tmp:
-        def measure(name: str, nproc: int, threads: int | None, extra: list[str], tag: str = "") -> dict:
+        def measure(name: str, nproc: int, threads: int | None, extra: list[str], tag: str) -> dict:
             run_dir = Path(tmp) / (name.replace(" ", "_") + tag)
             metrics, memory = run_train(run_dir, [*common, *extra], nproc, threads)
             row = {"layout": name, "processes": nproc, "threads_per_process": threads,
@@ -44,16 +51,25 @@ def main(a) -> list[dict]:
             print(f"  {name}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
             return row
 
-        # The baseline runs first and last, and its mean is the reference: a slow phase of a shared
-        # machine then weighs on both sides.
-        first = measure("single process", 1, None if gpus else procs, [])
-        layouts = [measure(name, procs, 1, extra) for name, extra in LAYOUTS.items()]
-        last = measure("single process", 1, None if gpus else procs, [], tag="-again")
-        single = {**first, "tokens_per_s": (first["tokens_per_s"] + last["tokens_per_s"]) / 2,
-                  "tokens_per_s_first_last": [first["tokens_per_s"], last["tokens_per_s"]]}
-        rows = [{**row, "efficiency": row["tokens_per_s"] / single["tokens_per_s"]} for row in [single, *layouts]]
+        # Rounds of [every layout, then the baseline], after one baseline run: each layout is
+        # compared with the mean of the baseline runs just before and after it, so a slow phase of
+        # a shared machine weighs on both sides; per layout, the median over rounds.
+        singles = [measure("single process", 1, None if gpus else procs, [], "-0")]
+        runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
+        for r in range(a.scaling_rounds):
+            for name, extra in LAYOUTS.items():
+                runs[name].append(measure(name, procs, 1, extra, f"-{r}"))
+            singles.append(measure("single process", 1, None if gpus else procs, [], f"-{r + 1}"))
+            for run in (runs[name][-1] for name in LAYOUTS):
+                run["efficiency"] = run["tokens_per_s"] / ((singles[-2]["tokens_per_s"] + singles[-1]["tokens_per_s"]) / 2)
+        rows = [{**singles[0], "tokens_per_s": statistics.median(s["tokens_per_s"] for s in singles),
+                 "tokens_per_s_runs": [s["tokens_per_s"] for s in singles], "efficiency": 1.0}]
+        for name, layout_runs in runs.items():
+            effs = [run["efficiency"] for run in layout_runs]
+            rows.append({**layout_runs[0], "tokens_per_s": statistics.median(run["tokens_per_s"] for run in layout_runs),
+                         "efficiency": statistics.median(effs), "efficiency_runs": effs})
     lines = [[r["layout"], f"{r['processes']} x {r['threads_per_process'] or 'GPU'}", f"{r['tokens_per_s']:,.0f}",
-              f"{r['efficiency']:.0%}", f"{r['final_loss']:.4f}", f"{r['peak_rss_mib']:,.0f}"] for r in rows]
+              efficiency(r), f"{r['final_loss']:.4f}", f"{r['peak_rss_mib']:,.0f}"] for r in rows]
     write_results("scaling", rows, markdown(
         ["layout", "processes x threads", "tokens/s", "efficiency", "loss at the last step", "peak RSS / rank (MiB)"],
         lines))
