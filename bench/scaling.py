@@ -57,17 +57,17 @@ def main(a) -> list[dict]:
         singles = [measure("single process", 1, None if gpus else procs, [], "-0")]
         runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
         for r in range(a.scaling_rounds):
-            for name, extra in LAYOUTS.items():
-                runs[name].append(measure(name, procs, 1, extra, f"-{r}"))
+            this_round = {name: measure(name, procs, 1, extra, f"-{r}") for name, extra in LAYOUTS.items()}
             singles.append(measure("single process", 1, None if gpus else procs, [], f"-{r + 1}"))
-            for run in (runs[name][-1] for name in LAYOUTS):
-                run["efficiency"] = run["tokens_per_s"] / ((singles[-2]["tokens_per_s"] + singles[-1]["tokens_per_s"]) / 2)
+            reference = (singles[-2]["tokens_per_s"] + singles[-1]["tokens_per_s"]) / 2
+            for name, run in this_round.items():
+                runs[name].append({**run, "efficiency": run["tokens_per_s"] / reference})
         rows = [{**singles[0], "tokens_per_s": statistics.median(s["tokens_per_s"] for s in singles),
                  "tokens_per_s_runs": [s["tokens_per_s"] for s in singles], "efficiency": 1.0}]
-        for name, layout_runs in runs.items():
+        for layout_runs in runs.values():
             effs = [run["efficiency"] for run in layout_runs]
-            rows.append({**layout_runs[0], "tokens_per_s": statistics.median(run["tokens_per_s"] for run in layout_runs),
-                         "efficiency": statistics.median(effs), "efficiency_runs": effs})
+            rows.append({**layout_runs[0], "efficiency": statistics.median(effs), "efficiency_runs": effs,
+                         "tokens_per_s": statistics.median(run["tokens_per_s"] for run in layout_runs)})
     lines = [[r["layout"], f"{r['processes']} x {r['threads_per_process'] or 'GPU'}", f"{r['tokens_per_s']:,.0f}",
               efficiency(r), f"{r['final_loss']:.4f}", f"{r['peak_rss_mib']:,.0f}"] for r in rows]
     write_results("scaling", rows, markdown(

@@ -132,11 +132,13 @@ def table(rows: list[dict]) -> str:
     def cell(r, name, fmt):
         return fmt(r) if f"{name}_tokens_per_s" in r else "-"
 
-    header = ["preset", "dtype (meshtrain arithmetic)", *[f"{n} tok/s (MFU)" for n in VARIANTS], "meshtrain / hf (range over rounds)",
-              "meshtrain+compile / hf", "meshtrain+compile / hf+fused", "bf16 kernels / hf", "peak TFLOP/s (fp32)"]
+    header = ["preset", "dtype (meshtrain arithmetic)", *[f"{n} tok/s (MFU)" for n in VARIANTS],
+              "meshtrain / hf (range over rounds)", "meshtrain+compile / hf", "meshtrain+compile / hf+fused",
+              "bf16 kernels / hf", "peak TFLOP/s (fp32)"]
     lines = [[r["preset"], f"{r['dtype']} ({r['meshtrain_arithmetic']})",
               *[cell(r, n, lambda r, n=n: f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})") for n in VARIANTS],
-              ratio(r, "meshtrain", "hf"), ratio(r, "meshtrain+compile", "hf"), ratio(r, "meshtrain+compile", "hf+fused"),
+              ratio(r, "meshtrain", "hf"), ratio(r, "meshtrain+compile", "hf"),
+              ratio(r, "meshtrain+compile", "hf+fused"),
               cell(r, NATIVE, lambda r: ratio(r, NATIVE, "hf")),
               f"{r['peak_tflops']:.3f} ({r['peak_tflops_fp32']:.3f})"] for r in rows]
     return markdown(header, lines)
