@@ -29,9 +29,9 @@ from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
 from meshtrain.interop.hf import hf_config
 from meshtrain.metrics import device_peak_tflops
-from meshtrain.model import Llama, flops_per_token
-from meshtrain.parallel import ParallelDims, arithmetic_dtype, parallelize
-from meshtrain.train import build_optimizer, cross_entropy, step_context, train_step
+from meshtrain.model import flops_per_token
+from meshtrain.parallel import arithmetic_dtype
+from meshtrain.train import build
 
 NATIVE = "meshtrain+compile/bf16-kernels"
 VARIANTS = ("meshtrain", "meshtrain+compile", NATIVE, "hf", "hf+fused")
@@ -46,16 +46,9 @@ def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, 
                              "--training.micro_batch_size", str(len(inputs)), "--training.lr", "3e-4"])
 
 
-def meshtrain_step(cfg, batch: tuple, dev: torch.device):
-    inputs, targets = batch
-    dims = ParallelDims.from_config(cfg.parallel, 1)
-    dims.build_mesh(dev.type)
-    with torch.device("meta"):
-        model = Llama(cfg.model_args())
-    model = parallelize(model, dims, cfg.parallel, cfg.training, dev, cross_entropy)
-    optimizer, _ = build_optimizer(model.parameters(), cfg, dims, dev)
-    context = lambda: step_context(model, dims, cfg, dev)  # noqa: E731
-    return lambda: train_step(model, optimizer, inputs, targets, cfg.training, dev, context)
+def meshtrain_step(cfg, batch: tuple):
+    state = build(cfg, with_data=False)
+    return lambda: state.step(*batch)
 
 
 def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device):
@@ -90,7 +83,7 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
                "meshtrain+compile": meshtrain_config(preset, dtype, True, "auto", batch)}
     if dtype == "bf16":
         configs[NATIVE] = meshtrain_config(preset, dtype, True, "bf16", batch)
-    fns = {name: meshtrain_step(cfg, batch, dev) for name, cfg in configs.items()}
+    fns = {name: meshtrain_step(cfg, batch) for name, cfg in configs.items()}
     fns["hf"] = hf_step(args, dtype, False, batch, dev)
     fns["hf+fused"] = hf_step(args, dtype, True, batch, dev)
     for fn in fns.values():  # warm-up: compilation, allocator, oneDNN primitive caches

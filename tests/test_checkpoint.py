@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import assert_user_error, read_metrics, run_cli, train_args
@@ -16,10 +18,20 @@ from meshtrain.errors import CheckpointError
 SCHEDULE = ["--model.n_layers", "4", "--training.micro_batch_size", "2", "--training.steps", "12"]
 LAYOUTS = {
     "ddp2": ["--nproc", "2"],
+    "zero1-2": ["--nproc", "2", "--parallel.zero", "1"],
+    "zero2-2": ["--nproc", "2", "--parallel.zero", "2"],
     "zero3-2": ["--nproc", "2", "--parallel.zero", "3"],
+    "hsdp-2x2": ["--nproc", "4", "--parallel.zero", "3", "--parallel.dp_replicate", "2"],
     "tp2": ["--nproc", "2", "--parallel.tp", "2"],
     "pp2": ["--nproc", "2", "--parallel.pp", "2"],
 }
+
+
+FAULTS = str(Path(__file__).parent / "faults")  # sitecustomize.py: fault injection in every process
+
+
+def faulty(cli_env: dict, **faults: str) -> dict:
+    return {**cli_env, "PYTHONPATH": FAULTS, **faults}
 
 
 def train(corpus, cli_env, run_dir, *extra, env=None, check=True):
@@ -87,7 +99,7 @@ def test_reshard_zero3_checkpoint_onto_other_layouts(target, straight, corpus, c
 def test_crash_recovery_with_elastic_restart(fault, use_async, straight, corpus, cli_env, tmp_path):
     """Rank 1 dies at step 7, or while committing the (async) save of step 10; checkpoints every 5
     steps; the restarted workers resume from the last committed checkpoint and end identical."""
-    env = {**cli_env, fault: "7" if fault == "MESHTRAIN_FAIL_AT_STEP" else "10", "MESHTRAIN_FAIL_RANK": "1"}
+    env = faulty(cli_env, **{fault: "7" if fault == "MESHTRAIN_FAIL_AT_STEP" else "10", "MESHTRAIN_FAIL_RANK": "1"})
     result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"], "--max-restarts", "1", "--checkpoint.every", "5",
                    "--checkpoint.async", use_async, env=env)
     assert "[fault injection]" in result.stdout
@@ -104,7 +116,7 @@ def test_crash_recovery_with_elastic_restart(fault, use_async, straight, corpus,
 def test_preemption_checkpoints_and_the_next_run_continues(straight, corpus, cli_env, tmp_path):
     args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, *SCHEDULE, *LAYOUTS["ddp2"])]
     args[args.index("--training.steps") + 1] = "12"
-    env = {**cli_env, "MESHTRAIN_TEST_STEP_SLEEP": "0.5"}
+    env = faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.5")
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -184,7 +196,7 @@ def test_nonfinite_loss_is_skipped_or_stops(mode, corpus, cli_env, tmp_path):
 
 @pytest.mark.multiproc
 def test_time_limit_checkpoints_before_the_budget_runs_out(straight, corpus, cli_env, tmp_path):
-    env = {**cli_env, "MESHTRAIN_TEST_STEP_SLEEP": "0.5"}
+    env = faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.5")
     result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"], "--training.time_limit", "00:00:06", env=env)
     assert "time limit reached" in result.stdout
     assert max(losses(tmp_path)) < 12 and not (tmp_path / "model.safetensors").exists()

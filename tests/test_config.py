@@ -1,7 +1,8 @@
 import pytest
 
-from meshtrain.config import load_config, parse_overrides, validate, write_resolved
+from meshtrain.config import config_keys, load_config, parse_overrides, resolved, to_toml
 from meshtrain.errors import ConfigError
+from meshtrain.train import check_training
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -54,28 +55,28 @@ def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):
 
 def test_batch_must_divide_over_data_parallel_ranks():
     cfg = load_config(None, ["--training.global_batch_size", "16", "--training.micro_batch_size", "8"])
-    validate(cfg, world_size=2)
+    check_training(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*micro_batch_size \(8\).*\(3\) = 24"):
-        validate(cfg, world_size=3)
+        check_training(cfg, world_size=3)
 
 
 def test_compile_with_tensor_parallel_and_fsdp_is_rejected():
     cfg = load_config(None, ["--training.compile", "true", "--parallel.tp", "2", "--parallel.zero", "3"])
-    validate(cfg, world_size=2)  # TP alone compiles (the whole model)
+    check_training(cfg, world_size=2)  # TP alone compiles (the whole model)
     with pytest.raises(ConfigError, match=r"training.compile = true with parallel.tp = 2 and FSDP over 2"):
-        validate(cfg, world_size=4)
+        check_training(cfg, world_size=4)
 
 
 def test_model_vocab_smaller_than_data_is_rejected():
     cfg = load_config(None, ["--model.vocab_size", "100"])
     with pytest.raises(ConfigError, match=r"model's vocabulary \(100\) is smaller than the data's \(512\)"):
-        validate(cfg, data_vocab_size=512)
+        check_training(cfg, 1, data_vocab_size=512)
 
 
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["--model.n_layers", "3", "--training.lr", "0.01"])
     args = cfg.model_args(vocab_size=777)
-    write_resolved(cfg, tmp_path, args)
+    (tmp_path / "config.toml").write_text(to_toml(resolved(cfg, args)))
     again = load_config(tmp_path / "config.toml")
     assert again.model_args() == args and again.training == cfg.training
 
@@ -87,3 +88,27 @@ def test_missing_config_file():
 
 def test_parse_overrides_forms():
     assert parse_overrides(["--a.b", "1", "--c.d=2"]) == [("a.b", "1"), ("c.d", "2")]
+
+
+def test_every_key_is_documented_and_listed_in_train_help():
+    import subprocess
+    import sys
+
+    keys = config_keys()
+    assert len(keys) > 50 and all(doc for _, _, _, doc in keys), [k for k, _, _, d in keys if not d]
+    help_text = subprocess.run([sys.executable, "-m", "meshtrain", "train", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    for key, _, default, _ in keys:
+        assert f"--{key} " in help_text, key
+    assert "Optimizer steps of the schedule. (default: 100)" in " ".join(help_text.split())
+
+
+@pytest.mark.parametrize("override, fragment", [
+    (["--training.lr", "nan"], "finite"),
+    (["--training.beta1", "1.5"], "training.beta1"),
+    (["--training.beta2", "-0.1"], "training.beta2"),
+    (["--training.peak_tflops", "-1"], "training.peak_tflops"),
+])
+def test_out_of_range_values_are_named(override, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, override)

@@ -6,8 +6,9 @@ import torch
 from conftest import read_metrics, run_cli, train_args
 from safetensors.torch import load_file
 
-from meshtrain.config import load_config, validate
+from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
+from meshtrain.train import check_training
 
 # 4 layers so that 2 pipeline ranks x 2 virtual stages each get one; micro-batch 2 so every
 # layout has enough micro-batches for its schedule.
@@ -158,5 +159,5 @@ def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_
 def test_layout_errors_name_the_numbers(world, overrides, fragment):
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as e:
-        validate(cfg, world_size=world)
+        check_training(cfg, world_size=world)
     assert fragment in str(e.value)

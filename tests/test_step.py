@@ -6,8 +6,7 @@ import torch.nn.functional as F
 
 from meshtrain.config import load_config
 from meshtrain.model import Llama
-from meshtrain.parallel import ParallelDims, parallelize
-from meshtrain.train import build_optimizer, cross_entropy, step_context, train_step
+from meshtrain.train import build as build_state
 
 MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
          "--model.ffn_dim", "128", "--model.vocab_size", "256", "--model.max_seq_len", "32",
@@ -17,18 +16,8 @@ MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "
 def build(clip: float):
     cfg = load_config(None, [*MODEL, "--training.grad_clip", str(clip), "--training.lr", "1e-2",
                              "--training.warmup_steps", "0"])  # the LR schedule is not under test
-    dims = ParallelDims.from_config(cfg.parallel, 1)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Llama(cfg.model_args())
-    device = torch.device("cpu")
-    model = parallelize(model, dims, cfg.parallel, cfg.training, device, cross_entropy)
-    optimizer, _ = build_optimizer(model.parameters(), cfg, dims, device)
-
-    def step(x, y):
-        return train_step(model, optimizer, x, y, cfg.training, device, lambda: step_context(model, dims, cfg, device))
-
-    return cfg, model.parts[0], step
+    state = build_state(cfg, with_data=False)
+    return cfg, state.model.parts[0], state.step
 
 
 def batches(n: int):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -26,6 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshtrain.errors import CheckpointError
+from meshtrain.files import write_json
+from meshtrain.optim import local_optimizer
 
 MARKER = "COMMITTED.json"
 TRAIN_STATE = "train_state.json"
@@ -46,12 +47,6 @@ def merge_parts(parts: list[nn.Module]) -> nn.Module:
             elif child is not None:
                 setattr(merged, name, child)
     return merged
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -117,7 +112,7 @@ class Checkpointer:
         self.root, self.keep, self.rank = root, keep, rank
         self.model = merge_parts(model_parts)
         # ZeroRedundancyOptimizer: each rank saves/loads the states of its own parameters.
-        self.optimizer = getattr(optimizer, "optim", optimizer)
+        self.optimizer = local_optimizer(optimizer)
         # Async saves run collectives in the background: on the training group they would interleave
         # with training's and crash or hang, so they get a group of their own.
         self.async_group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
@@ -152,16 +147,12 @@ class Checkpointer:
             self._commit(step, path, train_state)
 
     def _commit(self, step: int, path: Path, train_state: dict) -> None:
-        fail_step = os.environ.get("MESHTRAIN_FAIL_IN_SAVE_AT_STEP")
-        if fail_step and int(fail_step) == step and _is_fail_rank() and _first_attempt():
-            print(f"[fault injection] rank {self.rank} dies during the save of step {step}", flush=True)
-            os._exit(1)
         if dist.is_initialized():
             dist.barrier()  # every rank has written its shards
         if self.rank == 0:
-            _write_json(path / TRAIN_STATE, train_state)
+            write_json(path / TRAIN_STATE, train_state)
             files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != MARKER}
-            _write_json(path / MARKER, {"step": step, "layout": train_state.get("layout"), "files": files,
+            write_json(path / MARKER, {"step": step, "layout": train_state.get("layout"), "files": files,
                                         "metadata_sha256": _sha256(path / ".metadata")})
             self._prune()
         if dist.is_initialized():
@@ -200,26 +191,15 @@ class Checkpointer:
         return train_state
 
 
-def _is_fail_rank() -> bool:
-    return int(os.environ.get("MESHTRAIN_FAIL_RANK", "0")) == int(os.environ.get("RANK", "0"))
-
-
-def _first_attempt() -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-
-
-def maybe_inject_failure(step: int) -> None:
-    """Test hook: MESHTRAIN_FAIL_AT_STEP=7 (and MESHTRAIN_FAIL_RANK=1) kills that rank at the start of
-    that step, on the first attempt only, so that an elastic restart can recover."""
-    fail_step = os.environ.get("MESHTRAIN_FAIL_AT_STEP")
-    if fail_step and int(fail_step) == step and _is_fail_rank() and _first_attempt():
-        print(f"[fault injection] rank {os.environ.get('RANK', '0')} dies at step {step}", flush=True)
-        os._exit(1)
-
-
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state().tolist()}
+    """The CPU generator and, on a GPU, this device's generator."""
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))

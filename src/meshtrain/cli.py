@@ -9,15 +9,18 @@ import sys
 from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.launch.jobscript import GENERATORS
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtrain", allow_abbrev=False,
-                                description="Train, plan and serve Llama-style language models.")
+                                description="Train Llama-style language models on any launcher and layout; "
+                                "export them to Hugging Face.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", allow_abbrev=False, help="train a model (any launcher, any layout)",
-                       epilog="Any config key can be overridden: --training.steps 50 --run.dir runs/x")
+                       usage="meshtrain train [--config FILE] [--nproc N] [launcher options] [--section.key VALUE ...]",
+                       epilog="Config keys as --section.key VALUE (or --section.key=VALUE) override the file.")
     t.add_argument("--config", help="TOML config file (default: built-in defaults = configs/tiny.toml)")
     t.add_argument("--nproc", type=int, help="start this many local worker processes (torch elastic)")
     t.add_argument("--max-restarts", type=int, default=0, help="restart failed workers up to this many times")
@@ -26,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=int, help="this node's index (static rendezvous at --master-addr)")
     t.add_argument("--master-addr", help="the first node's address (default: the first Slurm host)")
     t.add_argument("--master-port", type=int, help="rendezvous port (default: derived from the job id)")
+    _add_config_keys(t)
 
     d = sub.add_parser("data", help="prepare training data")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -45,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
     j = sub.add_parser("jobscript", help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster)",
                        epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5")
-    j.add_argument("kind", help="slurm, sge, pbs, mpirun, torchrun or pcluster")
+    j.add_argument("kind", help=", ".join(GENERATORS))
     j.add_argument("--config", required=True, help="the training config the job runs")
     j.add_argument("--nodes", type=int, default=1)
     j.add_argument("--gpus-per-node", type=int, default=0)
@@ -81,21 +85,51 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _ConfigKey(argparse.Action):
+    """`--section.key VALUE`: collected in order, parsed and checked by config.load_config."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.overrides = [*(getattr(namespace, "overrides", None) or []), option_string, value]
+
+
+def _add_config_keys(parser: argparse.ArgumentParser) -> None:
+    """Every config key, with its type, default and docstring, in `meshtrain train --help`."""
+    import typing
+
+    from meshtrain.config import config_keys, describe_type
+
+    def metavar(hint) -> str:
+        if typing.get_origin(hint) is typing.Literal:
+            return "{" + ",".join(repr(a) if a == "" else a for a in typing.get_args(hint)) + "}"
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        return {int: "INT", float: "FLOAT", bool: "BOOL"}.get(args[0], "STR")
+
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for key, hint, default, doc in config_keys():
+        section = key.split(".")[0]
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"[{section}] config keys")
+        groups[section].add_argument(f"--{key}", action=_ConfigKey, metavar=metavar(hint), default=argparse.SUPPRESS,
+                                     help=f"{doc} (default: {default!r})".replace("%", "%%"))
+
+
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from meshtrain.config import load_config, validate
+    from meshtrain.config import load_config
+    from meshtrain.launch import detect
+    from meshtrain.logs import setup_logging
 
     cfg = load_config(args.config, overrides)
     in_worker = "RANK" in os.environ  # a worker started by torch elastic (ours or torchrun)
     if args.nproc is not None and not in_worker:
         if args.nproc < 1:
             raise MeshtrainError(f"--nproc {args.nproc} must be at least 1")
-        from meshtrain.data import Dataset
         from meshtrain.launch.local import launch_workers
-        from meshtrain.train import ensure_dataset
+        from meshtrain.train import check_training, ensure_dataset
 
-        ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
-        world = args.nproc * (args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1)))
-        validate(cfg, world, Dataset(cfg.data.path, cfg.training.seq_len).vocab_size)
+        setup_logging(0, cfg.run.log_level)
+        dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
+        check_training(cfg, args.nproc * (args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))),
+                       dataset.vocab_size)
         worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
         return launch_workers(args.nproc, worker_argv, args.max_restarts, args.nnodes, args.node_rank,
                               args.master_addr, args.master_port)
@@ -181,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         elif passthrough:
             extra += passthrough
         if args.command == "train":
-            code = _train(args, extra)
+            code = _train(args, [*(getattr(args, "overrides", None) or []), *extra])
         elif args.command == "jobscript":
             code = _jobscript(args, extra)
         else:

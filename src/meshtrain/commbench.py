@@ -79,7 +79,7 @@ def _sync(device: torch.device) -> None:
 def run_comm_bench(ops: list[str], low: int, high: int, iters: int) -> list[dict]:
     """Every rank runs this; rank 0 gets the rows (others an empty list)."""
     from meshtrain.launch import detect
-    from meshtrain.train import init_distributed
+    from meshtrain.launch.distributed import init_distributed
 
     env = detect()
     device = init_distributed(env)

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import torch
 
+from meshtrain.errors import MeshtrainError
+from meshtrain.files import write_json, write_text, writing
+from meshtrain.logs import log
+
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16, fp32 without TF32).
 # Matched by substring of torch.cuda.get_device_name(), most specific first.
 GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
@@ -82,11 +86,8 @@ def cpu_peak_tflops(dtype: torch.dtype) -> float:
     if measured > cache.get(key, 0.0):
         cache[key] = measured
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
-        except OSError:
+            write_json(path, cache)
+        except MeshtrainError:
             pass  # a read-only home only loses the record
     return cache[key]
 
@@ -128,38 +129,40 @@ class Throughput:
 
 
 class MetricsLogger:
-    """Rank 0's sinks: metrics.jsonl (one JSON object per logged step), TensorBoard, a progress bar.
-    On other ranks every method is a no-op."""
+    """Rank 0's metric sinks: metrics.jsonl (one JSON object per logged step), TensorBoard, the
+    progress bar and a line per logged step. On other ranks every method is a no-op. A resumed run
+    (start_step > 0) first drops the records of steps after start_step: they were logged by the
+    attempt that crashed after its last checkpoint and are about to be logged again."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, tensorboard: bool, progress: bool):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, tensorboard: bool, progress: bool,
+                 start_step: int = 0):
         self.enabled = enabled
         if not enabled:
             return
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        run_dir.mkdir(parents=True, exist_ok=True)
+        from meshtrain.logs import console
+
         self.run_dir = run_dir
-        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        path = run_dir / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step] \
+            if start_step and path.is_file() else None
+        if kept is not None:
+            write_text(path, "".join(line + "\n" for line in kept))
+        with writing(path):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = path.open("a" if start_step else "w")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-        # Colours and the live bar only on a real terminal: batch systems' log files get plain lines.
-        tty = sys.stdout.isatty()
-        self.console = Console(highlight=False, soft_wrap=True, force_terminal=tty, no_color=not tty)
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(), console=self.console, transient=True,
-            disable=not (progress and tty),
+            TimeRemainingColumn(), console=console(), transient=True, disable=not (progress and sys.stdout.isatty()),
         )
-        self.task = self.progress.add_task("train", total=total_steps, status="")
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
         self.progress.start()
-
-    def print(self, message: str) -> None:
-        if self.enabled:
-            self.console.print(message)
 
     def advance(self, step: int) -> None:
         if self.enabled:
@@ -168,8 +171,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **metrics}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for key, value in metrics.items():
@@ -179,13 +181,13 @@ class MetricsLogger:
                          ("tokens_per_s", "{:,.0f}"), ("tflops", "{:.3f}"), ("mfu", "{:.1%}")):
             if key in metrics:
                 parts.append(f"{key} {fmt.format(metrics[key])}")
-        self.console.print(" | ".join(parts))
+        log.info(" | ".join(parts))
         if "loss" in metrics:
             self.progress.update(self.task, status=f"loss {metrics['loss']:.3f} {metrics.get('tokens_per_s', 0):,.0f} tok/s")
 
     def write_json(self, name: str, obj) -> None:
         if self.enabled:
-            (self.run_dir / name).write_text(json.dumps(obj, indent=1))
+            write_json(self.run_dir / name, obj)
 
     def close(self) -> None:
         if self.enabled:
@@ -193,3 +195,10 @@ class MetricsLogger:
             self.jsonl.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a torn last line: dropped

@@ -22,9 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from meshtrain.config import LAUNCHERS
 from meshtrain.errors import MeshtrainError
-
-LAUNCHERS = ("auto", "torchrun", "azureml", "openmpi", "mpich", "slurm", "single")
 
 
 @dataclass
@@ -242,6 +241,7 @@ ENVIRONMENTS: dict[str, type[ClusterEnvironment]] = {
     "torchrun": TorchElastic, "azureml": AzureML, "openmpi": OpenMPI, "mpich": MPICH, "slurm": Slurm,
     "single": Single,
 }
+assert ("auto", *ENVIRONMENTS) == LAUNCHERS
 
 
 def first_scheduler_host(env: dict[str, str]) -> str:
@@ -269,23 +269,15 @@ def port_from_job_id(job_id: str) -> int:
 
 
 def check_consistent(launch: LaunchEnv) -> None:
+    if launch.world_size < 1 or launch.local_world_size < 1:
+        raise MeshtrainError(f"{launch.launcher}: world size {launch.world_size} with {launch.local_world_size} "
+                             "per node: both must be at least 1; check the launcher's task counts")
     if not 0 <= launch.rank < launch.world_size:
         raise MeshtrainError(f"{launch.launcher}: rank {launch.rank} is outside world size {launch.world_size}")
     if not 0 <= launch.local_rank < launch.local_world_size or launch.world_size % launch.local_world_size:
         raise MeshtrainError(
             f"{launch.launcher}: local rank {launch.local_rank} of {launch.local_world_size} per node does not fit "
             f"world size {launch.world_size}; start the same number of tasks on every node"
-        )
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        gpus = 0
-    if gpus and launch.local_world_size > gpus:
-        raise MeshtrainError(
-            f"{launch.launcher}: {launch.local_world_size} tasks per node but {gpus} GPUs per node; start one task "
-            f"per GPU (e.g. srun --ntasks-per-node={gpus}, mpirun -npernode {gpus})"
         )
 
 

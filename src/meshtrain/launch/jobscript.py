@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 
 from meshtrain.errors import MeshtrainError
 
-KINDS = ("slurm", "sge", "pbs", "mpirun", "torchrun", "pcluster")
-
 
 @dataclass
 class JobSpec:
@@ -244,7 +242,7 @@ GENERATORS = {"slurm": slurm, "sge": sge, "pbs": pbs, "mpirun": mpirun, "torchru
 def render(kind: str, spec: JobSpec) -> dict[str, str]:
     """{file suffix: text}: "" is the main file; pcluster adds ".sbatch", the job for its queue."""
     if kind not in GENERATORS:
-        raise MeshtrainError(f"jobscript kind {kind!r} is unknown: use one of {', '.join(KINDS)}")
+        raise MeshtrainError(f"jobscript kind {kind!r} is unknown: use one of {', '.join(GENERATORS)}")
     _check(spec)
     files = {"": GENERATORS[kind](spec)}
     if kind == "pcluster":

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
+
+from meshtrain.logs import log
 
 PREEMPTED_EXIT_CODE = 75  # what a worker returns after checkpointing on SIGTERM/SIGUSR1
 
@@ -80,9 +81,9 @@ def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0, nn
         codes = {f.exitcode for f in e.failures.values()}
         # The agent stops the remaining workers with SIGTERM as soon as the first one exits.
         if PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}:
-            print("preempted: a checkpoint was saved; run the same command again to continue", file=sys.stderr)
+            log.warning("preempted: a checkpoint was saved; run the same command again to continue")
             return PREEMPTED_EXIT_CODE
         failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(e.failures.items()))
-        print(f"error: training failed ({failures}); see the worker output above", file=sys.stderr)
+        log.error(f"training failed ({failures}); see the worker output above")
         return 1
     return 0

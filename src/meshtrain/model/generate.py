@@ -30,3 +30,14 @@ def generate(model: Llama, prompt: list[int], max_new_tokens: int, temperature: 
             break
         tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
     return tokens[0, len(prompt) :].tolist()
+
+
+def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: str, max_new_tokens: int,
+                eos_id: int | None) -> str:
+    """The end-of-run demo: the prompt and a sampled continuation, from the full weights."""
+    from tokenizers import Tokenizer
+
+    model = Llama(args)
+    model.load_state_dict(state, strict=False)
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    return prompt + tok.decode(generate(model, tok.encode(prompt).ids, max_new_tokens, stop_token=eos_id))

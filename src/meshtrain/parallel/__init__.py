@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtrain.config import micro_batches
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
@@ -33,6 +34,7 @@ class ParallelModel:
     schedule: object | None  # a torch.distributed.pipelining schedule when pp > 1
     fsdp: bool  # parameters are FSDP shards (mixed precision handled by FSDP, not autocast)
     loss_fn: Callable  # (logits, targets) -> mean loss; compiled with training.compile
+    loss_parallel: bool = False  # TP's vocabulary-sharded logits: the loss runs under loss_parallel()
     grad_average_group: object | None = None  # pipeline stages with plain DP: average after backward
 
     @property
@@ -78,9 +80,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
     stage_ids = [idx for idx, _ in staged]
     schedule = None
     if dims.pp > 1:
-        n_micro = training.global_batch_size // (training.micro_batch_size * dims.dp)
         schedule = build_schedule(list(zip(stage_ids, parts)), n_stages, dims.mesh("pp"), device,
-                                  parallel.pp_schedule, n_micro, loss_fn)
+                                  parallel.pp_schedule, micro_batches(training, dims.dp), loss_fn)
     plain_dp_pipeline = dims.pp > 1 and dims.dp > 1 and not fsdp
-    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp, loss_fn,
+    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp, loss_fn, dims.tp > 1 and parallel.loss_parallel,
                          dims.dp_group if plain_dp_pipeline else None)

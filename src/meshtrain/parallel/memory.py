@@ -6,7 +6,10 @@ import resource
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from meshtrain.optim import local_optimizer
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -18,8 +21,7 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
     """Local bytes (DTensor shards count only their local piece; shared tensors once)."""
     seen: set[int] = set()
     unique = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
-    local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
-    states = [v for state in local_optimizer.state.values() for v in state.values()
+    states = [v for state in local_optimizer(optimizer).state.values() for v in state.values()
               if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {
         "params": sum(_local_bytes(p) for p in unique),
@@ -42,3 +44,20 @@ def peak_memory_bytes() -> dict[str, int]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["peak_gpu"] = torch.cuda.max_memory_allocated()
     return peak
+
+
+def gather_memory_report(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
+    """Every rank's model-state bytes and peak memory so far, in rank order (a collective)."""
+    mine = {**model_state_bytes(params, optimizer), **peak_memory_bytes()}
+    if not dist.is_initialized():
+        return [mine]
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
+def format_memory(rank: int, b: dict[str, int]) -> str:
+    mib = 2**20
+    return (f"rank {rank}: params {b['params'] / mib:8.2f} MiB | grads {b['grads'] / mib:8.2f} MiB | "
+            f"optimizer {b['optimizer'] / mib:8.2f} MiB | peak RSS {b['peak_rss'] / mib:8.1f} MiB"
+            + (f" | peak GPU {b['peak_gpu'] / mib:8.1f} MiB" if "peak_gpu" in b else ""))

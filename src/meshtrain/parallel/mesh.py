@@ -12,10 +12,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshtrain.config import SINGLE_STAGE_SCHEDULES, Config, micro_batches
 from meshtrain.errors import ConfigError
-
-# Which schedules hold several stages per rank, and how many micro-batches they need.
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 
 
 @dataclass
@@ -67,7 +65,25 @@ class ParallelDims:
         return cls(world_size=world_size, pp=p.pp, dp_replicate=p.dp_replicate,
                    dp_shard=dp // p.dp_replicate, tp=p.tp, zero=p.zero)
 
-    def validate_model(self, args, p, activation_checkpointing: str) -> None:
+    def validate(self, args, cfg: Config) -> None:
+        """The layout against the model's shape, the batch and the pipeline schedule."""
+        self._validate_model(args, cfg.parallel)
+        t = cfg.training
+        if t.compile and self.tp > 1 and self.dp > 1:
+            raise ConfigError(
+                f"training.compile = true with parallel.tp = {self.tp} and FSDP over {self.dp} data-parallel ranks "
+                "fails in torch 2.13 (FSDP hooks inside the whole-model graph that TP needs); compile TP alone or "
+                "TP x PP, or run TP x FSDP eagerly"
+            )
+        per_step = t.micro_batch_size * self.dp
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"training.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel degree ({self.dp}) = {per_step}"
+            )
+        self._validate_schedule(cfg.parallel, micro_batches(t, self.dp))
+
+    def _validate_model(self, args, p) -> None:
         if args.n_heads % self.tp or args.n_kv_heads % self.tp:
             raise ConfigError(
                 f"model.n_heads ({args.n_heads}) and model.n_kv_heads ({args.n_kv_heads}) must both be divisible "
@@ -90,7 +106,7 @@ class ParallelDims:
             raise ConfigError("model.tie_embeddings cannot be used with parallel.pp > 1: the embedding and the "
                               "output live on different pipeline stages")
 
-    def validate_schedule(self, p, n_microbatches: int) -> None:
+    def _validate_schedule(self, p, n_microbatches: int) -> None:
         """n_microbatches = local batch / micro batch: what the schedule splits each step into."""
         if self.pp == 1:
             return
@@ -100,7 +116,7 @@ class ParallelDims:
                 f"training.micro_batch_size = {n_microbatches}; leave it 0 to derive it"
             )
         v = p.pp_virtual_stages
-        if p.pp_schedule in ("gpipe", "1f1b") and v != 1:
+        if p.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
             raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank: set "
                               "parallel.pp_virtual_stages = 1, or use interleaved_1f1b / zero_bubble / zbv")
         if p.pp_schedule == "interleaved_1f1b" and v < 2:
@@ -112,13 +128,19 @@ class ParallelDims:
             raise ConfigError(f"parallel.pp_schedule = '1f1b' needs at least parallel.pp ({self.pp}) "
                               f"micro-batches per step, got {n_microbatches}: raise training.global_batch_size "
                               "or lower training.micro_batch_size")
-        if p.pp_schedule in MULTI_STAGE_SCHEDULES and n_microbatches % self.pp:
+        if p.pp_schedule not in SINGLE_STAGE_SCHEDULES and n_microbatches % self.pp:
             raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} needs a number of micro-batches "
                               f"divisible by parallel.pp ({self.pp}), got {n_microbatches}")
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        """"DDP 2", "FSDP 2 x TP 2, ZeRO-3", "single process"."""
+        names = {"dp_shard": "FSDP" if self.zero >= 2 else "DDP", "dp_replicate": "replicate", "tp": "TP", "pp": "PP"}
+        layout = " x ".join(f"{names[n]} {size}" for n, size in self.named_dims()) or "single process"
+        return f"{layout}, ZeRO-{self.zero}" if self.dp > 1 else layout
 
     def named_dims(self) -> list[tuple[str, int]]:
         return [(n, d) for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),

@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
+from meshtrain.config import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -25,6 +27,7 @@ SCHEDULES = {
     "zero_bubble": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
+assert tuple(SCHEDULES) == PP_SCHEDULES
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -46,7 +49,7 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
 
 def pipeline_stage_modules(model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule: str) -> list[tuple[int, nn.Module]]:
     """(stage index, module) for each stage this rank holds, cut from a meta-device model."""
-    n_stages = pp * (1 if schedule in ("gpipe", "1f1b") else virtual)
+    n_stages = pp * (1 if schedule in SINGLE_STAGE_SCHEDULES else virtual)
     layers = split_layers(len(model.layers), n_stages)
     parts = []
     for stage in stage_ids(pp_rank, pp, n_stages // pp, schedule):
@@ -68,6 +71,6 @@ def build_schedule(parts: list[tuple[int, nn.Module]], n_stages: int, pp_mesh: D
     """The schedule over this rank's stages; gradients are averaged over micro-batches."""
     stages = [PipelineStage(module, idx, n_stages, device, group=pp_mesh.get_group()) for idx, module in parts]
     cls = SCHEDULES[schedule]
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in SINGLE_STAGE_SCHEDULES:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)

@@ -1,0 +1,110 @@
+"""Every file meshtrain writes goes through here: written under a temporary name, fsynced, renamed.
+
+A reader (a resumed run, `meshtrain export`, a server) therefore sees the old file or the new one,
+never half of one, and a failure (read-only file system, full disk, quota, permission) becomes one
+line naming the path, the cause and the fix instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from meshtrain.errors import MeshtrainError
+
+FIXES = {
+    errno.ENOSPC: "free some space or choose a directory on another file system",
+    errno.EDQUOT: "free some of your quota or choose a directory on another file system",
+    errno.EROFS: "the file system is read-only: choose a writable directory",
+    errno.EACCES: "you lack permission there: choose a directory you own",
+    errno.EPERM: "you lack permission there: choose a directory you own",
+}
+
+
+class WriteError(MeshtrainError):
+    """A file or directory could not be written."""
+
+
+def write_error(path: Path | str, e: OSError) -> WriteError:
+    fix = FIXES.get(e.errno, "check the path and the file system")
+    return WriteError(f"cannot write {path}: {e.strerror or e} ({fix})")
+
+
+@contextlib.contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """Turn an OSError raised while writing `path` into a one-line WriteError."""
+    try:
+        yield
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: Path | str, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp)` to produce the file at a temporary name beside `path`, then fsync and rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+    return path
+
+
+def write_text(path: Path | str, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def write_json(path: Path | str, obj, indent: int = 1) -> Path:
+    return write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def copy_file(src: Path | str, dst: Path | str) -> Path:
+    return atomic_write(dst, lambda tmp: shutil.copyfile(src, tmp))
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path | str) -> Iterator[Path]:
+    """Yield a temporary directory beside `out` to fill; on success it replaces `out` (a finished
+    directory is only ever replaced by a finished one); on failure it is removed."""
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    with writing(out):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    try:
+        with writing(out):
+            yield tmp
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb+") as handle:
+                        os.fsync(handle.fileno())
+            if out.exists():
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(out)
+            _fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,38 @@
+"""One process per device: the device, the backend and the process group."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.errors import ConfigError
+from meshtrain.launch.env import LaunchEnv
+
+
+def pick_device(env: LaunchEnv, choice: str = "auto") -> torch.device:
+    """launch.device: "auto" takes this process's GPU where there is one, else the CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("launch.device = 'cuda' but no CUDA device is visible to this process; use auto or cpu")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if env.local_world_size > gpus:
+        raise ConfigError(
+            f"{env.launcher}: {env.local_world_size} tasks per node but {gpus} GPUs per node; start one task per GPU "
+            f"(e.g. srun --ntasks-per-node={gpus}, mpirun -npernode {gpus}), or train on the CPU with "
+            "--launch.device cpu")
+    return torch.device("cuda", env.local_rank)
+
+
+def init_distributed(env: LaunchEnv, choice: str = "auto") -> torch.device:
+    """CUDA + NCCL (with gloo beside it for CPU tensors and object collectives), or CPU + gloo."""
+    device = pick_device(env, choice)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.distributed and not dist.is_initialized():
+        env.export()
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    return device

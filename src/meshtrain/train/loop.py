@@ -1,0 +1,200 @@
+"""The training loop: build -> resume -> for each step: step, log, evaluate, agree on stopping,
+checkpoint -> the trained weights and a sample. What one step does is in train/step.py; what it
+runs on is built in train/build.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.checkpoint import Checkpointer, find_resume, rng_state, set_rng_state
+from meshtrain.config import Config, parse_duration, resolved, to_toml
+from meshtrain.errors import MeshtrainError
+from meshtrain.files import copy_file, write_text
+from meshtrain.launch import detect
+from meshtrain.launch.local import PREEMPTED_EXIT_CODE
+from meshtrain.logs import log, setup_logging
+from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
+from meshtrain.model import flops_per_token
+from meshtrain.parallel import arithmetic_dtype
+from meshtrain.parallel.memory import format_memory, gather_memory_report
+from meshtrain.train.build import TrainState, build
+from meshtrain.train.step import evaluate, reduce_loss
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 (Slurm's --signal=USR1@90) only set a flag: every rank finishes its step,
+    then all agree (a MAX all-reduce) to checkpoint and exit together."""
+
+    def __init__(self):
+        self.received = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+
+def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpointer) -> tuple[bool, bool, bool]:
+    """(preempted, out of time, async save finished everywhere), agreed over all ranks with one
+    small all-reduce per step, of a CPU tensor (gloo), so the device is never waited on. Out of
+    time: the next step and a save (estimated as two steps) would not fit before the deadline."""
+    flags = torch.tensor([float(signals.received != 0),
+                          float(deadline > 0 and time.monotonic() + 3 * step_time > deadline),
+                          float(ckpt.pending is not None and not ckpt.pending[0].done())])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
+
+
+def announce(s: TrainState, precision: str) -> None:
+    t, run_dir = s.cfg.training, Path(s.cfg.run.dir)
+    write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
+    copy_file(s.dataset.tokenizer_path, run_dir / "tokenizer.json")
+    log.info(f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
+             f"({s.dims.describe()}) | {s.device.type} {precision} | global batch {t.global_batch_size} x "
+             f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.accumulation}"
+             f"{' pipeline micro-batches' if s.dims.pp > 1 else ' accumulation'}) | {t.steps} steps")
+    for line in s.dims.describe_groups():
+        log.info("  " + line)
+    if not s.val:
+        log.warning(f"{s.dataset.val.path} holds less than one sequence; no validation loss")
+
+
+def resume(s: TrainState) -> tuple[int, int]:
+    """(steps done, updates skipped so far) from the checkpoint to resume, or a fresh start."""
+    ckpt = s.checkpointer
+    path = find_resume(s.cfg.checkpoint.resume, ckpt.root, log.warning)
+    if path is None:
+        if s.cfg.model.init_from:
+            from meshtrain.interop import load_hf_weights
+
+            load_hf_weights(s.model.parts, s.cfg.model.init_from.removeprefix("hf:"), s.args)
+            log.info(f"initialised from {s.cfg.model.init_from}")
+        return 0, 0
+    state = ckpt.load(path, dataclasses.asdict(s.args))
+    s.loader.load_state_dict(state["loader"])
+    s.scheduler.load_state_dict(state["scheduler"])
+    for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
+        group["lr"] = lr
+    set_rng_state(state["rng"])
+    log.info(f"resumed from {path} (step {state['step']}, saved with {state['layout']})")
+    return state["step"], state.get("skipped_steps", 0)
+
+
+def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None:
+    d = s.dims
+    layout = {"world_size": s.env.world_size, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate,
+              "dp_shard": d.dp_shard, "zero": d.zero}
+    s.checkpointer.save(step, {"step": step, "skipped_steps": skipped, "loader": s.loader.state_dict(),
+                               "scheduler": s.scheduler.state_dict(), "rng": rng_state(), "layout": layout,
+                               "model": dataclasses.asdict(s.args)}, blocking=blocking)
+
+
+def report_memory(s: TrainState, metrics: MetricsLogger) -> None:
+    """Every rank's parameter, gradient and optimizer bytes and peak memory: logged and memory.json."""
+    report = gather_memory_report(s.model.parameters(), s.optimizer)
+    for rank, line in enumerate(report):
+        log.info(format_memory(rank, line))
+    metrics.write_json("memory.json", report)
+
+
+def finish(s: TrainState, step: int, skipped: int) -> None:
+    """The trained weights: gathered into model.safetensors when the model is small enough, else
+    the last checkpoint (saved now if the schedule did not) is what `meshtrain export` reads."""
+    from meshtrain.interop.weights import full_state_dict, model_bytes, save_model
+
+    run = s.cfg.run
+    if not (run.save_model or run.sample_prompt):
+        return
+    if model_bytes(s.n_params) > run.save_model_max_gb * 1e9:
+        if run.save_model:
+            if not s.cfg.checkpoint.every:  # else the loop saved this step already
+                save(s, step, skipped, blocking=True)
+            log.info(f"the model is above run.save_model_max_gb = {run.save_model_max_gb}: its weights are the "
+                     f"checkpoint in {s.checkpointer.root}; `meshtrain export {run.dir} --out DIR` writes them out")
+        return
+    state = full_state_dict(s.model, s.dims)
+    if s.env.rank != 0:
+        return
+    if run.save_model:
+        log.info(f"saved the trained weights to {save_model(state, s.args, Path(run.dir))}")
+    if run.sample_prompt:
+        from meshtrain.model.generate import sample_text
+
+        text = sample_text(state, s.args, s.dataset.tokenizer_path, run.sample_prompt, run.sample_tokens,
+                           s.dataset.eos_id)
+        log.info("sample:\n" + text)
+
+
+def train(cfg: Config) -> dict:
+    """Returns {"history": logged metrics, "exit_code": 0, or PREEMPTED_EXIT_CODE}."""
+    start_time, signals = time.monotonic(), StopSignals()
+    env = detect(launcher=cfg.launch.env)
+    setup_logging(env.rank, cfg.run.log_level)
+    s = build(cfg, env)
+    t, ckpt = cfg.training, s.checkpointer
+    compute_dtype = arithmetic_dtype(t, s.device)
+    fp32_arithmetic = t.dtype == "bf16" and compute_dtype == torch.float32
+    if env.rank == 0:
+        announce(s, f"{t.dtype}{' (fp32 arithmetic)' if fp32_arithmetic else ''}")
+    start_step, skipped = resume(s)
+    metrics = MetricsLogger(Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress,
+                            start_step)
+    peak = device_peak_tflops(s.device, compute_dtype, t.peak_tflops)  # MFU of the arithmetic the step runs
+    meter = Throughput(flops_per_token(s.args, t.seq_len), peak, env.world_size)
+    deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
+    last_step = t.stop_at_step or t.steps
+    history, exit_code, step_time, step = [], 0, 0.0, start_step
+    skipped_total, reported_skips = torch.tensor(float(skipped), device=s.device), skipped
+
+    for step in range(start_step + 1, last_step + 1):
+        step_start = time.monotonic()
+        lr = s.scheduler.get_last_lr()[0]
+        loss, grad_norm, skipped_now = s.step(*s.loader.next_batch())
+        skipped_total += skipped_now
+        if t.on_nonfinite == "stop" and skipped_now.item():  # the one mode that syncs every step
+            raise MeshtrainError(f"step {step}: the loss or gradient norm is not finite ({grad_norm.item()}); "
+                                 "lower training.lr, check the data, or set training.on_nonfinite = skip")
+        if step == start_step + 1:  # gradients and optimizer states exist now
+            report_memory(s, metrics)
+        s.scheduler.step()
+        meter.add(t.global_batch_size * t.seq_len)
+        metrics.advance(step)
+
+        record = {}
+        if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
+            record = {"loss": reduce_loss(loss, s.dims), "lr": lr, "grad_norm": grad_norm.item(),
+                      "skipped_steps": int(skipped_total.item()), **meter.report()}
+            if record["skipped_steps"] > reported_skips:
+                log.warning(f"step {step}: {record['skipped_steps'] - reported_skips} step(s) skipped since the "
+                            f"last log (non-finite gradient norm; {record['skipped_steps']} in all)")
+                reported_skips = record["skipped_steps"]
+        if s.val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
+            record["val_loss"] = evaluate(s.model, s.val, t.micro_batch_size, s.device, s.dims, s.context)
+        if record:
+            metrics.log(step, record)
+            history.append({"step": step, **record})
+
+        step_time = max(step_time, time.monotonic() - step_start)
+        preempted, out_of_time, save_finished = agree(signals, deadline, step_time, ckpt)
+        if save_finished:
+            ckpt.wait()  # commit the async checkpoint now that every rank has written it
+        if preempted or out_of_time or step == t.stop_at_step:
+            save(s, step, int(skipped_total.item()), blocking=True)
+            reason = "preempted" if preempted else "time limit reached" if out_of_time else "training.stop_at_step"
+            log.info(f"{reason}: checkpoint of step {step} saved in {ckpt.root}; run again to continue")
+            exit_code = PREEMPTED_EXIT_CODE if preempted else 0
+            break
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
+            save(s, step, int(skipped_total.item()))
+    ckpt.wait()
+    if step == t.steps and not exit_code:
+        finish(s, step, int(skipped_total.item()))
+    metrics.close()
+    return {"history": history, "exit_code": exit_code}

@@ -1,0 +1,152 @@
+"""One training step and one validation pass, for every layout, with no host-device sync.
+
+  inputs, targets (this DP rank's slice)  -> the device, once per step
+  no PP: micro-batches of training.micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
+  PP:    the schedule drives the micro-batches through the stages
+  global grad norm -> fused AdamW (clips and skips inside its kernel) -> the LR schedule steps outside
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshtrain.config import TrainingConfig
+from meshtrain.optim import local_optimizer
+from meshtrain.parallel import ParallelDims, ParallelModel
+from meshtrain.parallel.data_parallel import average_gradients
+from meshtrain.parallel.grads import global_grad_norm
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU batch to the GPU through pinned memory (asynchronous copy); anything else as it is."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def step_context(model: ParallelModel, dims: ParallelDims, training: TrainingConfig, device: torch.device) -> ExitStack:
+    """Vocabulary-parallel loss under TP; autocast for bf16 unless FSDP casts the parameters itself."""
+    stack = ExitStack()
+    if dims.tp > 1 and model.loss_parallel:
+        stack.enter_context(loss_parallel())
+    if training.dtype == "bf16" and not model.fsdp:
+        stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+    return stack
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss_parallel) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int,
+                     device: torch.device) -> torch.Tensor:
+    """Gradients of this rank's local batch; returns its mean loss (a tensor: no host sync)."""
+    if model.schedule is not None:
+        loss = pipeline_loss(model, inputs, targets, device, train=True)
+        if model.grad_average_group is not None:
+            average_gradients(model.parameters(), model.grad_average_group)
+        return loss
+    (part,) = model.parts
+    chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(chunks):
+        last = i == len(chunks) - 1
+        if hasattr(part, "set_requires_gradient_sync"):  # FSDP
+            part.set_requires_gradient_sync(last)
+        with nullcontext() if last or not hasattr(part, "no_sync") else part.no_sync():  # DDP
+            loss = model.loss_fn(part(x), y) / len(chunks)
+            loss.backward()
+        total += local_value(loss.detach())
+    return total
+
+
+def train_step(model: ParallelModel, optimizer, inputs: torch.Tensor, targets: torch.Tensor, t: TrainingConfig,
+               device: torch.device, context, pp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """forward/backward -> global grad norm -> AdamW, with no host-device sync.
+
+    Clipping and skipping are folded into the fused AdamW kernel through the hooks GradScaler
+    uses: it divides the gradients by `grad_scale` (max(1, norm / grad_clip): clipping without a
+    separate pass over the gradients) and skips the update where `found_inf` is set (a non-finite
+    norm). Returns tensors: (local mean loss, global grad norm, 1.0 if the update was skipped).
+    Gradients are cleared at the start, so they can be inspected after the step."""
+    optimizer.zero_grad(set_to_none=True)
+    inputs, targets = to_device(inputs, device), to_device(targets, device)
+    with context():
+        loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
+    grad_norm = global_grad_norm(model.parameters(), pp_group)
+    skipped = (~torch.isfinite(grad_norm)).float()
+    adamw = local_optimizer(optimizer)
+    adamw.found_inf = skipped
+    if t.grad_clip > 0:
+        adamw.grad_scale = torch.clamp((grad_norm + 1e-6) / t.grad_clip, min=1.0)
+    optimizer.step()
+    return loss, grad_norm, skipped
+
+
+def pipeline_loss(model: ParallelModel, inputs, targets, device, train: bool) -> torch.Tensor:
+    """Run the schedule; the mean micro-batch loss on the rank with the last stage, else 0."""
+    losses = [] if model.has_last_stage else None
+    target = targets if model.has_last_stage else None
+    args = (inputs,) if model.has_first_stage else ()
+    if train:
+        model.schedule.step(*args, target=target, losses=losses)
+    elif isinstance(model.schedule, ScheduleZBVZeroBubble):
+        # ZBV's eval() fails in torch 2.13 ("stage doesn't have backward"): run a training step and
+        # throw its gradients away (validation batches are few).
+        with torch.enable_grad():
+            model.schedule.step(*args, target=target, losses=losses)
+        for part in model.parts:
+            part.zero_grad(set_to_none=True)
+    else:
+        model.schedule.eval(*args, target=target, losses=losses)
+    if not losses:
+        return torch.zeros((), device=device)
+    return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
+
+
+def mean_over(value: torch.Tensor, group) -> float:
+    """The mean of a scalar over a process group (every member must call this)."""
+    if group is not None:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG, group=group)
+    return value.item()
+
+
+def reduce_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
+    """The global mean loss: from the last pipeline stage (sum over pp), averaged over DP."""
+    if dims.pp > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=dims.mesh("pp").get_group())
+    return mean_over(loss, dims.dp_group)
+
+
+@torch.no_grad()
+def evaluate(model: ParallelModel, batches, micro_batch: int, device: torch.device, dims: ParallelDims,
+             context) -> float:
+    """The mean validation loss over `batches`, averaged over DP."""
+    for part in model.parts:
+        part.eval()
+    total = torch.zeros((), device=device)
+    for inputs, targets in batches:
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        with context():
+            if model.schedule is not None:
+                total += pipeline_loss(model, inputs, targets, device, train=False)
+                continue
+            for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
+                total += local_value(model.loss_fn(model.parts[0](x), y)) * len(x) / len(inputs)
+    for part in model.parts:
+        part.train()
+    return reduce_loss(total / len(batches), dims)
