@@ -119,9 +119,10 @@ def test_preemption_checkpoints_and_the_next_run_continues(straight, corpus, cli
     env = faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.5")
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 3:
-            break
+    while not ((tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 3):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail("the run logged no 3 steps within 120 s:\n" + proc.communicate()[1][-3000:])
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)

@@ -89,7 +89,7 @@ def test_large_exports_are_split_into_indexed_shards(trained, tmp_path):
     assert len(set(index["weight_map"].values())) > 1 and not (split / "model.safetensors").exists()
     a = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, torch_dtype=torch.float32)
     b = AutoModelForCausalLM.from_pretrained(split, local_files_only=True, torch_dtype=torch.float32)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     args = hf_model_args(split, vocab_multiple=96)
     model = Llama(args)
     load_hf_weights([model], split, args)  # import reads the index too

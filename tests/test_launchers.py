@@ -35,7 +35,7 @@ def reference(corpus, cli_env, tmp_path_factory):
 def same_run(reference, run_dir):
     got = read_metrics(run_dir)
     assert len(got) == len(reference)
-    for r, g in zip(reference, got):
+    for r, g in zip(reference, got, strict=True):
         assert abs(g["loss"] - r["loss"]) <= 1e-5 * r["loss"] and abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * r["grad_norm"]
 
 

@@ -86,7 +86,7 @@ def test_layout_matches_single_process(name, reference, layout_run):
     run_dir, _ = layout_run(name)
     ref, got = read_metrics(reference), read_metrics(run_dir)
     assert [m["step"] for m in got] == list(range(1, 11))
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         assert rel(g["loss"], r["loss"]) <= 1e-4, (g["step"], r["loss"], g["loss"])
         assert rel(g["grad_norm"], r["grad_norm"]) <= 1e-4, (g["step"], r["grad_norm"], g["grad_norm"])
     assert rel(got[-1]["val_loss"], ref[-1]["val_loss"]) <= 1e-4
@@ -138,7 +138,7 @@ def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_
     """bf16 with bf16 kernels, and with fp32 arithmetic (what "auto" picks on a CPU without AMX)."""
     result = launch(corpus, cli_env, tmp_path, nproc, ["--training.dtype", "bf16", *extra])
     assert ("bf16 (fp32 arithmetic)" in result.stdout) == ("fp32" in extra)
-    for r, b in zip(read_metrics(reference), read_metrics(tmp_path)):
+    for r, b in zip(read_metrics(reference), read_metrics(tmp_path), strict=True):
         assert rel(b["loss"], r["loss"]) <= 0.02, (r["step"], r["loss"], b["loss"])
 
 

@@ -115,7 +115,7 @@ def train_losses(fp32_compute: bool, steps: int = 4) -> list[float]:
 def test_training_follows_the_bf16_kernels():
     native, ours = train_losses(False), train_losses(True)
     assert ours[-1] < ours[0] - 0.05  # it learns
-    for a, b in zip(native, ours):
+    for a, b in zip(native, ours, strict=True):
         assert abs(a - b) <= 5e-3 * a, (native, ours)
 
 

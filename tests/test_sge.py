@@ -31,7 +31,11 @@ def test_qsub_pe_mpi_2_runs_the_generated_script(sge, corpus, cli_env, tmp_path)
     job = subprocess.run(["qsub", "-terse", "-v", mpi_env, str(script)], cwd=tmp_path, capture_output=True, text=True,
                          check=True).stdout.strip()
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and job in subprocess.run(["qstat"], capture_output=True, text=True).stdout:
+    while job in subprocess.run(["qstat"], capture_output=True, text=True).stdout:
+        if time.monotonic() > deadline:
+            subprocess.run(["qdel", job], capture_output=True)
+            pytest.fail(f"SGE job {job} still queued or running after 300 s:\n" + subprocess.run(
+                ["qstat", "-j", job], capture_output=True, text=True).stdout[-2000:])
         time.sleep(0.5)
     log = (tmp_path / "logs" / "meshtrain.log").read_text()
     assert "world 2" in log, log[-3000:]

@@ -47,7 +47,7 @@ def test_clipping_in_the_optimizer_equals_clip_grad_norm_then_adamw():
         assert ref_norm > 0.05 and skipped.item() == 0
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=0)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 

@@ -47,7 +47,7 @@ def test_ddp_matches_single_process_loss_grad_norm_and_weights(single_run, corpu
     assert "world 2" in result.stdout
     single, ddp = read_metrics(single_run[0]), read_metrics(tmp_path)
     assert len(single) == len(ddp) == 10
-    for s, d in zip(single, ddp):
+    for s, d in zip(single, ddp, strict=True):
         assert rel(d["loss"], s["loss"]) <= 1e-5, (s, d)
         assert rel(d["grad_norm"], s["grad_norm"]) <= 1e-5, (s, d)
     w_single, w_ddp = load_file(single_run[0] / "model.safetensors"), load_file(tmp_path / "model.safetensors")
@@ -96,5 +96,5 @@ def test_external_torchrun_runs_the_same_training(single_run, corpus, cli_env, t
     import subprocess
     result = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    for s, d in zip(read_metrics(single_run[0]), read_metrics(tmp_path)):
+    for s, d in zip(read_metrics(single_run[0]), read_metrics(tmp_path), strict=True):
         assert rel(d["loss"], s["loss"]) <= 1e-5 and rel(d["grad_norm"], s["grad_norm"]) <= 1e-5

@@ -96,7 +96,7 @@ def _add_config_keys(parser: argparse.ArgumentParser) -> None:
     """Every config key, with its type, default and docstring, in `meshtrain train --help`."""
     import typing
 
-    from meshtrain.config import config_keys, describe_type
+    from meshtrain.config import config_keys
 
     def metavar(hint) -> str:
         if typing.get_origin(hint) is typing.Literal:
@@ -115,7 +115,6 @@ def _add_config_keys(parser: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshtrain.config import load_config
-    from meshtrain.launch import detect
     from meshtrain.logs import setup_logging
 
     cfg = load_config(args.config, overrides)

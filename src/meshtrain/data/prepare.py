@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sysconfig
 import zlib
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.errors import DataError
+from meshtrain.files import atomic_directory
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
@@ -140,7 +139,6 @@ def prepare(
     dtype: str = "auto",
     progress: bool = True,
 ) -> dict:
-    from rich.progress import Progress
     from tokenizers import Tokenizer
 
     out = Path(out)
@@ -177,14 +175,36 @@ def prepare(
     if val_fraction > 0 and (not val_docs or not train_docs) and len(docs) >= 2:
         train_docs, val_docs = docs[:-1], docs[-1:]  # too few documents for a hashed split
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    with atomic_directory(out) as tmp:  # a finished dataset is only ever replaced by a finished one
+        counts = _write_tokens(tmp, tok, train_docs, val_docs, eos_id, dtype, progress)
+        tok.save(str(tmp / "tokenizer.json"))
+        manifest = {
+            "format_version": 1,
+            "dtype": dtype,
+            "vocab_size": n_vocab,
+            "eos_id": eos_id,
+            "tokenizer": "tokenizer.json",
+            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
+            "train_tokens": counts["train"],
+            "val_tokens": counts["val"],
+            "documents": {"train": len(train_docs), "val": len(val_docs)},
+            "val_fraction": val_fraction,
+            "input_files": len(files),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _write_tokens(out: Path, tok, train_docs: list[Document], val_docs: list[Document], eos_id: int | None,
+                  dtype: str, progress: bool) -> dict[str, int]:
+    """train.bin and val.bin: each document's tokens, then EOS; returns the token counts."""
+    from rich.progress import Progress
+
     counts = {}
     with Progress(disable=not progress, transient=True) as bar:
         for split, split_docs in (("train", train_docs), ("val", val_docs)):
             task = bar.add_task(f"tokenizing {split}", total=sum(len(d.text) for d in split_docs))
-            with (tmp / f"{split}.bin").open("wb") as f:
+            with (out / f"{split}.bin").open("wb") as f:
                 counts[split] = 0
                 for start in range(0, len(split_docs), 256):
                     chunk = split_docs[start : start + 256]
@@ -193,31 +213,7 @@ def prepare(
                         np.asarray(ids, dtype=DTYPES[dtype]).tofile(f)
                         counts[split] += len(ids)
                     bar.advance(task, sum(len(d.text) for d in chunk))
-    tok.save(str(tmp / "tokenizer.json"))
-    manifest = {
-        "format_version": 1,
-        "dtype": dtype,
-        "vocab_size": n_vocab,
-        "eos_id": eos_id,
-        "tokenizer": "tokenizer.json",
-        "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
-        "train_tokens": counts["train"],
-        "val_tokens": counts["val"],
-        "documents": {"train": len(train_docs), "val": len(val_docs)},
-        "val_fraction": val_fraction,
-        "input_files": len(files),
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-    if out.exists():  # replace a finished dataset only by a finished one
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(out)
-    return manifest
+    return counts
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 
 from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, verify
 from meshtrain.errors import MeshtrainError
+from meshtrain.files import atomic_directory
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
 
 LAYER_NAMES = {
@@ -168,22 +167,13 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
     eos_id = tok.token_to_id(eos) if eos else None
 
     out = Path(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_torch_state_dict(hf_state_dict(model, args), tmp, max_shard_size=max_shard_size)
-    (tmp / "config.json").write_text(json.dumps(hf_config(args, eos_id), indent=2))
-    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token=eos, bos_token=eos).save_pretrained(tmp)
-    (tmp / "meshtrain.json").write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        save_torch_state_dict(hf_state_dict(model, args), tmp, max_shard_size=max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(hf_config(args, eos_id), indent=2))
+        generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token=eos, bos_token=eos).save_pretrained(tmp)
+        (tmp / "meshtrain.json").write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
     return out
 
 
