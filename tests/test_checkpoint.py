@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resharding, crash and preemption recovery, corrupt checkpoints."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -31,7 +32,8 @@ FAULTS = str(Path(__file__).parent / "faults")  # sitecustomize.py: fault inject
 
 
 def faulty(cli_env: dict, **faults: str) -> dict:
-    return {**cli_env, "PYTHONPATH": FAULTS, **faults}
+    path = os.pathsep.join(p for p in (FAULTS, cli_env.get("PYTHONPATH")) if p)
+    return {**cli_env, "PYTHONPATH": path, **faults}
 
 
 def train(corpus, cli_env, run_dir, *extra, env=None, check=True):

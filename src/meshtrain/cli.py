@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.launch.jobscript import GENERATORS
@@ -139,8 +138,6 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
-    from pathlib import Path
-
     from meshtrain.launch.jobscript import JobSpec, render
 
     spec = JobSpec(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
@@ -151,8 +148,9 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
     files = render(args.kind, spec)
     for suffix, text in files.items():
         if args.out:
-            path = Path(args.out + suffix)
-            path.write_text(text)
+            from meshtrain.files import write_text
+
+            path = write_text(args.out + suffix, text)
             if text.startswith("#!"):
                 path.chmod(0o755)
             print(f"wrote {path}")
@@ -182,7 +180,9 @@ def _bench_comm(args: argparse.Namespace, argv: list[str]) -> int:
     if rows:
         print(format_table(rows), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+            from meshtrain.files import write_json
+
+            write_json(args.json, rows)
     return 0
 
 

@@ -125,6 +125,17 @@ def train_bpe(texts: list[str], vocab_size: int):
     return tok
 
 
+def load_tokenizer(path: str | Path):
+    from tokenizers import Tokenizer
+
+    if not Path(path).is_file():
+        raise DataError(f"tokenizer file {path} does not exist")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise DataError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
+
+
 def _is_val(doc: Document, val_fraction: float) -> bool:
     """Split by a hash of the content, so the split is the same on every machine and input order."""
     return zlib.crc32(doc.text.encode()) % 10_000 < val_fraction * 10_000
@@ -139,8 +150,6 @@ def prepare(
     dtype: str = "auto",
     progress: bool = True,
 ) -> dict:
-    from tokenizers import Tokenizer
-
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
@@ -149,15 +158,7 @@ def prepare(
     if not docs:
         raise DataError(f"the input ({', '.join(map(str, inputs))}) holds no text")
 
-    if tokenizer is not None:
-        if not Path(tokenizer).is_file():
-            raise DataError(f"tokenizer file {tokenizer} does not exist")
-        try:
-            tok = Tokenizer.from_file(str(tokenizer))
-        except Exception as e:
-            raise DataError(f"{tokenizer} is not a Hugging Face tokenizer.json ({e})") from None
-    else:
-        tok = train_bpe([d.text for d in docs], vocab_size or 8192)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else train_bpe([d.text for d in docs], vocab_size or 8192)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
     eos_id = next((tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
 

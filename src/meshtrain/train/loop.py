@@ -96,6 +96,13 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
                                "model": dataclasses.asdict(s.args)}, blocking=blocking)
 
 
+def warn_skips(step: int, skipped: int, reported: int) -> int:
+    if skipped > reported:
+        log.warning(f"step {step}: {skipped - reported} step(s) skipped since the last log (non-finite gradient "
+                    f"norm; {skipped} in all)")
+    return skipped
+
+
 def report_memory(s: TrainState, metrics: MetricsLogger) -> None:
     """Every rank's parameter, gradient and optimizer bytes and peak memory: logged and memory.json."""
     report = gather_memory_report(s.model.parameters(), s.optimizer)
@@ -140,9 +147,8 @@ def train(cfg: Config) -> dict:
     s = build(cfg, env)
     t, ckpt = cfg.training, s.checkpointer
     compute_dtype = arithmetic_dtype(t, s.device)
-    fp32_arithmetic = t.dtype == "bf16" and compute_dtype == torch.float32
     if env.rank == 0:
-        announce(s, f"{t.dtype}{' (fp32 arithmetic)' if fp32_arithmetic else ''}")
+        announce(s, f"{t.dtype}{' (fp32 arithmetic)' if t.dtype == 'bf16' and compute_dtype == torch.float32 else ''}")
     start_step, skipped = resume(s)
     metrics = MetricsLogger(Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress,
                             start_step)
@@ -171,10 +177,7 @@ def train(cfg: Config) -> dict:
         if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
             record = {"loss": reduce_loss(loss, s.dims), "lr": lr, "grad_norm": grad_norm.item(),
                       "skipped_steps": int(skipped_total.item()), **meter.report()}
-            if record["skipped_steps"] > reported_skips:
-                log.warning(f"step {step}: {record['skipped_steps'] - reported_skips} step(s) skipped since the "
-                            f"last log (non-finite gradient norm; {record['skipped_steps']} in all)")
-                reported_skips = record["skipped_steps"]
+            reported_skips = warn_skips(step, record["skipped_steps"], reported_skips)
         if s.val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             record["val_loss"] = evaluate(s.model, s.val, t.micro_batch_size, s.device, s.dims, s.context)
         if record:
