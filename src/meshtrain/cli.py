@@ -13,8 +13,8 @@ from meshtrain.launch.jobscript import GENERATORS
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtrain", allow_abbrev=False,
-                                description="Train Llama-style language models on any launcher and layout; "
-                                "export them to Hugging Face.")
+                                description="Train Llama-style language models on any launcher and layout; export "
+                                "them to Hugging Face and serve them.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", allow_abbrev=False, help="train a model (any launcher, any layout)",
@@ -76,6 +76,26 @@ def _parser() -> argparse.ArgumentParser:
     comm.add_argument("--iters", type=int, default=20)
     comm.add_argument("--json", help="also write the rows to this JSON file")
     comm.add_argument("--nproc", type=int, help="start this many local processes (torch elastic)")
+
+    s = sub.add_parser("serve", help="serve a run, checkpoint or Hugging Face directory (OpenAI-compatible API)")
+    s.add_argument("model", help="a run directory, a checkpoint, or a directory `meshtrain export` wrote")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", help="require Authorization: Bearer KEY")
+    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together (KV-cache slots)")
+    s.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's max_seq_len)")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    s.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on a GPU, else fp32")
+
+    g = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
+    g.add_argument("model", help="a run directory, a checkpoint, or a directory `meshtrain export` wrote")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
     e = sub.add_parser("env", help="print the launch environment this process detects")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -186,6 +206,14 @@ def _bench_comm(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace):
+    from meshtrain.serve import SamplingParams
+
+    if args.max_tokens < 1 or not 0 <= args.temperature <= 2 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise MeshtrainError("--max-tokens must be >= 1, --temperature in [0, 2], --top-p in (0, 1], --top-k >= 0")
+    return SamplingParams(args.max_tokens, args.temperature, args.top_p, args.top_k, [], args.seed)
+
+
 def _finish(code: int) -> None:
     """Leave a distributed worker in order: barrier, destroy the process group, flush, os._exit.
     Letting the interpreter tear down live gloo objects aborts ~1 run in 10 (pytorch#179291)."""
@@ -228,6 +256,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
                       f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})")
                 code = 0
+            elif args.command == "serve":
+                from meshtrain.serve import serve
+
+                code = serve(args.model, args.host, args.port, args.api_key, args.max_batch, args.max_context,
+                             args.device, args.dtype)
+            elif args.command == "generate":
+                from meshtrain.serve import generate_to_terminal
+
+                code = generate_to_terminal(args.model, args.prompt, _sampling(args), args.device)
             elif args.command == "bench":
                 code = _bench_comm(args, argv)
             elif args.command == "export":

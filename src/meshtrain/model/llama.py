@@ -54,11 +54,12 @@ def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torc
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent pair (x[2i], x[2i+1]) of every head by its position's angle.
 
-    x: (batch, seq, heads, head_dim); cos/sin: (seq, head_dim / 2).
+    x: (batch, seq, heads, head_dim); cos/sin: (seq, head_dim / 2), or (batch, seq, head_dim / 2) when
+    each sequence of the batch sits at its own positions (decoding with a KV cache).
     """
     pairs = x.float().unflatten(-1, (-1, 2))
     even, odd = pairs.unbind(-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None], sin[:, :, None])
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 

@@ -1,0 +1,72 @@
+"""Serving what was trained: `meshtrain serve` (an OpenAI-compatible server with continuous batching
+over a KV cache) and `meshtrain generate` (the same engine, streaming to the terminal)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.serve.engine import Engine, Request, SamplingParams
+from meshtrain.serve.loading import ServedModel, load_served_model
+
+__all__ = ["Engine", "Request", "SamplingParams", "ServedModel", "generate_to_terminal", "load_engine",
+           "load_served_model", "serve"]
+
+
+def load_engine(source: str, max_batch: int = 16, max_context: int | None = None, device: str = "auto",
+                dtype: str = "auto") -> tuple[ServedModel, Engine]:
+    if max_batch < 1:
+        raise MeshtrainError(f"--max-batch {max_batch} must be at least 1")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MeshtrainError("--device cuda but no CUDA device is visible; use auto or cpu")
+    dev = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    if dtype not in ("auto", "fp32", "bf16"):
+        raise MeshtrainError(f"--dtype {dtype} is unknown: use auto, fp32 or bf16")
+    torch_dtype = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and dev.type == "cuda") else torch.float32
+    served = load_served_model(source, dev, torch_dtype)
+    limit = served.model.args.max_seq_len
+    if max_context is not None and not 2 <= max_context <= limit:
+        raise MeshtrainError(f"--max-context {max_context} must be between 2 and the model's max_seq_len ({limit})")
+    return served, Engine(served.model, served.tokenizer, served.eos_id, max_batch, max_context or limit)
+
+
+def serve(source: str, host: str, port: int, api_key: str | None, max_batch: int, max_context: int | None,
+          device: str, dtype: str) -> int:
+    import uvicorn
+
+    from meshtrain.serve.app import create_app
+
+    served, engine = load_engine(source, max_batch, max_context, device, dtype)
+    print(f"serving {served.name} at http://{host}:{port}/v1 (max batch {max_batch}, context {engine.max_context} "
+          f"tokens{', API key required' if api_key else ''})", flush=True)
+    uvicorn.run(create_app(served, engine, api_key), host=host, port=port, log_level="warning")
+    engine.close()
+    return 0
+
+
+def generate_to_terminal(source: str, prompt: str, params: SamplingParams, device: str = "auto") -> int:
+    served, engine = load_engine(source, max_batch=1, device=device)
+    done = threading.Event()
+
+    def emit(event: tuple) -> None:
+        if event[0] == "text":
+            sys.stdout.write(event[1])
+            sys.stdout.flush()
+        else:
+            if event[0] == "error":
+                print(f"\nerror: {event[1]}", file=sys.stderr)
+            done.set()
+
+    ids = served.tokenizer.encode(prompt).ids
+    if not ids or len(ids) >= engine.max_context:
+        raise MeshtrainError(f"the prompt has {len(ids)} tokens: it must have 1 to {engine.max_context - 1}")
+    params.max_tokens = min(params.max_tokens, engine.max_context - len(ids))
+    sys.stdout.write(prompt)
+    engine.submit(Request(ids, params, emit))
+    done.wait()
+    print()
+    engine.close()
+    return 0

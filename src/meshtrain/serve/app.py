@@ -1,0 +1,228 @@
+"""The OpenAI-compatible HTTP API (FastAPI): models, completions and chat completions, streamed as
+server-sent events or returned whole; health and Prometheus metrics. Every error is an OpenAI-style
+body with the right status; the engine thread does the generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshtrain.serve.engine import Engine, SamplingParams
+from meshtrain.serve.engine import Request as Generation
+from meshtrain.serve.loading import ServedModel
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="meshtrain", docs_url=None, redoc_url=None)
+    registry = CollectorRegistry()
+    requests_total = Counter("meshtrain_requests", "HTTP requests by path and status", ["path", "status"],
+                             registry=registry)
+    tokens = Counter("meshtrain_generated_tokens", "tokens generated", registry=registry)
+    Gauge("meshtrain_queue_length", "requests waiting for a batch slot", registry=registry) \
+        .set_function(lambda: engine.waiting.qsize())
+    Gauge("meshtrain_running_requests", "requests in the running batch", registry=registry) \
+        .set_function(lambda: len(engine.running))
+    ttft = Histogram("meshtrain_time_to_first_token_seconds", "time from arrival to first token", registry=registry,
+                     buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+    engine.on_first_token, engine.on_tokens = ttft.observe, tokens.inc
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        requests_total.labels(request.url.path if request.url.path.startswith("/v1/") else "other",
+                              str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+        return JSONResponse(error_body(e.message, kind, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return JSONResponse(error_body("the request body is not valid JSON", "invalid_request_error"), 400)
+        first = errors[0]
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", "invalid_request_error", param), 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        return JSONResponse(error_body(f"internal error: {e}", "server_error"), 500)
+
+    async def authorize(request: Request) -> None:
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served.name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                            "owned_by": "meshtrain"}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest):
+        prompt = body.prompt if isinstance(body.prompt, str) else _single(body.prompt)
+        return await _generate(served, engine, body, prompt, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatRequest):
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        prompt = served.render_chat([m.model_dump() for m in body.messages])
+        return await _generate(served, engine, body, prompt, chat=True)
+
+    return app
+
+
+def _single(prompts: list[str]) -> str:
+    if len(prompts) != 1:
+        raise APIError(400, "prompt: send one prompt per request (a list of one string is accepted)", "prompt")
+    return prompts[0]
+
+
+def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list[int]) -> SamplingParams:
+    if body.model != served.name:
+        raise APIError(404, f"model {body.model!r} does not exist: this server serves {served.name!r}", "model",
+                       "model_not_found")
+    if body.n != 1:
+        raise APIError(400, "n: only n = 1 is supported", "n")
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "prompt")
+    room = engine.max_context - len(prompt_ids)
+    max_tokens = body.max_tokens if body.max_tokens is not None else max(1, min(16, room))
+    if room < 1 or max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {engine.max_context} tokens; the prompt has "
+                            f"{len(prompt_ids)} and max_tokens asks for {max_tokens}: shorten the prompt or lower "
+                            "max_tokens", "max_tokens", "context_length_exceeded")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not s for s in stop):
+        raise APIError(400, "stop: up to 4 non-empty strings", "stop")
+    return SamplingParams(max_tokens, body.temperature, body.top_p, max(0, body.top_k), stop, body.seed)
+
+
+async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt: str, chat: bool):
+    prompt_ids = served.tokenizer.encode(prompt).ids
+    params = _check(served, engine, body, prompt_ids)
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    generation = Generation(prompt_ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    engine.submit(generation)
+    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": served.name}
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_stream(generation, events, meta, chat, include_usage), media_type="text/event-stream")
+    text, finish = [], None
+    try:
+        while finish is None:
+            kind, value = await events.get()
+            if kind == "text":
+                text.append(value)
+            elif kind == "error":
+                raise APIError(500, value)
+            else:
+                finish = value
+    finally:
+        generation.cancel()  # a client that went away frees its slot
+    usage = _usage(generation)
+    if chat:
+        return {**meta, "object": "chat.completion", "usage": usage, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}]}
+    return {**meta, "object": "text_completion", "usage": usage, "choices": [
+        {"index": 0, "text": "".join(text), "finish_reason": finish, "logprobs": None}]}
+
+
+def _usage(generation: Generation) -> dict:
+    prompt, completion = len(generation.prompt), len(generation.generated)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _stream(generation: Generation, events: asyncio.Queue, meta: dict, chat: bool, include_usage: bool):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
+        if chat:
+            content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": content, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+
+    try:
+        if chat:
+            yield chunk(None, first=True)
+        while True:
+            kind, value = await events.get()
+            if kind == "text":
+                yield chunk(value)
+            elif kind == "error":
+                yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
+                break
+            else:
+                yield chunk(None, finish=value)
+                if include_usage:
+                    yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': _usage(generation)})}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        generation.cancel()  # also when the client disconnected mid-stream

@@ -1,0 +1,171 @@
+"""The generation engine: continuous batching over a KV cache, in one background thread.
+
+Requests wait in a queue; between two decode steps the engine admits waiting requests into free
+cache slots (one prefill forward each, which also samples their first token), then runs one
+batched decode forward for every running request, samples each one's next token with its own
+settings and generator, and streams the new text out. A finished or cancelled request (a client
+that went away) frees its slot at the next step, so a new one can take it at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from meshtrain.model import Llama
+from meshtrain.model.kv_cache import KVCache, forward_cached
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Request:
+    """One generation. `emit` is called from the engine thread with ("text", delta) events, then one
+    ("done", finish_reason) or ("error", message)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[tuple], None]
+    cancelled: bool = False
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # the text emitted so far
+    slot: int = -1
+    submitted: float = field(default_factory=time.perf_counter)
+    generator: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Engine:
+    def __init__(self, model: Llama, tokenizer, eos_id: int | None, max_batch: int, max_context: int,
+                 on_first_token: Callable[[float], None] | None = None, on_tokens: Callable[[int], None] | None = None):
+        self.model, self.tokenizer, self.eos_id = model.eval(), tokenizer, eos_id
+        self.max_batch, self.max_context = max_batch, max_context
+        self.device = model.tok_embeddings.weight.device
+        self.cache = KVCache(model, max_batch, max_context)
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.running: list[Request] = []
+        self.free = list(range(max_batch))
+        self.on_first_token = on_first_token or (lambda seconds: None)
+        self.on_tokens = on_tokens or (lambda n: None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="meshtrain-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        self.waiting.put(request)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.waiting.put(None)  # wake the loop
+        self._thread.join(timeout=10)
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._admit(block=not self.running)
+            self.running = [r for r in self.running if not self._finished_or_cancelled(r)]
+            if self.running:
+                try:
+                    self._decode()
+                except Exception as e:  # a failure ends these requests, never the server
+                    for r in self.running:
+                        self._finish(r, ("error", f"generation failed: {e}"))
+                    self.running = []
+
+    def _admit(self, block: bool) -> None:
+        while self.free:
+            try:
+                request = self.waiting.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return
+            if request is None or request.cancelled:
+                block = False
+                continue
+            request.slot = self.free.pop()
+            seed = request.params.seed if request.params.seed is not None else torch.seed()
+            request.generator = torch.Generator(device=self.device).manual_seed(seed)
+            try:
+                tokens = torch.tensor([request.prompt], device=self.device)
+                logits = forward_cached(self.model, self.cache, tokens, torch.tensor([request.slot], device=self.device),
+                                        torch.arange(len(request.prompt), device=self.device)[None])
+                self.on_first_token(time.perf_counter() - request.submitted)
+                self.running.append(request)
+                self._accept(request, self._sample(logits[0], request))
+            except Exception as e:
+                self._finish(request, ("error", f"generation failed: {e}"))
+            block = False
+
+    def _decode(self) -> None:
+        batch = self.running
+        tokens = torch.tensor([[r.generated[-1]] for r in batch], device=self.device)
+        positions = torch.tensor([[len(r.prompt) + len(r.generated) - 1] for r in batch], device=self.device)
+        slots = torch.tensor([r.slot for r in batch], device=self.device)
+        logits = forward_cached(self.model, self.cache, tokens, slots, positions)
+        for row, request in zip(logits, batch, strict=True):
+            self._accept(request, self._sample(row, request))
+
+    def _sample(self, logits: torch.Tensor, request: Request) -> int:
+        p = request.params
+        if p.temperature <= 0:
+            return int(logits.argmax())
+        logits = logits.float() / p.temperature
+        if p.top_k:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, -1)
+        if p.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p  # keep the smallest set reaching top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
+        return int(torch.multinomial(probs, 1, generator=request.generator))
+
+    def _accept(self, request: Request, token: int) -> None:
+        """Add a sampled token, stream the new text, and finish on EOS, a stop string or a limit."""
+        if token == self.eos_id:
+            return self._finish(request, ("done", "stop"))
+        request.generated.append(token)
+        self.on_tokens(1)
+        text = self.tokenizer.decode(request.generated)
+        stop_at = min((i for i in (text.find(s) for s in request.params.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            self._emit_text(request, text[:stop_at])
+            return self._finish(request, ("done", "stop"))
+        if len(request.generated) >= request.params.max_tokens or \
+                len(request.prompt) + len(request.generated) >= self.max_context:
+            self._emit_text(request, text)
+            return self._finish(request, ("done", "length"))
+        # Hold back an incomplete UTF-8 character and what could still become a stop string.
+        hold = max((len(s) - 1 for s in request.params.stop), default=0)
+        safe = text.rstrip("\ufffd")
+        self._emit_text(request, safe[: len(safe) - hold] if hold else safe)
+
+    def _emit_text(self, request: Request, text: str) -> None:
+        if len(text) > len(request.text) and text.startswith(request.text):
+            request.emit(("text", text[len(request.text):]))
+            request.text = text
+
+    def _finish(self, request: Request, event: tuple) -> None:
+        request.emit(event)
+        request.cancelled = True  # leaves the running batch at the next step
+
+    def _finished_or_cancelled(self, request: Request) -> bool:
+        if request.cancelled and request.slot >= 0:
+            self.free.append(request.slot)
+            request.slot = -1
+        return request.cancelled

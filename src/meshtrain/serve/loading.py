@@ -1,0 +1,73 @@
+"""What `meshtrain serve` and `meshtrain generate` load: a run directory (its model.safetensors or
+latest checkpoint), a checkpoint directory, or a Hugging Face Llama directory (what `meshtrain
+export` writes), with its tokenizer, end-of-text token and chat template."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.model import Llama
+
+from meshtrain.interop.hf import DEFAULT_CHAT_TEMPLATE
+
+
+@dataclass
+class ServedModel:
+    name: str
+    model: Llama
+    tokenizer: object  # tokenizers.Tokenizer
+    eos_id: int | None
+    eos_token: str | None
+    chat_template: str
+
+    def render_chat(self, messages: list[dict]) -> str:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                          bos_token="", eos_token=self.eos_token or "")
+
+
+def _chat_template(directory: Path) -> str:
+    """The tokenizer's own template (chat_template.jinja, or tokenizer_config.json), else the default."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    config = directory / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template or DEFAULT_CHAT_TEMPLATE
+
+
+def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
+    from tokenizers import Tokenizer
+
+    from meshtrain.data.prepare import EOS_CANDIDATES
+    from meshtrain.interop.hf import hf_model_args, load_full_model, load_hf_weights
+
+    path = Path(source)
+    if not path.exists():
+        raise MeshtrainError(f"{path} does not exist: serve a run directory, a checkpoint or an exported Hugging "
+                             "Face directory")
+    if (path / "config.json").is_file():  # a Hugging Face directory
+        args = hf_model_args(path)
+        model = Llama(args)
+        model.init_weights(0)
+        load_hf_weights([model], path, args)
+        tokenizer_dir = path
+    else:
+        model, args, tokenizer_dir = load_full_model(path)
+    tokenizer_file = tokenizer_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise MeshtrainError(f"{tokenizer_file} is missing: the server needs the model's tokenizer")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+    model = model.to(device=device, dtype=dtype)
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    return ServedModel(path.resolve().name, model.eval(), tokenizer, tokenizer.token_to_id(eos) if eos else None, eos,
+                       _chat_template(tokenizer_dir))

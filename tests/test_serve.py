@@ -1,0 +1,268 @@
+"""`meshtrain serve`: a real uvicorn server on a free loopback port, driven by the official `openai`
+client and raw HTTP; answers compared with Hugging Face transformers' greedy generate() on the
+exported model, KV-cache decoding with full recomputation, concurrent answers with lone ones."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import run_cli, train_args
+
+from meshtrain.model import Llama, ModelArgs
+from meshtrain.model.generate import generate
+from meshtrain.serve import Engine, Request, SamplingParams
+
+KEY = "test-key"
+PROMPTS = ["def ", "import os\n", "class Foo", "    return ", "for i in range(", "# ", "if x ==", "print(",
+           "self.", "with open(", "try:\n    ", "from . import", "x = [", "while True:", "raise ", "@property\n"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def exported(corpus, cli_env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("serve-run")
+    result = run_cli(train_args(corpus, run_dir, "--training.steps", "30", "--run.log_every", "10",
+                                "--model.max_seq_len", "1024"), cli_env)  # room for long generations
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_dir.parent / "hf-served"
+    assert run_cli(["export", str(run_dir), "--out", str(out)], cli_env).returncode == 0
+    return out
+
+
+def start_server(model_dir, cli_env, *extra):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "serve", str(model_dir), "--port", str(port), *extra],
+                            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the server did not come up within 120 s:\n" + proc.communicate()[1][-3000:])
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(exported, cli_env):
+    proc, url = start_server(exported, cli_env, "--api-key", KEY, "--max-batch", "16")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(exported):
+    """transformers' greedy generate() on the exported directory, decoded with its tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    tok = Tokenizer.from_file(str(exported / "tokenizer.json"))
+    eos = model.generation_config.eos_token_id
+
+    def run(prompt: str, n: int) -> str:
+        ids = torch.tensor([tok.encode(prompt).ids])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        new = [t for t in out[0, ids.shape[1]:].tolist() if t != eos]
+        return tok.decode(new)
+
+    return run
+
+
+def test_kv_cache_decoding_equals_full_recomputation():
+    torch.manual_seed(0)
+    model = Llama(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, max_seq_len=64))
+    model.init_weights(3)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (1, 5, 9, 17)]
+    expected = [generate(model, p, 20, temperature=0) for p in prompts]
+
+    class Chars:  # a tokenizer stand-in: one character per id
+        def decode(self, ids):
+            return "".join(chr(0x100 + i) for i in ids)
+
+    engine = Engine(model, Chars(), eos_id=None, max_batch=3, max_context=64)
+    done, got = threading.Semaphore(0), [None] * len(prompts)
+    requests = [Request(p, SamplingParams(max_tokens=20, temperature=0), lambda e: e[0] != "text" and done.release())
+                for p in prompts]
+    for r in requests:  # four requests, three slots: the last one joins when a slot frees
+        engine.submit(r)
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    engine.close()
+    got = [r.generated for r in requests]
+    assert got == expected
+
+
+def test_completions_and_chat_equal_transformers_greedy(client, exported, hf_greedy):
+    for prompt in PROMPTS[:3]:
+        expected = hf_greedy(prompt, 24)
+        whole = client.completions.create(model="hf-served", prompt=prompt, max_tokens=24, temperature=0)
+        assert whole.choices[0].text == expected
+        assert whole.usage.completion_tokens <= 24 and whole.usage.prompt_tokens > 0
+        assert whole.choices[0].finish_reason in ("stop", "length")
+        stream = client.completions.create(model="hf-served", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f():"}]
+    rendered = AutoTokenizer.from_pretrained(exported).apply_chat_template(messages, tokenize=False,
+                                                                           add_generation_prompt=True)
+    expected = hf_greedy(rendered, 16)
+    chat = client.chat.completions.create(model="hf-served", messages=messages, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == expected and chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="hf-served", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_sampling_options_seed_stop_and_length(client):
+    a = client.completions.create(model="hf-served", prompt="def ", max_tokens=20, temperature=1.0, top_p=0.9, seed=7,
+                                  extra_body={"top_k": 40})
+    b = client.completions.create(model="hf-served", prompt="def ", max_tokens=20, temperature=1.0, top_p=0.9, seed=7,
+                                  extra_body={"top_k": 40})
+    assert a.choices[0].text == b.choices[0].text  # the seed fixes the sample
+    full = client.completions.create(model="hf-served", prompt="import os\n", max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    if full.choices[0].finish_reason == "length":
+        assert full.usage.completion_tokens == 30
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if stop.strip():
+        cut = client.completions.create(model="hf-served", prompt="import os\n", max_tokens=30, temperature=0,
+                                        stop=[stop])
+        assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_streams_equal_their_lone_answers(client):
+    alone = {p: client.completions.create(model="hf-served", prompt=p, max_tokens=24, temperature=0).choices[0].text
+             for p in PROMPTS}
+    results = {}
+
+    def ask(prompt):
+        stream = client.completions.create(model="hf-served", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        results[prompt] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == alone
+
+
+BAD = [
+    ({}, {"model": "hf-served", "prompt": "x"}, 401, "authentication_error"),
+    ({"Authorization": "Bearer wrong"}, {"model": "hf-served", "prompt": "x"}, 401, "authentication_error"),
+    (None, {"model": "gpt-4", "prompt": "x"}, 404, "not_found_error"),
+    (None, {"model": "hf-served", "prompt": "x " * 1100}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "max_tokens": 100000}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": ""}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "n": 2}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": ["a", "b"]}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "max_tokens": "many"}, 422, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "temperature": 5}, 422, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": 3}, 422, "invalid_request_error"),
+    (None, {"prompt": "x"}, 422, "invalid_request_error"),
+    (None, {"model": "hf-served", "messages": []}, 422, "invalid_request_error"),
+]
+
+
+@pytest.mark.parametrize("headers, body, status, kind", BAD)
+def test_bad_requests_get_openai_errors(server, headers, body, status, kind):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = httpx.post(server + path, json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"} if headers is None else headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == kind and error["message"]
+
+
+def test_survives_malformed_bursts_and_abrupt_disconnects(server, client):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    bodies = [b"{bad", b"[]", b'{"model": 1}', b"\xff\xfe", b'{"model":"hf-served","prompt":{"a":1}}']
+    with httpx.Client(base_url=server, timeout=30) as http:
+        statuses = {http.post("/v1/completions", content=bodies[i % len(bodies)], headers=auth).status_code
+                    for i in range(200)}
+    assert statuses <= {400, 422}
+    before = generated_tokens(server)
+    body = json.dumps({"model": "hf-served", "prompt": "def ", "max_tokens": 900, "temperature": 0,
+                       "stream": True}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    for _ in range(50):  # read the headers and the first bytes of a stream, then hang up
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                      b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
+                      b"\r\n\r\n" + body)
+            assert s.recv(256).startswith(b"HTTP/1.1 200")
+    wait_until_idle(server)
+    assert generated_tokens(server) - before < 50 * 900 / 4  # the abandoned streams stopped early
+    answer = client.completions.create(model="hf-served", prompt="def ", max_tokens=5, temperature=0)
+    assert answer.usage.completion_tokens >= 1
+    metrics = httpx.get(server + "/metrics").text
+    assert 'meshtrain_requests_total{path="/v1/completions",status="400"}' in metrics
+    assert "meshtrain_time_to_first_token_seconds_count" in metrics
+
+
+def generated_tokens(url: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("meshtrain_generated_tokens_total"))
+    return float(line.split()[-1])
+
+
+def wait_until_idle(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while "meshtrain_running_requests 0.0" not in httpx.get(url + "/metrics").text:
+        assert time.monotonic() < deadline, "the running batch did not empty"
+        time.sleep(0.1)
+
+
+def test_a_disconnected_stream_frees_its_only_slot(exported, cli_env):
+    proc, url = start_server(exported, cli_env, "--max-batch", "1")
+    try:
+        body = {"model": "hf-served", "prompt": "def ", "max_tokens": 1000, "temperature": 0, "stream": True}
+        control = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 300, "stream": False}, timeout=120)
+        assert control.json()["usage"]["completion_tokens"] == 300  # greedy "def " runs on without EOS
+        before = generated_tokens(url)
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())
+        answer = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3, "stream": False}, timeout=120)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+        wait_until_idle(url)
+        assert generated_tokens(url) - before < 1000  # the abandoned stream stopped when its client left
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_generate_streams_to_the_terminal(exported, cli_env, hf_greedy):
+    result = run_cli(["generate", str(exported), "--prompt", "def ", "--max-tokens", "12", "--temperature", "0"],
+                     cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 12)
