@@ -1,11 +1,11 @@
-"""python -m bench [throughput|scaling|memory|plots|all] [options]: see bench/README.md."""
+"""python -m bench [throughput|scaling|memory|serve|plots|all] [options]: see bench/README.md."""
 
 import argparse
 
-from bench import memory, plots, scaling, throughput
+from bench import memory, plots, scaling, serve, throughput
 
 p = argparse.ArgumentParser(prog="python -m bench")
-p.add_argument("suite", nargs="?", default="all", choices=("throughput", "scaling", "memory", "plots", "all"))
+p.add_argument("suite", nargs="?", default="all", choices=("throughput", "scaling", "memory", "serve", "plots", "all"))
 p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
 p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
 p.add_argument("--batch", type=int, default=8, help="throughput: sequences per step")
@@ -19,8 +19,11 @@ p.add_argument("--procs", type=int, default=0, help="scaling: processes (default
 p.add_argument("--data-path", default="", help="scaling/memory: a prepared data set (default: the stdlib corpus)")
 p.add_argument("--memory-preset", default="small")
 p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+p.add_argument("--serve-preset", default="tiny", help="serve: the model served")
+p.add_argument("--serve-tokens", type=int, default=64, help="serve: new tokens per request")
 a = p.parse_args()
-for name, suite in (("throughput", throughput), ("scaling", scaling), ("memory", memory), ("plots", plots)):
+for name, suite in (("throughput", throughput), ("scaling", scaling), ("memory", memory), ("serve", serve),
+                    ("plots", plots)):
     if a.suite in (name, "all"):
         print(f"== {name}", flush=True)
         suite.main(a)

@@ -45,7 +45,7 @@ def _attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     return attn.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def forward_cached(model: Llama, cache: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
     """tokens and positions (batch, seq) of the sequences in cache `slots` (batch,) -> logits of the

@@ -76,6 +76,7 @@ class Engine:
 
     # --- the engine thread -------------------------------------------------------------------
 
+    @torch.inference_mode()
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._admit(block=not self.running)
@@ -117,8 +118,10 @@ class Engine:
         positions = torch.tensor([[len(r.prompt) + len(r.generated) - 1] for r in batch], device=self.device)
         slots = torch.tensor([r.slot for r in batch], device=self.device)
         logits = forward_cached(self.model, self.cache, tokens, slots, positions)
-        for row, request in zip(logits, batch, strict=True):
-            self._accept(request, self._sample(row, request))
+        greedy = logits.argmax(-1).tolist()  # one op for every temperature-0 request
+        for i, request in enumerate(batch):
+            token = greedy[i] if request.params.temperature <= 0 else self._sample(logits[i], request)
+            self._accept(request, token)
 
     def _sample(self, logits: torch.Tensor, request: Request) -> int:
         p = request.params
