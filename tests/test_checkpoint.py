@@ -114,28 +114,70 @@ def test_crash_recovery_with_elastic_restart(fault, use_async, straight, corpus,
     assert all((tmp_path / "checkpoints" / f"step_{s:08d}" / MARKER).is_file() for s in steps)
 
 
-@pytest.mark.multiproc
-def test_preemption_checkpoints_and_the_next_run_continues(straight, corpus, cli_env, tmp_path):
-    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, *SCHEDULE, *LAYOUTS["ddp2"])]
-    args[args.index("--training.steps") + 1] = "12"
-    env = faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.5")
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_slow_run(corpus, cli_env, run_dir, steps_logged: int = 3) -> subprocess.Popen:
+    """`meshtrain train --nproc 2` with 0.5 s steps, once it has logged `steps_logged` steps."""
+    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, run_dir, *SCHEDULE, *LAYOUTS["ddp2"])]
+    proc = subprocess.Popen(args, env=faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.5"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not ((tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 3):
+    while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= steps_logged):
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
-            pytest.fail("the run logged no 3 steps within 120 s:\n" + proc.communicate()[1][-3000:])
+            pytest.fail(f"the run logged no {steps_logged} steps within 120 s:\n" + proc.communicate()[1][-3000:])
         time.sleep(0.2)
-    proc.send_signal(signal.SIGUSR1)
+    return proc
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sig, code", [(signal.SIGUSR1, 75), (signal.SIGTERM, 75), (signal.SIGINT, 130)],
+                         ids=["usr1", "term", "int"])
+def test_a_signal_to_the_launcher_checkpoints_and_the_next_run_continues(sig, code, straight, corpus, cli_env,
+                                                                        tmp_path):
+    """What Slurm does at preemption (SIGTERM or --signal=USR1 to the launcher) and Ctrl-C (SIGINT):
+    the workers finish their step, checkpoint and stop; one line, no traceback; the rerun continues
+    exactly."""
+    proc = start_slow_run(corpus, cli_env, tmp_path)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, out[-2000:] + err[-3000:]
-    assert "preempted: checkpoint of step" in out
+    assert proc.returncode == code, out[-2000:] + err[-3000:]
+    assert "checkpoint of step" in out and "Traceback" not in out + err, out[-2000:] + err[-3000:]
     stopped = max(losses(tmp_path))
     assert 3 <= stopped < 12
     result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"])
     assert f"step {stopped}" in result.stdout
     assert losses(tmp_path) == losses(straight["ddp2"])
     assert_same_weights(tmp_path, straight["ddp2"], exact=True)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+@pytest.mark.multiproc
+def test_workers_die_with_a_killed_launcher(corpus, cli_env, tmp_path):
+    proc = start_slow_run(corpus, cli_env, tmp_path, steps_logged=1)
+    workers = children(proc.pid)
+    assert len(workers) == 2, workers
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(alive(w) for w in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their launcher"
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are dead
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +192,18 @@ def test_corrupt_checkpoints_are_named(saved, tmp_path):
     good = saved / "step_00000008"
     assert verify(good)["step"] == 8
     for damage, fragment in [("truncate", "__1_0.distcp is"), ("remove", "missing __0_0.distcp"),
-                             ("metadata", ".metadata"), ("marker", "never committed")]:
+                             ("metadata", ".metadata does not match"), ("flip", "__1_0.distcp does not match"),
+                             ("marker", "never committed")]:
         bad = tmp_path / damage / "step_00000008"
         shutil.copytree(good, bad)
         if damage == "truncate":
             (bad / "__1_0.distcp").write_bytes((bad / "__1_0.distcp").read_bytes()[:100])
         elif damage == "remove":
             (bad / "__0_0.distcp").unlink()
+        elif damage == "flip":  # random bytes inside a shard, same size
+            data = bytearray((bad / "__1_0.distcp").read_bytes())
+            data[len(data) // 2: len(data) // 2 + 8] = bytes(range(8))
+            (bad / "__1_0.distcp").write_bytes(bytes(data))
         elif damage == "metadata":
             data = bytearray((bad / ".metadata").read_bytes())
             data[-1] ^= 0xFF
@@ -178,6 +225,14 @@ def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
     assert "step_00000012" in warnings[0]
     assert find_resume("none", root, warnings.append) is None
     assert find_resume(str(root), root, warnings.append) == root / "step_00000008"
+    shard = root / "step_00000008" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert find_resume("auto", root, warnings.append) == root / "step_00000004"  # falls back past the damage
+    assert "damaged" in warnings[-1] and "__0_0.distcp" in warnings[-1]
+    with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
+        find_resume(str(root / "step_00000008"), root, warnings.append)
 
 
 def test_resume_into_a_different_model_is_a_clear_error(saved, corpus, cli_env, tmp_path):

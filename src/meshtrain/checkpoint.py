@@ -5,17 +5,18 @@ A checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
                                  can load what any other layout saved)
   train_state.json               step, data-loader position, LR schedule, RNG, layout, model shape
   COMMITTED.json                 written last, once every rank has finished: step, layout, the size
-                                 of every file and the SHA-256 of .metadata
-A directory without COMMITTED.json is an interrupted save: `resume = "auto"` skips it with a
-warning. Older checkpoints are deleted only after a newer one has committed.
+                                 and CRC-32 of every file (each rank checksums the shards it wrote)
+A directory without COMMITTED.json is an interrupted save, and one whose files no longer match their
+checksums is damaged: `resume = "auto"` skips either with a warning and takes the previous one.
+Older checkpoints are deleted only after a newer one has committed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -49,12 +50,16 @@ def merge_parts(parts: list[nn.Module]) -> nn.Module:
     return merged
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def verify(path: Path) -> dict:
-    """The commit marker of a complete checkpoint, or a CheckpointError naming what is wrong."""
+    """The commit marker of a complete, unchanged checkpoint, or a CheckpointError naming what is wrong."""
     marker_path = path / MARKER
     if not marker_path.is_file():
         raise CheckpointError(f"checkpoint {path} was never committed (no {MARKER}): an interrupted save")
@@ -63,16 +68,16 @@ def verify(path: Path) -> dict:
         files = marker["files"]
     except (ValueError, KeyError):
         raise CheckpointError(f"{marker_path} is corrupt; resume from an earlier checkpoint") from None
-    for name, size in files.items():
+    for name, expected in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}: a shard was lost; resume from an earlier one")
-        if f.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint {path}: {name} is {f.stat().st_size} bytes, expected {size} (truncated or overwritten)"
-            )
-    if _sha256(path / ".metadata") != marker["metadata_sha256"]:
-        raise CheckpointError(f"checkpoint {path}: .metadata does not match its checksum in {MARKER}")
+        if f.stat().st_size != expected["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {name} is {f.stat().st_size} bytes, expected {expected['bytes']} "
+                                  "(truncated or overwritten); resume from an earlier one")
+        if crc32(f) != expected["crc32"]:
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum in {MARKER} (its bytes "
+                                  "changed after the save); resume from an earlier one")
     return marker
 
 
@@ -102,7 +107,11 @@ def find_resume(resume: str, root: Path, warn) -> Path | None:
         if not (path / MARKER).is_file():
             warn(f"skipping uncommitted checkpoint {path} (an interrupted save)")
             continue
-        verify(path)
+        try:
+            verify(path)
+        except CheckpointError as e:
+            warn(f"skipping damaged checkpoint: {e}")
+            continue
         return path
     return None
 
@@ -147,13 +156,18 @@ class Checkpointer:
             self._commit(step, path, train_state)
 
     def _commit(self, step: int, path: Path, train_state: dict) -> None:
+        # Each rank checksums the shards it has just written (still in the page cache), in parallel.
+        mine = {p.name: crc32(p) for p in path.glob(f"__{self.rank}_*.distcp")}
+        sums = [mine]
         if dist.is_initialized():
-            dist.barrier()  # every rank has written its shards
+            sums = [None] * dist.get_world_size()
+            dist.all_gather_object(sums, mine)  # also: every rank has written its shards
         if self.rank == 0:
             write_json(path / TRAIN_STATE, train_state)
-            files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != MARKER}
-            write_json(path / MARKER, {"step": step, "layout": train_state.get("layout"), "files": files,
-                                        "metadata_sha256": _sha256(path / ".metadata")})
+            known = {name: crc for rank_sums in sums for name, crc in rank_sums.items()}
+            files = {p.name: {"bytes": p.stat().st_size, "crc32": known.get(p.name) or crc32(p)}
+                     for p in sorted(path.iterdir()) if p.is_file() and p.name != MARKER}
+            write_json(path / MARKER, {"step": step, "layout": train_state.get("layout"), "files": files})
             self._prune()
         if dist.is_initialized():
             dist.barrier()

@@ -26,8 +26,28 @@ def pick_device(env: LaunchEnv, choice: str = "auto") -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
+def die_with_parent() -> None:
+    """Linux: this process is killed when the process that started it dies, whatever kills it (a
+    SIGKILLed launcher must not leave workers training, and holding GPUs, on a cluster node)."""
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def init_distributed(env: LaunchEnv, choice: str = "auto") -> torch.device:
-    """CUDA + NCCL (with gloo beside it for CPU tensors and object collectives), or CPU + gloo."""
+    """CUDA + NCCL (with gloo beside it for CPU tensors and object collectives), or CPU + gloo.
+    A process started by a launcher dies with it."""
+    if env.launcher != "single":
+        die_with_parent()
     device = pick_device(env, choice)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -4,33 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 from meshtrain.logs import log
 
 PREEMPTED_EXIT_CODE = 75  # what a worker returns after checkpointing on SIGTERM/SIGUSR1
-
-
-def _child_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-                pids.append(int(entry.name))
-    return pids
-
-
-def _forward_to_workers(signum, frame) -> None:
-    """Slurm's --signal=USR1@90 reaches this launcher; the workers checkpoint on it."""
-    for pid in _child_pids():
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+INTERRUPTED_EXIT_CODE = 130  # ... and after checkpointing on SIGINT (Ctrl-C)
+# Signals the launcher passes on to its workers (which checkpoint and exit), and how long it waits
+# for them before SIGKILL: a step and a checkpoint of a large model take minutes.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SHUTDOWN_TIMEOUT_S = 600
 
 
 def rendezvous_args(nnodes: int | None, node_rank: int | None, master_addr: str | None,
@@ -60,6 +42,7 @@ def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0, nn
                    master_port: int | None = None) -> int:
     """Run `python -m meshtrain <worker_argv>` in nproc processes on this node (torch elastic's
     agent); with several nodes, one such launcher per node. Returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -73,16 +56,22 @@ def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0, nn
     for key in [k for k in os.environ if k.startswith(("SLURM_PROCID", "SLURM_LOCALID", "PMI_", "OMPI_COMM_WORLD"))]:
         os.environ.pop(key)
     argv = [*rdzv, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.5", "-m", "meshtrain", *worker_argv]
-    signal.signal(signal.SIGUSR1, _forward_to_workers)
+            "--monitor-interval", "0.5", "--signals-to-handle", FORWARDED_SIGNALS,
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "-m", "meshtrain", *worker_argv]
     try:
         run(get_args_parser().parse_args(argv))
+    except SignalException as e:  # the agent has passed the signal on and waited for the workers to stop
+        interrupted = e.sigval == signal.SIGINT
+        log.warning(f"{'interrupted' if interrupted else 'preempted'} ({e.sigval.name}): the workers checkpointed "
+                    "and stopped; run the same command again to continue")
+        return INTERRUPTED_EXIT_CODE if interrupted else PREEMPTED_EXIT_CODE
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         # The agent stops the remaining workers with SIGTERM as soon as the first one exits.
-        if PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}:
-            log.warning("preempted: a checkpoint was saved; run the same command again to continue")
-            return PREEMPTED_EXIT_CODE
+        for code in (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE):
+            if code in codes and codes <= {code, -signal.SIGTERM}:
+                log.warning("stopped: a checkpoint was saved; run the same command again to continue")
+                return code
         failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(e.failures.items()))
         log.error(f"training failed ({failures}); see the worker output above")
         return 1

@@ -17,7 +17,7 @@ from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, write_text
 from meshtrain.launch import detect
-from meshtrain.launch.local import PREEMPTED_EXIT_CODE
+from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
 from meshtrain.model import flops_per_token
@@ -28,16 +28,23 @@ from meshtrain.train.step import evaluate, reduce_loss
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 (Slurm's --signal=USR1@90) only set a flag: every rank finishes its step,
-    then all agree (a MAX all-reduce) to checkpoint and exit together."""
+    """SIGTERM, SIGUSR1 (Slurm's --signal=USR1@90), SIGHUP, SIGQUIT and SIGINT (Ctrl-C) only set a
+    flag: every rank finishes its step, then all agree (a MAX all-reduce) to checkpoint and exit
+    together, with 130 after SIGINT and 75 (preempted) after the others. A second Ctrl-C stops at once."""
 
     def __init__(self):
         self.received = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    @property
+    def exit_code(self) -> int:
+        return INTERRUPTED_EXIT_CODE if self.received == signal.SIGINT else PREEMPTED_EXIT_CODE
 
 
 def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpointer) -> tuple[bool, bool, bool]:
@@ -140,7 +147,7 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
 
 
 def train(cfg: Config) -> dict:
-    """Returns {"history": logged metrics, "exit_code": 0, or PREEMPTED_EXIT_CODE}."""
+    """Returns {"history": logged metrics, "exit_code": 0, PREEMPTED_EXIT_CODE or INTERRUPTED_EXIT_CODE}."""
     start_time, signals = time.monotonic(), StopSignals()
     env = detect(launcher=cfg.launch.env)
     setup_logging(env.rank, cfg.run.log_level)
@@ -192,7 +199,7 @@ def train(cfg: Config) -> dict:
             save(s, step, int(skipped_total.item()), blocking=True)
             reason = "preempted" if preempted else "time limit reached" if out_of_time else "training.stop_at_step"
             log.info(f"{reason}: checkpoint of step {step} saved in {ckpt.root}; run again to continue")
-            exit_code = PREEMPTED_EXIT_CODE if preempted else 0
+            exit_code = signals.exit_code if preempted else 0
             break
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             save(s, step, int(skipped_total.item()))
