@@ -109,6 +109,8 @@ def test_crash_recovery_with_elastic_restart(fault, use_async, straight, corpus,
     if fault == "MESHTRAIN_FAIL_IN_SAVE_AT_STEP":
         assert "skipping uncommitted checkpoint" in result.stdout
     assert_same_weights(tmp_path, straight["ddp2"], exact=True)
+    logged = [m["step"] for m in read_metrics(tmp_path)]
+    assert logged == list(range(1, 13))  # the steps redone after the restart are logged once
     steps = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").iterdir())
     assert steps == [5, 10, 12]  # keep = 3, all committed
     assert all((tmp_path / "checkpoints" / f"step_{s:08d}" / MARKER).is_file() for s in steps)
@@ -260,3 +262,35 @@ def test_time_limit_checkpoints_before_the_budget_runs_out(straight, corpus, cli
     assert max(losses(tmp_path)) < 12 and not (tmp_path / "model.safetensors").exists()
     train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"])
     assert losses(tmp_path) == losses(straight["ddp2"])
+
+
+@pytest.mark.multiproc
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous(corpus, cli_env, tmp_path):
+    result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"], "--checkpoint.every", "4",
+                   env=faulty(cli_env, MESHTRAIN_ENOSPC_AT_STEP="8"), check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all("No space left on device" in e and "step 8" in e for e in errors), result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    assert verify(tmp_path / "checkpoints" / "step_00000004")["step"] == 4
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_no_room_for_a_checkpoint_is_refused_before_writing(corpus, cli_env, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        result = train(corpus, cli_env, tmp_path / "run", "--checkpoint.every", "4", "--checkpoint.dir",
+                       str(small / "ckpt"), check=False)
+        assert_user_error(result, "no room for the checkpoint of step 4", "GB are free")
+        assert not list((small / "ckpt").iterdir())
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_an_unwritable_run_dir_is_one_line(corpus, cli_env, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    result = train(corpus, cli_env, tmp_path / "file" / "run", check=False)
+    assert_user_error(result, "cannot write", str(tmp_path / "file"))

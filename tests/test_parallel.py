@@ -157,7 +157,6 @@ def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_
     (2, ["--parallel.tp", "2", "--parallel.zero", "3", "--model.vocab_multiple", "3"], "vocab_multiple (3)"),
 ])
 def test_layout_errors_name_the_numbers(world, overrides, fragment):
-    cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as e:
-        check_training(cfg, world_size=world)
+        check_training(load_config(None, overrides), world_size=world)
     assert fragment in str(e.value)

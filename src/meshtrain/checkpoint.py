@@ -13,6 +13,7 @@ Older checkpoints are deleted only after a newer one has committed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshtrain.errors import CheckpointError
-from meshtrain.files import write_json
+from meshtrain.files import FIXES, write_json
 from meshtrain.optim import local_optimizer
 
 MARKER = "COMMITTED.json"
@@ -135,16 +136,19 @@ class Checkpointer:
     def save(self, step: int, train_state: dict, blocking: bool = False) -> None:
         self.wait()
         path = self.root / f"step_{step:08d}"
+        self._check_space(step)
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # an uncommitted leftover of the same step
         if dist.is_initialized():
             dist.barrier()
         state = self._state()
-        if self.use_async and not blocking:
-            kwargs = {"process_group": self.async_group} if self.async_group is not None else {}
-            self.pending = (dcp.async_save(state, checkpoint_id=str(path), **kwargs), step, path, train_state)
-        else:
-            dcp.save(state, checkpoint_id=str(path))
+        with self._saving(step, path):
+            if self.use_async and not blocking:
+                kwargs = {"process_group": self.async_group} if self.async_group is not None else {}
+                self.pending = (dcp.async_save(state, checkpoint_id=str(path), **kwargs), step, path, train_state)
+            else:
+                dcp.save(state, checkpoint_id=str(path))
+        if self.pending is None:
             self._commit(step, path, train_state)
 
     def wait(self) -> None:
@@ -152,8 +156,37 @@ class Checkpointer:
         if self.pending is not None:
             future, step, path, train_state = self.pending
             self.pending = None
-            future.result()
+            with self._saving(step, path):
+                future.result()
             self._commit(step, path, train_state)
+
+    def _check_space(self, step: int) -> None:
+        """Refuse, before writing anything, a checkpoint the file system has no room for (every rank
+        adds up its model and optimizer bytes: the same total and the same answer everywhere)."""
+        from meshtrain.parallel.memory import model_state_bytes
+
+        local = model_state_bytes(list(self.model.parameters()), self.optimizer)
+        need = torch.tensor([float(local["params"] + local["optimizer"])])
+        if dist.is_initialized():
+            dist.all_reduce(need)
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if free < 1.05 * need.item():
+            raise CheckpointError(f"no room for the checkpoint of step {step} in {self.root}: it needs about "
+                                  f"{need.item() / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; free some space or "
+                                  "set checkpoint.dir to another file system (earlier checkpoints are intact)")
+
+    @contextlib.contextmanager
+    def _saving(self, step: int, path: Path):
+        """A failed save (disk full, read-only, quota) as one line naming the cause; earlier checkpoints stay."""
+        try:
+            yield
+        except Exception as e:
+            cause = _root_cause(e)
+            fix = FIXES.get(getattr(cause, "errno", None), "check the file system")
+            raise CheckpointError(f"saving the checkpoint of step {step} to {path} failed: "
+                                  f"{getattr(cause, 'strerror', None) or cause} ({fix}); earlier checkpoints are "
+                                  "intact") from None
 
     def _commit(self, step: int, path: Path, train_state: dict) -> None:
         # Each rank checksums the shards it has just written (still in the page cache), in parallel.
@@ -203,6 +236,24 @@ class Checkpointer:
         for group, options in zip(self.optimizer.param_groups, hyper):
             group.update(options)
         return train_state
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The OSError behind DCP's wrappers (its CheckpointException holds each rank's failure), else e."""
+    seen = set()
+    stack = [e]
+    while stack:
+        err = stack.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        stack += [x for x in (err.__cause__, err.__context__) if x is not None]
+    return e
 
 
 def rng_state() -> dict:

@@ -6,13 +6,22 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.launch.jobscript import GENERATORS
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one `error:` line, like every other mistake."""
+
+    def error(self, message: str):
+        hint = " (a value that starts with '-' is written --key=VALUE)" if "expected one argument" in message else ""
+        raise MeshtrainError(f"{self.prog}: {message}{hint}; see {self.prog} --help")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtrain", allow_abbrev=False,
+    p = _Parser(prog="meshtrain", allow_abbrev=False,
                                 description="Train Llama-style language models on any launcher and layout; export "
                                 "them to Hugging Face and serve them.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -139,8 +148,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     in_worker = "RANK" in os.environ  # a worker started by torch elastic (ours or torchrun)
     if args.nproc is not None and not in_worker:
-        if args.nproc < 1:
-            raise MeshtrainError(f"--nproc {args.nproc} must be at least 1")
+        if args.nproc < 1 or args.max_restarts < 0 or (args.nnodes is not None and args.nnodes < 1):
+            raise MeshtrainError(f"--nproc ({args.nproc}) and --nnodes must be at least 1, --max-restarts "
+                                 f"({args.max_restarts}) at least 0")
         from meshtrain.launch.local import launch_workers
         from meshtrain.train import check_training, ensure_dataset
 
@@ -158,8 +168,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
+    from meshtrain.config import load_config, parse_duration
     from meshtrain.launch.jobscript import JobSpec, render
 
+    load_config(args.config, train_args)  # the job must not fail later on its own config
+    parse_duration(args.time, "--time")
     spec = JobSpec(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    procs_per_node=args.procs_per_node, time=args.time, partition=args.partition, account=args.account,
                    job_name=args.job_name, container_image=args.container_image,
@@ -174,6 +187,10 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
             if text.startswith("#!"):
                 path.chmod(0o755)
             print(f"wrote {path}")
+            if "logs/" in text:  # Slurm and SGE open the log before the script runs: a missing logs/ kills the job
+                for logs in {Path("logs").resolve(), path.parent.resolve() / "logs"}:
+                    logs.mkdir(parents=True, exist_ok=True)
+                print("made logs/ here and beside the script: submit from one of these directories")
         else:
             print(text, end="")
     return 0
@@ -191,6 +208,9 @@ def _bench_comm(args: argparse.Namespace, argv: list[str]) -> int:
     except (ValueError, IndexError):
         raise MeshtrainError(f"--min-bytes {args.min_bytes} / --max-bytes {args.max_bytes}: use sizes such as "
                              "1K, 64M, 1G") from None
+    if not 4 <= low <= high or args.iters < 1:
+        raise MeshtrainError(f"--min-bytes {args.min_bytes} must be at least 4 bytes and at most --max-bytes "
+                             f"{args.max_bytes}, and --iters ({args.iters}) at least 1")
     if args.nproc and "RANK" not in os.environ:
         from meshtrain.launch.local import launch_workers
 
@@ -233,8 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    args, extra = _parser().parse_known_args(argv)
     try:
+        args, extra = _parser().parse_known_args(argv)
         if args.command == "jobscript":
             if extra:
                 raise MeshtrainError(f"unexpected arguments: {' '.join(extra)} (put training overrides after --)")
@@ -268,7 +288,12 @@ def main(argv: list[str] | None = None) -> None:
             elif args.command == "bench":
                 code = _bench_comm(args, argv)
             elif args.command == "export":
+                import re
+
                 from meshtrain.interop import export_hf
+
+                if not re.fullmatch(r"\d+(\.\d+)?\s*[KMGT]?B", args.max_shard_size.strip(), re.IGNORECASE):
+                    raise MeshtrainError(f"--max-shard-size {args.max_shard_size!r}: use a size such as 500MB or 5GB")
 
                 print(f"wrote {export_hf(args.source, args.out, args.max_shard_size)}")
                 code = 0

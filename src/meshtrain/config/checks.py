@@ -42,6 +42,10 @@ def validate(cfg: Config) -> None:
     _at_least_zero(t, "training", "warmup_steps", "eval_every", "grad_clip", "weight_decay", "peak_tflops",
                    "stop_at_step")
     _at_least_zero(c, "checkpoint", "every")
+    for key in ("tp", "pp", "dp_replicate", "pp_virtual_stages"):
+        _positive(getattr(cfg.parallel, key), f"parallel.{key}")
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero = {cfg.parallel.zero} is not allowed: use 0 (DDP), 1, 2 or 3")
     _positive(c.keep, "checkpoint.keep")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"training.min_lr_ratio = {t.min_lr_ratio} must be between 0 and 1")

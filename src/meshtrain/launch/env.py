@@ -116,6 +116,9 @@ class ClusterEnvironment(ABC):
         return port_from_job_id(self.job_id)
 
     def resolve(self) -> LaunchEnv:
+        if self.world_size < 1 or self.local_world_size < 1:
+            raise MeshtrainError(f"{self.name}: world size {self.world_size} with {self.local_world_size} per node: "
+                                 "both must be at least 1; check the launcher's task counts")
         launch = LaunchEnv(self.label(), self.rank, self.world_size, self.local_rank, self.local_world_size,
                            self.node_rank, self.master_addr, self.master_port, self.job_id)
         check_consistent(launch)
@@ -269,9 +272,6 @@ def port_from_job_id(job_id: str) -> int:
 
 
 def check_consistent(launch: LaunchEnv) -> None:
-    if launch.world_size < 1 or launch.local_world_size < 1:
-        raise MeshtrainError(f"{launch.launcher}: world size {launch.world_size} with {launch.local_world_size} "
-                             "per node: both must be at least 1; check the launcher's task counts")
     if not 0 <= launch.rank < launch.world_size:
         raise MeshtrainError(f"{launch.launcher}: rank {launch.rank} is outside world size {launch.world_size}")
     if not 0 <= launch.local_rank < launch.local_world_size or launch.world_size % launch.local_world_size:

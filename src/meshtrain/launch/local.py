@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -51,6 +52,8 @@ def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0, nn
     # Restarted gloo workers otherwise reconnect to stale peers of the previous attempt
     # (pytorch#135712): measured 3/7 restarts succeeding without this, 9/9 with it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Our own line names each rank's exit code; torch elastic's error log would repeat it.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     rdzv = rendezvous_args(nnodes, node_rank, master_addr, master_port, dict(os.environ))
     # The workers must not take this launcher's Slurm task variables for their own ranks.
     for key in [k for k in os.environ if k.startswith(("SLURM_PROCID", "SLURM_LOCALID", "PMI_", "OMPI_COMM_WORLD"))]:

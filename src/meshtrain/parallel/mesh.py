@@ -29,12 +29,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "ParallelDims":
         """Derive DP = world / (tp x pp) and the shard degree, with the reasons when they don't fit."""
-        p = parallel
-        for key in ("tp", "pp", "dp_replicate", "pp_virtual_stages"):
-            if getattr(p, key) < 1:
-                raise ConfigError(f"parallel.{key} = {getattr(p, key)} must be at least 1")
-        if p.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"parallel.zero = {p.zero} is not allowed: use 0 (DDP), 1, 2 or 3")
+        p = parallel  # single values are checked by config.validate
         if world_size % (p.tp * p.pp):
             raise ConfigError(
                 f"world size {world_size} is not divisible by parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = "
