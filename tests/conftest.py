@@ -72,3 +72,30 @@ def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> N
     assert lines[0].startswith("error: ") and "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+FAULTS = str(Path(__file__).parent / "faults")  # sitecustomize.py: fault injection in every process
+
+
+def faulty(cli_env: dict, **faults: str) -> dict:
+    """The environment of a run with the faults of tests/faults/sitecustomize.py switched on."""
+    path = os.pathsep.join(p for p in (FAULTS, cli_env.get("PYTHONPATH")) if p)
+    return {**cli_env, "PYTHONPATH": path, **faults}
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are dead
+    except OSError:
+        return False

@@ -6,11 +6,10 @@ import subprocess
 import sys
 import time
 
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, read_metrics, run_cli, train_args
+from conftest import alive, assert_user_error, children, faulty, read_metrics, run_cli, train_args
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import MARKER, find_resume, verify
@@ -26,14 +25,6 @@ LAYOUTS = {
     "tp2": ["--nproc", "2", "--parallel.tp", "2"],
     "pp2": ["--nproc", "2", "--parallel.pp", "2"],
 }
-
-
-FAULTS = str(Path(__file__).parent / "faults")  # sitecustomize.py: fault injection in every process
-
-
-def faulty(cli_env: dict, **faults: str) -> dict:
-    path = os.pathsep.join(p for p in (FAULTS, cli_env.get("PYTHONPATH")) if p)
-    return {**cli_env, "PYTHONPATH": path, **faults}
 
 
 def train(corpus, cli_env, run_dir, *extra, env=None, check=True):
@@ -151,17 +142,6 @@ def test_a_signal_to_the_launcher_checkpoints_and_the_next_run_continues(sig, co
     assert_same_weights(tmp_path, straight["ddp2"], exact=True)
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-        except (OSError, ValueError):
-            pass
-    return out
-
-
 @pytest.mark.multiproc
 def test_workers_die_with_a_killed_launcher(corpus, cli_env, tmp_path):
     proc = start_slow_run(corpus, cli_env, tmp_path, steps_logged=1)
@@ -173,13 +153,6 @@ def test_workers_die_with_a_killed_launcher(corpus, cli_env, tmp_path):
     while any(alive(w) for w in workers):
         assert time.monotonic() < deadline, f"workers {workers} outlived their launcher"
         time.sleep(0.2)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are dead
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
