@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshtrain.errors import CheckpointError
-from meshtrain.files import FIXES, write_json
+from meshtrain.files import FIXES, ensure_room, write_json
 from meshtrain.optim import local_optimizer
 
 MARKER = "COMMITTED.json"
@@ -169,12 +169,7 @@ class Checkpointer:
         need = torch.tensor([float(local["params"] + local["optimizer"])])
         if dist.is_initialized():
             dist.all_reduce(need)
-        self.root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.root).free
-        if free < 1.05 * need.item():
-            raise CheckpointError(f"no room for the checkpoint of step {step} in {self.root}: it needs about "
-                                  f"{need.item() / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; free some space or "
-                                  "set checkpoint.dir to another file system (earlier checkpoints are intact)")
+        ensure_room(self.root, need.item(), f"the checkpoint of step {step} (earlier checkpoints are intact)")
 
     @contextlib.contextmanager
     def _saving(self, step: int, path: Path):

@@ -108,3 +108,14 @@ def atomic_directory(out: Path | str) -> Iterator[Path]:
             _fsync_dir(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_room(directory: Path | str, need_bytes: float, what: str) -> None:
+    """Refuse, before writing anything, `what` that the file system has no room for."""
+    directory = Path(directory)
+    with writing(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(directory).free
+    if free < 1.05 * need_bytes:
+        raise WriteError(f"no room for {what} in {directory}: it needs about {need_bytes / 1e9:.2f} GB and "
+                         f"{free / 1e9:.2f} GB are free; free some space or choose a directory on another file system")

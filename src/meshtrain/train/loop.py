@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint import Checkpointer, find_resume, rng_state, set_rng_state
+from meshtrain.checkpoint import Checkpointer, committed_checkpoints, find_resume, rng_state, set_rng_state
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.errors import MeshtrainError
-from meshtrain.files import copy_file, write_text
+from meshtrain.files import copy_file, ensure_room, write_text
 from meshtrain.launch import detect
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.logs import log, setup_logging
@@ -137,7 +137,13 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
     if s.env.rank != 0:
         return
     if run.save_model:
-        log.info(f"saved the trained weights to {save_model(state, s.args, Path(run.dir))}")
+        committed = committed_checkpoints(s.checkpointer.root)
+        try:
+            ensure_room(run.dir, model_bytes(s.n_params), "the trained weights")
+            log.info(f"saved the trained weights to {save_model(state, s.args, Path(run.dir))}")
+        except MeshtrainError as e:
+            kept = f"; the checkpoint {committed[-1]} holds them: `meshtrain export` writes them out" if committed else ""
+            raise MeshtrainError(f"{e}{kept}") from None
     if run.sample_prompt:
         from meshtrain.model.generate import sample_text
 

@@ -1,0 +1,42 @@
+"""files.py: every write is atomic, and a failing one is a one-line error that leaves the old file."""
+
+import errno
+import os
+
+import pytest
+
+from meshtrain.files import WriteError, atomic_directory, ensure_room, write_text
+
+
+@pytest.mark.parametrize("err, fix", [(errno.ENOSPC, "free some space"), (errno.EROFS, "read-only"),
+                                      (errno.EDQUOT, "quota"), (errno.EACCES, "permission")])
+def test_a_failed_write_keeps_the_old_file_and_names_path_cause_and_fix(err, fix, tmp_path, monkeypatch):
+    path = tmp_path / "config.toml"
+    write_text(path, "old")
+
+    def fail(*args, **kwargs):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(WriteError) as e:
+        write_text(path, "new")
+    assert str(path) in str(e.value) and os.strerror(err) in str(e.value) and fix in str(e.value)
+    assert "\n" not in str(e.value)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.toml"]
+
+
+def test_a_directory_is_replaced_only_by_a_finished_one(tmp_path):
+    out = tmp_path / "data"
+    with atomic_directory(out) as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(out) as tmp:
+            (tmp / "a").write_text("2")
+            raise RuntimeError("interrupted")
+    assert (out / "a").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_no_room_is_refused_before_writing(tmp_path):
+    with pytest.raises(WriteError, match="no room for the weights"):
+        ensure_room(tmp_path, 1e18, "the weights")
+    ensure_room(tmp_path, 1, "the weights")
