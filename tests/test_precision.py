@@ -1,6 +1,6 @@
 """bf16 training with fp32 arithmetic: the numbers of the bf16 kernels, bf16 storage, fp32 speed."""
 
-import platform
+import math
 import types
 
 import pytest
@@ -119,7 +119,7 @@ def test_training_follows_the_bf16_kernels():
         assert abs(a - b) <= 5e-3 * a, (native, ours)
 
 
-def test_auto_picks_fp32_only_on_x86_cpus_without_amx(monkeypatch):
+def test_auto_picks_the_arithmetic_measured_faster_on_this_cpu(monkeypatch, tmp_path):
     def training(dtype="bf16", mode="auto"):
         return types.SimpleNamespace(dtype=dtype, bf16_compute=mode)
 
@@ -127,14 +127,32 @@ def test_auto_picks_fp32_only_on_x86_cpus_without_amx(monkeypatch):
     assert not precision.wants_fp32_compute(training("fp32", "fp32"), cpu)
     assert not precision.wants_fp32_compute(training(mode="bf16"), cpu)
     assert precision.wants_fp32_compute(training(mode="fp32"), cuda)
-    assert not precision.wants_fp32_compute(training(), cuda)
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(precision, "_has_amx", lambda: True)
+    assert not precision.wants_fp32_compute(training(), cuda)  # GPUs: bf16 kernels
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(precision, "_bf16_time_ratio", lambda: calls.append(1) or 0.4)  # bf16 measured faster
     assert not precision.wants_fp32_compute(training(), cpu)
     assert precision.arithmetic_dtype(training(), cpu) == BF16
-    monkeypatch.setattr(precision, "_has_amx", lambda: False)
-    assert precision.wants_fp32_compute(training(), cpu)
-    assert precision.arithmetic_dtype(training(), cpu) == torch.float32  # MFU against the fp32 peak
+    monkeypatch.setattr(precision, "_bf16_time_ratio", lambda: calls.append(1) or 2.5)
+    assert not precision.wants_fp32_compute(training(), cpu)  # measured once per CPU, then cached
+    assert len(calls) == 1
+    (tmp_path / "meshtrain" / "cpu_peak.json").unlink()
+    assert precision.wants_fp32_compute(training(), cpu)  # a machine where bf16 loses
+    assert precision.arithmetic_dtype(training(), cpu) == torch.float32
     assert precision.arithmetic_dtype(training("fp32", "auto"), cuda) == torch.float32
-    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert not precision.wants_fp32_compute(training(), cpu)
+
+
+def test_the_probe_measures_both_arithmetics():
+    ratio = precision._bf16_time_ratio(repeats=1)
+    assert math.isfinite(ratio) and ratio > 0
+
+
+def test_mfu_is_against_the_best_peak_whatever_arithmetic_runs(monkeypatch, tmp_path):
+    from meshtrain import metrics
+
+    monkeypatch.setattr(metrics, "cpu_peak_tflops", lambda dtype: {BF16: 0.15, torch.float32: 0.3}[dtype])
+    assert metrics.mfu_peak_tflops(torch.device("cpu"), "bf16") == 0.3
+    monkeypatch.setattr(metrics, "cpu_peak_tflops", lambda dtype: {BF16: 0.9, torch.float32: 0.3}[dtype])
+    assert metrics.mfu_peak_tflops(torch.device("cpu"), "bf16") == 0.9
+    assert metrics.mfu_peak_tflops(torch.device("cpu"), "fp32") == 0.3
+    assert metrics.mfu_peak_tflops(torch.device("cpu"), "bf16", override=2.0) == 2.0

@@ -46,15 +46,23 @@ def _cache_file() -> Path:
 
 
 def measure_cpu_peak_tflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
-    """Best-of-repeats square matmul throughput at this process's thread count."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.matmul(a, b)  # warm up
+    """Best-of-repeats square matmul throughput at this process's thread count, at size n, or at
+    the smallest size whose matmul takes over 0.2 s (a CPU without bf16 instructions emulates
+    bf16 about 100x slower than fp32: the probe stays within a second or two there too)."""
+    size = 256
+    while True:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        start = time.perf_counter()
+        torch.matmul(a, b)  # warm up, and see how long one takes
+        if size >= n or time.perf_counter() - start > 0.2:
+            break
+        size *= 2
     best = math.inf
     for _ in range(repeats):
         t = time.perf_counter()
         torch.matmul(a, b)
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12
+    return 2 * size**3 / best / 1e12
 
 
 def cpu_model() -> str:
@@ -72,24 +80,40 @@ def cpu_peak_key(dtype: torch.dtype) -> str:
     return f"{cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{dtype}"
 
 
-def cpu_peak_tflops(dtype: torch.dtype) -> float:
-    """The best matmul throughput ever measured on this (CPU, thread count, dtype). Every run
-    probes again (well under a second) and keeps the maximum: a probe taken while the machine was
-    busy reads low and would inflate MFU (once 119%), but it can never read high."""
-    key = cpu_peak_key(dtype)
+def cached_measurement(key: str, measure, keep_max: bool) -> float:
+    """A machine measurement kept in ~/.cache/meshtrain/cpu_peak.json: measured once (keep_max
+    False), or again every time keeping the best (keep_max True). A read-only home only loses the record."""
     path = _cache_file()
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    measured = measure_cpu_peak_tflops(dtype)
-    if measured > cache.get(key, 0.0):
+    if key in cache and not keep_max:
+        return cache[key]
+    measured = measure()
+    if measured > cache.get(key, -math.inf):
         cache[key] = measured
         try:
             write_json(path, cache)
         except MeshtrainError:
-            pass  # a read-only home only loses the record
+            pass
     return cache[key]
+
+
+def cpu_peak_tflops(dtype: torch.dtype) -> float:
+    """The best matmul throughput ever measured on this (CPU, thread count, dtype). Every run
+    probes again (well under a second) and keeps the maximum: a probe taken while the machine was
+    busy reads low and would inflate MFU (once 119%), but it can never read high."""
+    return cached_measurement(cpu_peak_key(dtype), lambda: measure_cpu_peak_tflops(dtype), keep_max=True)
+
+
+def mfu_peak_tflops(device: torch.device, training_dtype: str, override: float = 0.0) -> float:
+    """What MFU divides by: the best dense peak the device has for the training's dtype, whatever
+    arithmetic the step picked (bf16 training on a CPU: the larger of its bf16 and fp32 matmul
+    peaks; on a GPU the data sheet's bf16 peak). A slow choice then shows as a low MFU."""
+    if training_dtype == "bf16" and device.type == "cpu" and override <= 0:
+        return max(cpu_peak_tflops(torch.bfloat16), cpu_peak_tflops(torch.float32))
+    return device_peak_tflops(device, torch.bfloat16 if training_dtype == "bf16" else torch.float32, override)
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float:
@@ -175,7 +199,8 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.tb is not None:
             for key, value in metrics.items():
-                self.tb.add_scalar(key, value, step)
+                if isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, step)
         parts = [f"step {step:>5}"]
         for key, fmt in (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
                          ("tokens_per_s", "{:,.0f}"), ("tflops", "{:.3f}"), ("mfu", "{:.1%}")):

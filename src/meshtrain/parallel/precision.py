@@ -1,19 +1,19 @@
 """bf16 training with fp32 arithmetic, for CPUs whose bf16 kernels are slower than their fp32 ones.
 
-Without AMX tiles an x86 core multiplies bf16 with AVX512-BF16 dot products, which run at or below
-the fp32 FMA rate: on a 2-core Xeon without AMX, oneDNN's bf16 GEMM reaches 0.15 TFLOP/s against
-0.25 for fp32, and the bf16 flash-attention backward is 3x slower than the fp32 one. There,
-`training.bf16_compute = "fp32"` (what "auto" picks) keeps everything bf16 training stores in bf16
-(activations saved for backward, FSDP's gathered parameters, the tensors between layers) and
-rounds the inputs of every matmul to bf16 exactly as autocast does, but multiplies them with fp32
+Some CPUs multiply bf16 no faster than fp32: without AMX tiles an x86 core uses AVX512-BF16 dot
+products, at or below the fp32 FMA rate (on a 2-core Xeon, oneDNN's bf16 GEMM reaches 0.15 TFLOP/s
+against 0.25 for fp32, and the bf16 flash-attention backward is 3x slower than the fp32 one); others
+(an AMD EPYC with AVX512-BF16) run bf16 GEMMs 3x faster than fp32. "auto" measures which, once per
+CPU model and thread count (a GEMM and an attention backward in both arithmetics), and where bf16
+loses it picks `training.bf16_compute = "fp32"`: everything bf16 training stores stays bf16
+(activations saved for backward, FSDP's gathered parameters, the tensors between layers) and the
+inputs of every matmul are rounded to bf16 exactly as autocast does, but multiplied with fp32
 instructions. A product of two bf16 numbers is exact in fp32 and bf16 GEMMs accumulate in fp32, so
 a linear layer gives the bf16 GEMM's numbers up to summation order; attention is computed in fp32
 from bf16 q, k and v (more exact than the bf16 kernel, which rounds the probabilities).
 """
 
 from __future__ import annotations
-
-import platform
 
 import torch
 from torch import nn
@@ -24,25 +24,53 @@ BF16 = torch.bfloat16
 
 
 def wants_fp32_compute(training, device: torch.device) -> bool:
-    """training.bf16_compute "auto": fp32 arithmetic on an x86 CPU without AMX, bf16 kernels elsewhere."""
+    """training.bf16_compute "auto": fp32 arithmetic on a CPU where it measured faster than bf16
+    kernels (measured once per CPU model and thread count, then cached), bf16 kernels elsewhere."""
     if training.dtype != "bf16" or training.bf16_compute == "bf16":
         return False
     if training.bf16_compute == "fp32":
         return True
-    return device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64") and not _has_amx()
+    return device.type == "cpu" and fp32_arithmetic_is_faster()
 
 
 def arithmetic_dtype(training, device: torch.device) -> torch.dtype:
-    """The dtype matmuls and attention compute in (what MFU is measured against)."""
+    """The dtype matmuls and attention compute in (logged with the metrics)."""
     bf16_kernels = training.dtype == "bf16" and not wants_fp32_compute(training, device)
     return BF16 if bf16_kernels else torch.float32
 
 
-def _has_amx() -> bool:
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older torch without the probe: assume a modern CPU
-        return True
+def fp32_arithmetic_is_faster() -> bool:
+    from meshtrain.metrics import cached_measurement, cpu_peak_key
+
+    ratio = cached_measurement(f"{cpu_peak_key(BF16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio, keep_max=False)
+    return ratio > 1.0
+
+
+def _bf16_time_ratio(repeats: int = 3) -> float:
+    """Time of a training step's two kinds of work in bf16 kernels over their time in fp32
+    arithmetic: a GEMM, and causal attention forward + backward. Small shapes: a CPU without bf16
+    instructions emulates them about 100x slower than fp32, and the probe must stay short there too."""
+    import time
+
+    def best(fn) -> float:
+        fn()  # warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def work(dtype: torch.dtype) -> float:
+        a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
+        q, k, v = (torch.randn(2, 4, 128, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def attention():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        return best(lambda: a @ b) + best(attention)
+
+    return work(BF16) / work(torch.float32)
 
 
 class _Bf16LinearInFp32(torch.autograd.Function):

@@ -19,7 +19,7 @@ from meshtrain.files import copy_file, ensure_room, write_text
 from meshtrain.launch import detect
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.logs import log, setup_logging
-from meshtrain.metrics import MetricsLogger, Throughput, device_peak_tflops
+from meshtrain.metrics import MetricsLogger, Throughput, mfu_peak_tflops
 from meshtrain.model import flops_per_token
 from meshtrain.parallel import arithmetic_dtype
 from meshtrain.parallel.memory import format_memory, gather_memory_report
@@ -165,8 +165,9 @@ def train(cfg: Config) -> dict:
     start_step, skipped = resume(s)
     metrics = MetricsLogger(Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress,
                             start_step)
-    peak = device_peak_tflops(s.device, compute_dtype, t.peak_tflops)  # MFU of the arithmetic the step runs
-    meter = Throughput(flops_per_token(s.args, t.seq_len), peak, env.world_size)
+    meter = Throughput(flops_per_token(s.args, t.seq_len), mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
+                       env.world_size)
+    arithmetic = "bf16" if compute_dtype == torch.bfloat16 else "fp32"
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
     last_step = t.stop_at_step or t.steps
     history, exit_code, step_time, step = [], 0, 0.0, start_step
@@ -189,7 +190,7 @@ def train(cfg: Config) -> dict:
         record = {}
         if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
             record = {"loss": reduce_loss(loss, s.dims), "lr": lr, "grad_norm": grad_norm.item(),
-                      "skipped_steps": int(skipped_total.item()), **meter.report()}
+                      "skipped_steps": int(skipped_total.item()), **meter.report(), "arithmetic": arithmetic}
             reported_skips = warn_skips(step, record["skipped_steps"], reported_skips)
         if s.val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             record["val_loss"] = evaluate(s.model, s.val, t.micro_batch_size, s.device, s.dims, s.context)
