@@ -17,6 +17,7 @@ import contextlib
 import json
 import re
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from meshtrain.errors import CheckpointError
 from meshtrain.files import FIXES, ensure_room, write_json
 from meshtrain.optim import local_optimizer
+
+# One process saves and loads without a process group on purpose; DCP warns about it every time.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 MARKER = "COMMITTED.json"
 TRAIN_STATE = "train_state.json"

@@ -69,8 +69,23 @@ def announce(s: TrainState, precision: str) -> None:
              f"{' pipeline micro-batches' if s.dims.pp > 1 else ' accumulation'}) | {t.steps} steps")
     for line in s.dims.describe_groups():
         log.info("  " + line)
+    warn_pointless_settings(s)
+
+
+def warn_pointless_settings(s: TrainState) -> None:
+    """Settings that are valid alone but make little sense with this data or schedule."""
+    t, c = s.cfg.training, s.cfg.checkpoint
     if not s.val:
         log.warning(f"{s.dataset.val.path} holds less than one sequence; no validation loss")
+    if t.warmup_steps >= t.steps:
+        log.warning(f"training.warmup_steps ({t.warmup_steps}) >= training.steps ({t.steps}): the learning rate "
+                    "never reaches training.lr")
+    if c.every > t.steps:
+        log.warning(f"checkpoint.every ({c.every}) > training.steps ({t.steps}): only the last step is checkpointed")
+    epochs = t.steps * t.global_batch_size / len(s.dataset.train)
+    if epochs > 1:
+        log.warning(f"the schedule reads the training data {epochs:.1f} times ({len(s.dataset.train)} sequences of "
+                    f"{t.seq_len} tokens): expect overfitting; add data or lower training.steps")
 
 
 def resume(s: TrainState) -> tuple[int, int]:
