@@ -60,8 +60,8 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
-def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="meshtrain", docs_url=None, redoc_url=None)
+def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
+    """Prometheus metrics of this app: requests by path and status, tokens, queue, time to first token."""
     registry = CollectorRegistry()
     requests_total = Counter("meshtrain_requests", "HTTP requests by path and status", ["path", "status"],
                              registry=registry)
@@ -80,6 +80,12 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
         requests_total.labels(request.url.path if request.url.path.startswith("/v1/") else "other",
                               str(response.status_code)).inc()
         return response
+
+    return registry
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -102,6 +108,12 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         return JSONResponse(error_body(f"internal error: {e}", "server_error"), 500)
+
+
+def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="meshtrain", docs_url=None, redoc_url=None)
+    registry = _metrics(app, engine)
+    _error_handlers(app)
 
     async def authorize(request: Request) -> None:
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
