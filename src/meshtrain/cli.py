@@ -171,14 +171,14 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
     from meshtrain.config import load_config, parse_duration
     from meshtrain.launch.jobscript import JobSpec, render
 
-    load_config(args.config, train_args)  # the job must not fail later on its own config
-    parse_duration(args.time, "--time")
     spec = JobSpec(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    procs_per_node=args.procs_per_node, time=args.time, partition=args.partition, account=args.account,
                    job_name=args.job_name, container_image=args.container_image,
                    container_mounts=args.container_mounts, container_workdir=args.container_workdir, mode=args.mode, sge_pe=args.pe,
                    modules=args.module, instance_type=args.instance_type, venv=args.venv, train_args=train_args)
     files = render(args.kind, spec)
+    load_config(args.config, train_args)  # the job must not fail later on its own config
+    parse_duration(args.time, "--time")
     for suffix, text in files.items():
         if args.out:
             from meshtrain.files import write_text
