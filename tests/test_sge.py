@@ -25,7 +25,7 @@ def test_qsub_pe_mpi_2_runs_the_generated_script(sge, corpus, cli_env, tmp_path)
     args = ["jobscript", "sge", "--config", str(ROOT / "configs" / "tiny.toml"), "--procs-per-node", "2", "--pe", "mpi",
             "--venv", str(VENV), "--out", str(script), "--", *train_args(corpus, run_dir)[1:]]
     assert run_cli(args, cli_env).returncode == 0
-    (tmp_path / "logs").mkdir()
+    assert (tmp_path / "logs").is_dir()  # made by jobscript: SGE opens the log before the script runs
     mpi_env = "OMPI_ALLOW_RUN_AS_ROOT=1,OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,OMPI_MCA_oob_tcp_if_include=lo," \
               "OMPI_MCA_btl_tcp_if_include=lo"
     job = subprocess.run(["qsub", "-terse", "-v", mpi_env, str(script)], cwd=tmp_path, capture_output=True, text=True,
