@@ -1,4 +1,4 @@
-"""Data parallelism with replicas: DDP (ZeRO-0) and, with ZeroRedundancyOptimizer, ZeRO-1."""
+"""Data parallelism with replicas (ZeRO-0 and ZeRO-1; ZeRO-1 shards the optimizer states in optim.py)."""
 
 from __future__ import annotations
 
