@@ -10,6 +10,7 @@ that went away) frees its slot at the next step, so a new one can take it at onc
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -99,7 +100,7 @@ class Engine:
                 block = False
                 continue
             request.slot = self.free.pop()
-            seed = request.params.seed if request.params.seed is not None else torch.seed()
+            seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
             request.generator = torch.Generator(device=self.device).manual_seed(seed)
             try:
                 tokens = torch.tensor([request.prompt], device=self.device)

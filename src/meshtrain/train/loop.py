@@ -219,7 +219,8 @@ def train(cfg: Config) -> dict:
             ckpt.wait()  # commit the async checkpoint now that every rank has written it
         if preempted or out_of_time or step == t.stop_at_step:
             save(s, step, int(skipped_total.item()), blocking=True)
-            reason = "preempted" if preempted else "time limit reached" if out_of_time else "training.stop_at_step"
+            stopped = "interrupted" if signals.exit_code == INTERRUPTED_EXIT_CODE else "preempted"
+            reason = stopped if preempted else "time limit reached" if out_of_time else "training.stop_at_step"
             log.info(f"{reason}: checkpoint of step {step} saved in {ckpt.root}; run again to continue")
             exit_code = signals.exit_code if preempted else 0
             break
