@@ -29,7 +29,7 @@ from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
 from meshtrain.interop.hf import hf_config
 from meshtrain.metrics import device_peak_tflops
-from meshtrain.model import flops_per_token
+from meshtrain.plan.shapes import Shape
 from meshtrain.parallel import arithmetic_dtype
 from meshtrain.train import build
 
@@ -97,7 +97,7 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     dtype_names = {torch.bfloat16: "bf16", torch.float32: "fp32"}
     arithmetic = {name: dtype_names[arithmetic_dtype(cfg.training, dev)] for name, cfg in configs.items()}
     arithmetic.update(hf=dtype, **{"hf+fused": dtype})
-    flops = flops_per_token(args, seq_len)
+    flops = Shape.from_args(args).flops_per_token(seq_len)
     row = {"preset": preset, "dtype": dtype, "device": dev.type, "threads": torch.get_num_threads(),
            "batch": batch_size, "seq_len": seq_len, "peak_tflops": peaks[dtype], "peak_tflops_fp32": peaks["fp32"],
            "meshtrain_arithmetic": arithmetic["meshtrain"]}

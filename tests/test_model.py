@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from meshtrain.model import PRESETS, Llama, ModelArgs, flops_per_token, num_params
+from meshtrain.model import PRESETS, Llama, ModelArgs, num_params
+from meshtrain.plan.shapes import Shape
 from meshtrain.model.llama import apply_rope, precompute_rope
 
 ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=32)
@@ -88,7 +89,15 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
 def test_flops_per_token_is_six_n_plus_attention():
     model = make()
     n = num_params(model, exclude_embedding=True)
-    assert math.isclose(flops_per_token(ARGS, 32), 6 * n + 12 * ARGS.n_layers * ARGS.dim * 32)
+    assert math.isclose(Shape.from_args(ARGS).flops_per_token(32), 6 * n + 12 * ARGS.n_layers * ARGS.dim * 32)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_the_planner_sees_every_parameter_the_model_has(preset):
+    with torch.device("meta"):
+        model = Llama(PRESETS[preset])
+    seen = {id(p): (name, tuple(p.shape)) for name, p in model.named_parameters()}
+    assert [(p.name, p.shape) for p in Shape.from_args(PRESETS[preset]).parameters()] == list(seen.values())
 
 
 def test_model_learns_a_repeating_sequence():

@@ -86,6 +86,47 @@ def _parser() -> argparse.ArgumentParser:
     comm.add_argument("--json", help="also write the rows to this JSON file")
     comm.add_argument("--nproc", type=int, help="start this many local processes (torch elastic)")
 
+    pl = sub.add_parser("plan", allow_abbrev=False,
+                        help="predict per-GPU memory and throughput of layouts on a cluster, and recommend one",
+                        epilog="Any of --tp --pp --zero --dp-replicate --micro-batch --ac --pp-schedule "
+                        "--virtual-stages fixes that knob; with all fixed (or --config) one layout is explained.")
+    pl.add_argument("--model", help="a preset (tiny, small, gpt2-124m, ..., llama3-405b) or a TOML config's model")
+    pl.add_argument("--config", help="explain the layout of this training config (model, batch, [parallel])")
+    pl.add_argument("--gpu", required=True, help="device kind: " + ", ".join(_plan_kinds()))
+    pl.add_argument("--gpus", type=int, help="GPUs (processes) in all (default: the config's tp x pp, else 8)")
+    pl.add_argument("--gpus-per-node", type=int, help="default: 8 (cpu: the --gpus processes on this machine)")
+    pl.add_argument("--arch", choices=["llama", "gpt"], default="llama",
+                    help="gpt: LayerNorm, GELU MLP of 4h, learned positions, tied embeddings (Megatron GPT)")
+    for flag, what in (("--layers", "blocks"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                       ("--kv-heads", "key/value heads"), ("--ffn", "MLP hidden size"), ("--vocab", "vocabulary")):
+        pl.add_argument(flag, type=int, help=f"{what} (default: the preset's)")
+    pl.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's, else 2048 or the "
+                    "model's limit)")
+    pl.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 4 per GPU)")
+    pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 (fp16 on a V100)")
+    pl.add_argument("--attention", choices=["flash", "math"], default="flash",
+                    help="math: the s x s attention scores are saved (GPT runs without flash attention)")
+    pl.add_argument("--tp", type=int)
+    pl.add_argument("--pp", type=int)
+    pl.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    pl.add_argument("--dp-replicate", type=int)
+    pl.add_argument("--micro-batch", type=int)
+    pl.add_argument("--ac", choices=["none", "selective", "full"])
+    pl.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
+    pl.add_argument("--virtual-stages", type=int)
+    pl.add_argument("--network", help="inter-node fabric: ib-edr, ib-hdr, ib-ndr, efa-p4d, efa-p5, roce-100g, "
+                    "ethernet-10g (default: the GPU's usual one)")
+    pl.add_argument("--inter-node-gbps", type=float, help="inter-node bus bandwidth per GPU, GB/s (bytes)")
+    pl.add_argument("--intra-node-gbps", type=float, help="intra-node bus bandwidth, GB/s (bytes)")
+    pl.add_argument("--comm", action="append", default=[], help="a `meshtrain bench comm --json` file measured on "
+                    "your cluster (one node: intra-node; several: inter-node); repeatable")
+    pl.add_argument("--memory-gib", type=float, help="override the device memory")
+    pl.add_argument("--peak-tflops", type=float, help="override the device's dense peak")
+    pl.add_argument("--efficiency", type=float, help="sustained fraction of the peak in training matmuls")
+    pl.add_argument("--top", type=int, default=10, help="layouts in the table")
+    pl.add_argument("--json", action="store_true", help="print JSON (a list `layouts`, best first)")
+    pl.add_argument("--write-config", help="write the best layout as a training config to this TOML file")
+
     s = sub.add_parser("serve", help="serve a run, checkpoint or Hugging Face directory (OpenAI-compatible API)")
     s.add_argument("model", help="a run directory, a checkpoint, or a directory `meshtrain export` wrote")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -111,6 +152,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--all-ranks", action="store_true", help="print on every rank, not only rank 0")
     e.add_argument("--launcher", default="auto", help="force an environment (torchrun, slurm, openmpi, ...)")
     return p
+
+
+def _plan_kinds() -> tuple[str, ...]:
+    from meshtrain.plan.hardware import KINDS
+
+    return KINDS
 
 
 class _ConfigKey(argparse.Action):
@@ -285,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
                 from meshtrain.serve import generate_to_terminal
 
                 code = generate_to_terminal(args.model, args.prompt, _sampling(args), args.device)
+            elif args.command == "plan":
+                from meshtrain.plan.command import run_plan
+
+                code = run_plan(args)
             elif args.command == "bench":
                 code = _bench_comm(args, argv)
             elif args.command == "export":

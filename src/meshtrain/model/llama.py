@@ -194,13 +194,3 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
         seen.add(id(p))
         total += p.numel()
     return total
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding params (forward + backward matmuls) plus the
-    attention scores and weighted sum, 12 x layers x dim x seq (PaLM appendix B; torchtitan's
-    convention, no causal halving)."""
-    layer = 2 * args.dim * args.dim + 2 * args.dim * args.n_kv_heads * args.head_dim
-    layer += 3 * args.dim * args.ffn_dim + 2 * args.dim
-    n = args.n_layers * layer + args.dim + args.padded_vocab_size * args.dim
-    return 6.0 * n + 12.0 * args.n_layers * args.dim * seq_len

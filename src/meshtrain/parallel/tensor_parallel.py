@@ -18,6 +18,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+# The dimension of each weight that tensor parallelism splits (the planner counts bytes from this
+# table): column-parallel layers split their output features (dim 0), row-parallel ones their
+# input features (dim 1), the embedding its vocabulary rows. Norm weights are replicated.
+COLUMN, ROW = 0, 1
+BLOCK_SHARDED_DIM = {"attention.wq": COLUMN, "attention.wk": COLUMN, "attention.wv": COLUMN, "attention.wo": ROW,
+                     "feed_forward.w1": COLUMN, "feed_forward.w2": ROW, "feed_forward.w3": COLUMN}
+SHARDED_DIM = {"tok_embeddings.weight": 0, "output.weight": COLUMN,
+               **{f"{name}.weight": dim for name, dim in BLOCK_SHARDED_DIM.items()}}
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Parallelise a Llama (or a pipeline stage of one) in place. With loss_parallel the logits stay
@@ -40,14 +49,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
         block_plan: dict[str, object] = {
             # cos/sin (the None entries) stay plain tensors
             "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
+            **{name: ColwiseParallel() if dim == COLUMN else RowwiseParallel(output_layouts=seq)
+               for name, dim in BLOCK_SHARDED_DIM.items()},
         }
         if sequence_parallel:
             block_plan["attention_norm"] = SequenceParallel()

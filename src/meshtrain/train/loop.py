@@ -20,9 +20,9 @@ from meshtrain.launch import detect
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput, mfu_peak_tflops
-from meshtrain.model import flops_per_token
 from meshtrain.parallel import arithmetic_dtype
 from meshtrain.parallel.memory import format_memory, gather_memory_report
+from meshtrain.plan.shapes import Shape
 from meshtrain.train.build import TrainState, build
 from meshtrain.train.step import evaluate, reduce_loss
 
@@ -180,7 +180,7 @@ def train(cfg: Config) -> dict:
     start_step, skipped = resume(s)
     metrics = MetricsLogger(Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress,
                             start_step)
-    meter = Throughput(flops_per_token(s.args, t.seq_len), mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
+    meter = Throughput(Shape.from_args(s.args).flops_per_token(t.seq_len), mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
                        env.world_size)
     arithmetic = "bf16" if compute_dtype == torch.bfloat16 else "fp32"
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0

@@ -1,0 +1,313 @@
+"""Bytes per GPU, item by item: model states (exact, from the parameter table and the sharding
+rules meshtrain applies), activations (from the tensors autograd saves, per block), pipeline
+in-flight micro-batches, logits and loss, communication buffers and the allocator's slack.
+
+Model states follow meshtrain's mixed precision: the fp32 parameters are the master weights (bf16
+copies exist only while computing), gradients are fp32, AdamW keeps two fp32 moments: 4 + 4 + 8 =
+16 bytes per parameter, the same 16 as the ZeRO paper's 2 + 2 + 12 with the fp32 master counted as
+the parameter. ZeRO-1 shards the moments (whole tensors, greedily, as ZeroRedundancyOptimizer
+does); ZeRO-2/3 (FSDP2) shard parameters, gradients and moments along dim 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from meshtrain.plan.layout import Layout, Workload
+from meshtrain.plan.shapes import Param, Shape
+
+STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per local parameter element
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """The length of piece `index` when torch.chunk splits n into `parts` (what DTensor's Shard does)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def local_numel(p: Param, layout: Layout, tp_rank: int, shard_rank: int) -> int:
+    """Elements of a parameter one rank holds: its tensor-parallel slice, then its FSDP shard of dim 0."""
+    shards = layout.dp_shard if layout.fsdp else 1
+    return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, shards, shard_rank)
+
+
+@functools.cache
+def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int, shards: int, shard_rank: int) -> int:
+    dims = list(shape)
+    if tp > 1 and tp_dim is not None:
+        dims[tp_dim] = _chunk(dims[tp_dim], tp, tp_rank)
+    dims[0] = _chunk(dims[0], shards, shard_rank)
+    return math.prod(dims)
+
+
+def stage_params(shape: Shape, layout: Layout, pp_rank: int) -> tuple[Param, ...]:
+    """The parameters of the stages a pipeline rank holds, in the order its optimizer sees them."""
+    return _stage_params(shape, Layout(pp=layout.pp, pp_schedule=layout.pp_schedule,
+                                       virtual_stages=layout.virtual_stages), pp_rank)
+
+
+@functools.cache
+def _stage_params(shape: Shape, pipeline: Layout, pp_rank: int) -> tuple[Param, ...]:
+    blocks = {i for stage in pipeline.stage_layers(shape.n_layers, pp_rank) for i in stage}
+    owners = blocks | ({"embed"} if pipeline.holds_first_stage(pp_rank) else set())
+    owners |= {"head"} if pipeline.holds_last_stage(pp_rank) else set()
+    params = tuple(p for p in shape.parameters() if p.owner in owners)
+    if shape.arch == "gpt" and pipeline.pp > 1 and "head" in owners:  # Megatron keeps a copy of the
+        params += (Param("output.weight", (shape.vocab_size, shape.dim), "head", 0),)  # embedding on the last stage
+    return params
+
+
+def _zero1_share(numels: list[tuple[int, bool]], ranks: int, rank: int) -> int:
+    """ZeroRedundancyOptimizer's partition: matrices, then vectors (two param groups); in each,
+    largest first, every tensor to the rank holding the fewest elements so far."""
+    sizes = [0] * ranks
+    mine = 0
+    for matrices in (True, False):
+        for n in sorted((n for n, is_matrix in numels if is_matrix == matrices), reverse=True):
+            target = sizes.index(min(sizes))
+            sizes[target] += n
+            mine += n if target == rank else 0
+    return mine
+
+
+def model_state_bytes(shape: Shape, layout: Layout, rank: int = 0) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes one rank holds (what memory.json measures)."""
+    return _model_state_bytes(shape, _sharding(layout), rank)
+
+
+def _sharding(layout: Layout) -> Layout:
+    """The fields that decide who holds which parameter (a cache key)."""
+    return Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_replicate=layout.dp_replicate, zero=layout.zero,
+                  pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages)
+
+
+@dataclass(frozen=True)
+class StageSums:
+    """Elements of a pipeline rank's parameters after tensor parallelism (before FSDP sharding)."""
+
+    total: int
+    linear: int  # 2-D weights that multiply activations (autocast copies them), not the embedding
+    blocks: tuple[int, ...]
+    outer: int  # embedding, final norm, output: FSDP's root group
+    block_full: int  # one block before any split (its FLOPs)
+
+
+def stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
+    return _stage_sums(shape, Layout(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule,
+                                     virtual_stages=layout.virtual_stages), pp_rank)
+
+
+@functools.cache
+def _stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
+    params = stage_params(shape, layout, pp_rank)
+    tp_only = Layout(tp=layout.tp)
+    local = [local_numel(p, tp_only, 0, 0) for p in params]
+    owners = sorted({p.owner for p in params if isinstance(p.owner, int)})
+    return StageSums(
+        total=sum(local),
+        linear=sum(n for p, n in zip(params, local, strict=True) if len(p.shape) == 2 and p.owner != "embed"),
+        blocks=tuple(sum(n for p, n in zip(params, local, strict=True) if p.owner == i) for i in owners),
+        outer=sum(n for p, n in zip(params, local, strict=True) if not isinstance(p.owner, int)),
+        block_full=sum(p.numel for p in params if owners and p.owner == owners[0]))
+
+
+@functools.cache
+def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int]:
+    c = layout.coordinates(rank)
+    params = stage_params(shape, layout, c["pp"])
+    local = [(local_numel(p, layout, c["tp"], c["dp_shard"]), len(p.shape) >= 2) for p in params]
+    held = sum(n for n, _ in local)
+    moments = _zero1_share(local, layout.dp, c["dp"]) if layout.zero == 1 and layout.dp > 1 else held
+    return {"params": STATE_BYTES["params"] * held, "grads": STATE_BYTES["grads"] * held,
+            "optimizer": STATE_BYTES["optimizer"] * moments}
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations. Each entry is one tensor autograd keeps for backward, per token of a micro-batch:
+# (what, elements, bytes per element, split) where split says how tensor parallelism divides it:
+# "tp" always (a head- or hidden-sharded tensor), "sp" only under sequence parallelism (norms and
+# residuals), "full" never (a column-parallel layer's all-gathered input, which DTensor saves whole).
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes of the tensors a block saves, by the path the step takes (see parallel/precision.py):
+    fp32; bf16 under autocast (the residual stream stays fp32, each linear casts and saves its own
+    bf16 input); bf16 FSDP mixed precision (everything bf16, norms upcast to fp32 inside); and either
+    bf16 path with fp32 arithmetic (attention on fp32 copies of q, k, v)."""
+
+    stream: int  # the residual stream between blocks (what a checkpointed block keeps)
+    linear_input: int
+    per_linear_copies: bool  # autocast: wq, wk, wv (w1, w3) each save their own cast of the norm output
+    attention: int  # q, k, v and the attention output
+    mlp: int  # the SwiGLU intermediates
+    weight_copies: bool  # autocast caches a bf16 copy of every weight for the step
+
+    @classmethod
+    def of(cls, w: Workload, fsdp: bool) -> "Precision":
+        if w.dtype == "fp32":
+            return cls(4, 4, False, 4, 4, False)
+        attention = 4 if w.fp32_arithmetic else 2
+        if fsdp:
+            return cls(2, 2, False, attention, 2, False)
+        return cls(4, 2, True, attention, 2, True)
+
+
+def llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float, int, str]]:
+    h, kv, f, heads = shape.dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
+    saved = []
+    for norm, consumers in (("attention_norm", 3), ("ffn_norm", 2)):
+        saved += [(f"{norm} input (fp32)", h, 4, "sp"), (f"{norm} 1/rms", 1, 4, "sp"),
+                  (f"{norm} normalised input", h, 4, "sp"),
+                  (f"{norm} output as the linears save it", h * (consumers if prec.per_linear_copies else 1),
+                   prec.linear_input, "full")]
+    saved += [("q, k after rotary; v", h + 2 * kv, prec.attention, "tp"), ("attention log-sum-exp", heads, 4, "tp"),
+              ("attention output", h, prec.attention, "tp")]
+    if prec.attention != prec.linear_input:  # fp32 arithmetic: wo saves its bf16 input besides the fp32 output
+        saved.append(("wo input (bf16)", h, 2, "tp"))
+    saved.append(("SwiGLU: w1 out, w3 out, silu, product", 4 * f, prec.mlp, "tp"))
+    return saved
+
+
+def gpt_block(shape: Shape, w: Workload) -> list[tuple[str, float, int, str]]:
+    """Korthikanti et al. 2022, section 4.1: 34 s b h + 5 a s^2 b bytes per layer in 16-bit, with
+    Megatron's sequence parallelism saving the sharded (not the gathered) linear inputs. Flash
+    attention keeps the log-sum-exp instead of the s x s scores."""
+    h, f, a, s = shape.dim, shape.ffn_dim, shape.n_heads, w.seq_len
+    b = 4 if w.dtype == "fp32" else 2
+    saved = [("LayerNorm inputs", 2 * h, b, "sp"), ("QKV input", h, b, "sp"), ("Q, K", 2 * h, b, "tp"),
+             ("V", h, b, "tp"), ("projection input", h, b, "tp"), ("dropout masks", 2 * h, 1, "sp"),
+             ("fc1 input", h, b, "sp"), ("GELU input, fc2 input", 2 * f, b, "tp")]
+    if w.attention == "math":
+        saved += [("softmax output", a * s, b, "tp"), ("attention dropout mask", a * s, 1, "tp"),
+                  ("attention dropout output", a * s, b, "tp")]
+    else:
+        saved.append(("attention log-sum-exp", a, 4, "tp"))
+    return saved
+
+
+def _per_token(saved, layout: Layout) -> float:
+    t, sp = layout.tp, layout.sequence_parallel
+
+    def divisor(split):
+        return t if split == "tp" or (split == "sp" and sp) else 1
+
+    return sum(n * b / divisor(split) for _, n, b, split in saved)
+
+
+def block_bytes_per_token(w: Workload, layout: Layout) -> float:
+    """What one block keeps for backward, per token of a micro-batch, on one tensor-parallel rank."""
+    shape = w.shape
+    if shape.arch == "gpt":
+        return _per_token(gpt_block(shape, w), layout)
+    return _per_token(llama_block(shape, Precision.of(w, layout.fsdp)), layout)
+
+
+def checkpointed_block_bytes_per_token(w: Workload, layout: Layout) -> float:
+    """A checkpointed block keeps only its input."""
+    stream = Precision.of(w, layout.fsdp).stream if w.shape.arch == "llama" else (4 if w.dtype == "fp32" else 2)
+    return w.shape.dim * stream / (layout.tp if layout.sequence_parallel else 1)
+
+
+def ends_bytes_per_token(w: Workload, layout: Layout, first: bool, last: bool) -> float:
+    """The token ids (first stage); the final norm, the output layer's input and the log-softmax of
+    the loss with its targets (last stage)."""
+    total = 8.0 if first else 0.0
+    if last:
+        h, t = w.shape.dim, layout.tp
+        linear_input = 4 if w.dtype == "fp32" else 2
+        sp = t if layout.sequence_parallel else 1
+        vocab = w.shape.vocab_size / (t if layout.loss_parallel else 1)
+        total += (2 * h * 4 + 4) / sp + h * linear_input + 4 * vocab + 8
+    return total
+
+
+def in_flight(layout: Layout, micro_batches: int) -> float:
+    """Micro-batches (in units of a whole rank's share of the layers) whose activations the busiest
+    pipeline rank holds at once: 1 without PP; GPipe all m; 1F1B up to pp; the interleaved
+    schedules count chunks of 1/v of the rank's layers: warm-up (v-1)pp + 2(pp-1) chunks plus one."""
+    p, v, m = layout.pp, layout.stages_per_rank, micro_batches
+    if p == 1:
+        return 1
+    if layout.pp_schedule == "gpipe":
+        return m
+    if v == 1:
+        return min(m, p)
+    chunks = min(m * v, (v - 1) * p + 2 * (p - 1) + 1)
+    return chunks / v
+
+
+def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes of saved activations on one rank at the peak of a step, and the transient working
+    set on top of them (the logits' gradient; one checkpointed block recomputed in backward)."""
+    tokens = layout.micro_batch * w.seq_len
+    layers = [n for stage in layout.stage_layers(w.shape.n_layers, pp_rank) for n in stage]
+    full, ckpt = block_bytes_per_token(w, layout), checkpointed_block_bytes_per_token(w, layout)
+    if layout.ac == "full":
+        checkpointed = len(layers)
+    elif layout.ac == "selective":
+        checkpointed = len(layers[:: layout.ac_every])
+    else:
+        checkpointed = 0
+    first, last = layout.holds_first_stage(pp_rank), layout.holds_last_stage(pp_rank)
+    per_micro_batch = tokens * (checkpointed * ckpt + (len(layers) - checkpointed) * full)
+    saved = per_micro_batch * in_flight(layout, w.micro_batches(layout)) + tokens * ends_bytes_per_token(
+        w, layout, first, last)
+    recompute = tokens * full if checkpointed else 0.0
+    vocab = w.shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
+    logits = tokens * vocab * (4 + (4 if w.dtype == "fp32" else 2) * 2) if last else 0.0
+    return {"saved": saved, "per_micro_batch": per_micro_batch, "transient": max(recompute, logits)}
+
+
+def _half_bytes(w: Workload) -> int:
+    return 4 if w.dtype == "fp32" else 2
+
+
+def other_bytes(w: Workload, layout: Layout, pp_rank: int, runtime_gib: float, fragmentation: float,
+                activations: float) -> float:
+    """Buffers besides model states and saved activations, on one rank: autocast's bf16 weight
+    copies (kept for the step), FSDP's gathered parameters (ZeRO-3: the outer group and two blocks,
+    the one computing and the one prefetched; ZeRO-2: the whole stage until backward ends) and one
+    block's unsharded fp32 gradients before the reduce-scatter, the runtime's own memory (CUDA
+    context, NCCL) and the caching allocator's fragmentation, as a fraction of the activations."""
+    sums = stage_sums(w.shape, layout, pp_rank)
+    total = 0.0
+    if w.dtype != "fp32" and not layout.fsdp and w.shape.arch == "llama":
+        total += 2 * sums.linear
+    if layout.fsdp:
+        largest = max(sums.blocks, default=0)
+        gathered = sums.total if layout.zero == 2 else sums.outer + 2 * largest
+        total += gathered * _half_bytes(w) + largest * 4
+    return total + runtime_gib * 2**30 + fragmentation * activations
+
+
+def grads_resident(w: Workload, layout: Layout) -> bool:
+    """Whether gradients already exist while a micro-batch's activations are live: with several
+    micro-batches per step (accumulation, pipelining), and under DDP, whose buckets are the
+    gradients from the start. Otherwise they appear as backward frees the activations."""
+    return w.micro_batches(layout) > 1 or (layout.dp > 1 and not layout.fsdp)
+
+
+def estimate_memory(w: Workload, layout: Layout, runtime_gib: float = 0.0, fragmentation: float = 0.0
+                    ) -> dict[str, float]:
+    """The busiest rank's bytes, itemised (params, grads, optimizer, activations, other) and its
+    peak (total): parameters and optimizer states always, plus either the activations with their
+    working set (and the gradients, where they are resident) or, at the end of backward, all the
+    gradients with the last recomputed block."""
+    worst: dict[str, float] = {}
+    for pp_rank in range(layout.pp):
+        rank = pp_rank * layout.dp * layout.tp  # tp, dp coordinates 0: the largest shards
+        states = model_state_bytes(w.shape, layout, rank)
+        act = activation_bytes(w, layout, pp_rank)
+        other = act["transient"] + other_bytes(w, layout, pp_rank, runtime_gib, fragmentation,
+                                               act["saved"] + act["transient"])
+        resident = states["grads"] if grads_resident(w, layout) else 0
+        recompute = act["transient"] if layout.ac != "none" else 0.0
+        peak = states["params"] + states["optimizer"] + other - act["transient"] + max(
+            act["saved"] + act["transient"] + resident, states["grads"] + recompute)
+        item = {**states, "activations": act["saved"], "other": other, "total": peak}
+        if item["total"] > worst.get("total", -1):
+            worst = item
+    return worst

@@ -1,0 +1,116 @@
+"""Enumerate the layouts a cluster allows, estimate each, keep what fits, best first."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+
+from meshtrain.config import Config
+from meshtrain.errors import ConfigError
+from meshtrain.plan.hardware import Device
+from meshtrain.plan.layout import AC_MODES, Layout, Workload, to_config
+from meshtrain.plan.memory import estimate_memory
+from meshtrain.plan.speed import step_time
+
+GIB = 2**30
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, float]  # bytes: params, grads, optimizer, activations, other, total
+    speed: dict
+    fits: bool
+    params: int
+    why_not: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "dp_replicate": lay.dp_replicate, "zero": lay.zero,
+                "micro_batch": lay.micro_batch, "ac": lay.ac, "pp_schedule": lay.pp_schedule,
+                "virtual_stages": lay.virtual_stages, "fits": self.fits, "params": self.params,
+                "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
+                "tokens_per_s_per_gpu": round(self.speed["tokens_per_s_per_gpu"], 2),
+                "tflops_per_gpu": round(self.speed["tflops_per_gpu"], 3), "mfu": round(self.speed["mfu"], 4),
+                "step_time_s": round(self.speed["step_time_s"], 5),
+                "seconds": {k: round(v, 5) for k, v in self.speed["seconds"].items()},
+                **({"why_not": self.why_not} if self.why_not else {}), "layout": asdict(lay)}
+
+
+def evaluate(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> Estimate:
+    memory = estimate_memory(w, layout, dev.runtime_gib, fragmentation=0.0 if dev.name == "cpu" else 0.05)
+    capacity = dev.memory_gib * GIB
+    fits = memory["total"] <= capacity
+    why = "" if fits else f"needs {memory['total'] / GIB:.1f} GiB of {dev.memory_gib:.1f}"
+    return Estimate(layout, memory, step_time(w, layout, dev, inter_gbps), fits, w.shape.n_params(), why)
+
+
+def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
+    """Why meshtrain would refuse this layout ("" if it would not): the trainer's own checks for
+    the Llama it trains; the divisibility rules of Megatron for a GPT shape."""
+    if base is not None:
+        from meshtrain.parallel.mesh import ParallelDims
+
+        cfg = to_config(layout, w, base)
+        try:
+            ParallelDims.from_config(cfg.parallel, layout.world).validate(args, cfg)
+        except ConfigError as e:
+            return str(e)
+        return ""
+    s = w.shape
+    if s.n_heads % layout.tp or s.ffn_dim % layout.tp or s.vocab_size % layout.tp:
+        return f"heads, ffn and vocabulary must be divisible by tp {layout.tp}"
+    if s.n_layers < layout.pp * layout.stages_per_rank:
+        return "fewer layers than pipeline stages"
+    if w.global_batch % (layout.micro_batch * layout.dp):
+        return "global batch not divisible by micro-batch x dp"
+    if layout.pp > 1 and w.micro_batches(layout) < layout.pp:
+        return "fewer micro-batches than pipeline stages"
+    return ""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[Layout]:
+    """Every combination of the free knobs; `fixed` pins any of tp, pp, zero, dp_replicate,
+    micro_batch, ac, pp_schedule, virtual_stages."""
+    def options(name, values):
+        return [fixed[name]] if fixed.get(name) is not None else values
+
+    out = []
+    for tp in options("tp", [d for d in _divisors(gpus_per_node) if gpus % d == 0]):
+        for pp in options("pp", [d for d in _divisors(gpus // tp) if d <= w.shape.n_layers]):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for zero, ac in itertools.product(options("zero", [0, 1, 2, 3] if dp > 1 else [0]),
+                                              options("ac", list(AC_MODES))):
+                replicate = [1] + [r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and
+                                   dp // r * tp == gpus_per_node]
+                micro = [b for b in (1, 2, 4, 8, 16, 32) if w.global_batch % (b * dp) == 0]
+                schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+                if fixed.get("pp_schedule") is not None or fixed.get("virtual_stages") is not None:
+                    schedules = [(fixed.get("pp_schedule") or "1f1b", fixed.get("virtual_stages") or 1)]
+                for r, mb, (schedule, v) in itertools.product(options("dp_replicate", replicate),
+                                                              options("micro_batch", micro), schedules):
+                    out.append(Layout(tp=tp, pp=pp, dp=dp, dp_replicate=r, zero=zero, micro_batch=mb, ac=ac,
+                                      pp_schedule=schedule, virtual_stages=v))
+    return out
+
+
+def search(w: Workload, dev: Device, inter_gbps: float, gpus: int, fixed: dict, base: Config | None = None,
+           args=None) -> tuple[list[Estimate], dict[str, int]]:
+    """Estimates, those that fit best first (by tokens/s), then those that do not (smallest first);
+    and how many layouts were dropped for each reason meshtrain would refuse them."""
+    estimates, refused = [], {}
+    for layout in candidates(w, gpus, min(gpus, dev.gpus_per_node), fixed):
+        reason = check(w, layout, base, args)
+        if reason:
+            refused[reason] = refused.get(reason, 0) + 1
+            continue
+        estimates.append(evaluate(w, layout, dev, inter_gbps))
+    estimates.sort(key=lambda e: (not e.fits, -e.speed["tokens_per_s_per_gpu"] if e.fits else e.memory["total"]))
+    return estimates, refused

@@ -1,0 +1,119 @@
+"""The model as the planner sees it: every parameter tensor with its shape, where it lives (the
+embedding stage, a block, the output stage) and which dimension tensor parallelism splits; and
+the FLOPs of a token. Two architectures: the Llama meshtrain trains, and classic GPT (LayerNorm,
+GELU MLP of 4h, learned positions, tied embeddings) for planning published GPT runs."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from meshtrain.model.llama import ModelArgs
+from meshtrain.parallel.tensor_parallel import SHARDED_DIM
+
+ARCHS = ("llama", "gpt")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    owner: str | int  # "embed" (first stage), "head" (last stage) or the block index
+    tp_dim: int | None  # split by tensor parallelism along this dimension; None: replicated
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int  # padded
+    max_seq_len: int
+    tie_embeddings: bool
+
+    @classmethod
+    def from_args(cls, args: ModelArgs) -> "Shape":
+        return cls("llama", args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim,
+                   args.padded_vocab_size, args.max_seq_len, args.tie_embeddings)
+
+    @classmethod
+    def gpt(cls, dim: int, n_layers: int, n_heads: int, vocab_size: int, max_seq_len: int) -> "Shape":
+        return cls("gpt", dim, n_layers, n_heads, n_heads, 4 * dim, vocab_size, max_seq_len, True)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def parameters(self) -> tuple[Param, ...]:
+        """Every parameter tensor in the order the model defines them (a tied output is the embedding)."""
+        return _parameters(self)
+
+    def _llama(self) -> list[Param]:
+        h, kv, f = self.dim, self.kv_dim, self.ffn_dim
+
+        def p(name, shape, owner):
+            return Param(name, shape, owner, SHARDED_DIM.get(name.split(".", 2)[-1] if isinstance(owner, int) else name))
+
+        params = [p("tok_embeddings.weight", (self.vocab_size, h), "embed")]
+        for i in range(self.n_layers):
+            pre = f"layers.{i}."
+            params += [p(pre + "attention_norm.weight", (h,), i),
+                       p(pre + "attention.wq.weight", (h, h), i), p(pre + "attention.wk.weight", (kv, h), i),
+                       p(pre + "attention.wv.weight", (kv, h), i), p(pre + "attention.wo.weight", (h, h), i),
+                       p(pre + "ffn_norm.weight", (h,), i),
+                       p(pre + "feed_forward.w1.weight", (f, h), i), p(pre + "feed_forward.w2.weight", (h, f), i),
+                       p(pre + "feed_forward.w3.weight", (f, h), i)]
+        params.append(p("norm.weight", (h,), "head"))
+        if not self.tie_embeddings:
+            params.append(p("output.weight", (self.vocab_size, h), "head"))
+        return params
+
+    def _gpt(self) -> list[Param]:
+        """Megatron's GPT: fused QKV and fc1 split by columns (with their biases), proj and fc2 by rows."""
+        h, f = self.dim, self.ffn_dim
+        params = [Param("wte.weight", (self.vocab_size, h), "embed", 0),
+                  Param("wpe.weight", (self.max_seq_len, h), "embed", None)]
+        for i in range(self.n_layers):
+            pre = f"h.{i}."
+            params += [Param(pre + "ln_1.weight", (h,), i, None), Param(pre + "ln_1.bias", (h,), i, None),
+                       Param(pre + "attn.c_attn.weight", (3 * h, h), i, 0), Param(pre + "attn.c_attn.bias", (3 * h,), i, 0),
+                       Param(pre + "attn.c_proj.weight", (h, h), i, 1), Param(pre + "attn.c_proj.bias", (h,), i, None),
+                       Param(pre + "ln_2.weight", (h,), i, None), Param(pre + "ln_2.bias", (h,), i, None),
+                       Param(pre + "mlp.c_fc.weight", (f, h), i, 0), Param(pre + "mlp.c_fc.bias", (f,), i, 0),
+                       Param(pre + "mlp.c_proj.weight", (h, f), i, 1), Param(pre + "mlp.c_proj.bias", (h,), i, None)]
+        params += [Param("ln_f.weight", (h,), "head", None), Param("ln_f.bias", (h,), "head", None)]
+        return params
+
+    @functools.cache
+    def n_params(self) -> int:
+        return sum(p.numel for p in self.parameters())
+
+    @functools.cache
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of training one token: 6 x the parameters a token multiplies (no embedding
+        lookup or positions) plus attention scores and weighted sum, 12 x layers x dim x seq (PaLM
+        appendix B; torchtitan's convention, no causal halving). MFU in the training log uses this too."""
+        lookups = ("tok_embeddings.weight", "wte.weight", "wpe.weight")
+        matmul = sum(p.numel for p in self.parameters() if p.name not in lookups)
+        if self.tie_embeddings:
+            matmul += self.vocab_size * self.dim  # the output projection is the embedding matrix
+        return 6.0 * matmul + 12.0 * self.n_layers * self.dim * seq_len
+
+
+@functools.cache
+def _parameters(shape: Shape) -> tuple[Param, ...]:
+    return tuple(shape._llama() if shape.arch == "llama" else shape._gpt())

@@ -1,0 +1,91 @@
+"""Step time of a layout: matmuls at a sustained fraction of the device's peak, memory-bound work at
+its memory bandwidth, tensor-parallel collectives inside each block, the pipeline's bubble and
+point-to-point sends, data-parallel gradient (and ZeRO-3 parameter) traffic with what overlaps
+with compute, and the optimizer step.
+
+Sources: FLOPs per token, PaLM (Chowdhery et al. 2022) appendix B; TP volume and the bubble
+(p - 1) / (v m), Narayanan et al. 2021; ring collectives 2 (n - 1) / n, nccl-tests' bus bandwidth;
+DP traffic 2 psi (DDP, ZeRO-1/2) and 3 psi (ZeRO-3), Rajbhandari et al. 2020."""
+
+from __future__ import annotations
+
+from meshtrain.plan.hardware import Device
+from meshtrain.plan.layout import Layout, Workload
+from meshtrain.plan.memory import STATE_BYTES, activation_bytes, stage_sums
+
+
+def _bandwidth(group_span: int, dev: Device, inter_gbps: float) -> float:
+    """GB/s a collective over ranks `group_span` apart end to end sees: NVLink inside a node, the
+    network once the group leaves it."""
+    return dev.intra_node_gbps if group_span <= dev.gpus_per_node else inter_gbps
+
+
+def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float, pp_rank: int) -> dict[str, float]:
+    """One micro-batch's forward + backward on one pipeline rank: matmuls (recomputation included),
+    memory-bound work (writing, reading and differentiating every saved activation), TP collectives
+    and the sends to the neighbouring stages."""
+    shape, t, s, h = w.shape, layout.tp, w.seq_len, w.shape.dim
+    dtype = "fp32" if w.dtype == "fp32" or w.fp32_arithmetic else w.dtype
+    act_bytes = 4 if w.dtype == "fp32" else 2
+    tokens = layout.micro_batch * s
+    layers = [n for stage in layout.stage_layers(shape.n_layers, pp_rank) for n in stage]
+    block = stage_sums(shape, layout, pp_rank).block_full
+    head = shape.vocab_size * h if layout.holds_last_stage(pp_rank) else 0
+    attention = 12 * h * s  # scores and weighted sum, forward + backward
+    recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}.get(layout.ac, 0)
+    flops = tokens * (len(layers) * (6 * block + attention) + 6 * head + recomputed * (2 * block + attention / 3))
+    compute = flops / t / (dev.peak(dtype) * 1e12 * dev.matmul_efficiency)
+    memory_bound = 3 * activation_bytes(w, layout, pp_rank)["per_micro_batch"] / (dev.memory_gbs * 1e9)
+    tp_comm = 0.0
+    if t > 1:  # 4 all-reduces (or reduce-scatter + all-gather pairs) per block and pass: 8 b s h (t-1)/t
+        passes = len(layers) + recomputed / 2
+        tp_comm = 8 * tokens * h * act_bytes * (t - 1) / t * passes / (_bandwidth(t, dev, inter_gbps) * 1e9)
+    p2p = 0.0
+    if layout.pp > 1:  # activations forward, their gradients backward, to the next stage dp x tp ranks away
+        span = layout.dp * t * 2
+        p2p = 2 * tokens * h * act_bytes / t / (_bandwidth(span, dev, inter_gbps) * 1e9)
+    return {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm, "p2p": p2p,
+            "total": compute + memory_bound + tp_comm + p2p}
+
+
+def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> dict[str, float]:
+    """Seconds per optimizer step and what they buy: tokens/s, model TFLOP/s per GPU and MFU."""
+    p, dp, t = layout.pp, layout.dp, layout.tp
+    m = w.micro_batches(layout)
+    per_rank = [micro_batch_time(w, layout, dev, inter_gbps, r) for r in sorted({0, p - 1})]
+    slowest = max(per_rank, key=lambda x: x["total"])
+    bubble = (p - 1) / layout.stages_per_rank * slowest["total"]
+    if layout.pp_schedule in ("zero_bubble", "zbv") and p > 1:
+        bubble /= 3  # splitting backward into input and weight gradients fills most of the bubble
+    pipeline = m * slowest["total"] + bubble
+
+    local = stage_sums(w.shape, layout, 0).total
+    half = 4 if w.dtype == "fp32" else 2
+    dp_comm = 0.0
+    if dp > 1:  # gradients, psi bytes in fp32
+        psi = local * STATE_BYTES["grads"]
+        if layout.fsdp:  # reduce-scatter the gradients, all-gather the parameters (twice for ZeRO-3)
+            ring = (layout.dp_shard - 1) / layout.dp_shard
+            gathers = 2 if layout.zero == 3 else 1
+            dp_comm = ring * (psi + gathers * local * half) / (_bandwidth(layout.dp_shard * t, dev, inter_gbps) * 1e9)
+            if layout.dp_replicate > 1:
+                r = layout.dp_replicate
+                dp_comm += 2 * (r - 1) / r * psi / layout.dp_shard / (inter_gbps * 1e9)
+        else:
+            dp_comm = 2 * (dp - 1) / dp * psi / (_bandwidth(dp * t, dev, inter_gbps) * 1e9)
+    # On a GPU, NCCL runs beside the kernels: gradient traffic hides behind the last micro-batch's
+    # backward (ZeRO-3's gathers behind its forward). On a CPU, gloo competes for the same cores.
+    overlap = 0.0 if dev.name == "cpu" else slowest["compute"]
+    exposed = max(0.0, dp_comm - overlap)
+    # Fused AdamW reads parameter, gradient and two moments and writes parameter and moments (fp32).
+    moments = local / (layout.dp_shard if layout.fsdp else dp if layout.zero == 1 else 1)
+    optimizer = moments * 28 / (dev.memory_gbs * 1e9)
+
+    step = pipeline + exposed + optimizer
+    tokens_per_s = w.global_batch * w.seq_len / step / layout.world
+    tflops = tokens_per_s * w.shape.flops_per_token(w.seq_len) / 1e12
+    return {"step_time_s": step, "tokens_per_s_per_gpu": tokens_per_s, "tflops_per_gpu": tflops,
+            "mfu": tflops / dev.peak("fp32" if w.dtype == "fp32" else w.dtype),
+            "seconds": {"compute": m * slowest["compute"], "memory_bound": m * slowest["memory_bound"],
+                        "tp_comm": m * slowest["tp_comm"], "pp_p2p": m * slowest["p2p"], "pp_bubble": bubble,
+                        "dp_comm_exposed": exposed, "optimizer": optimizer}}
