@@ -160,3 +160,22 @@ def test_layout_errors_name_the_numbers(world, overrides, fragment):
     with pytest.raises(ConfigError) as e:
         check_training(load_config(None, overrides), world_size=world)
     assert fragment in str(e.value)
+
+
+@pytest.mark.multiproc
+def test_planner_predicts_the_model_state_bytes_of_every_layout(reference, layout_run):
+    """The planner's parameter, gradient and optimizer bytes for each rank of every parity layout
+    (and the single process) against what the run measured on its tensors (memory.json), within 2%."""
+    import json
+
+    from meshtrain.plan import Layout, Shape, model_state_bytes
+
+    for name in [None, *LAYOUTS]:
+        run_dir = reference if name is None else layout_run(name)[0]
+        ranks = json.loads((run_dir / "memory.json").read_text())
+        cfg = load_config(run_dir / "config.toml")
+        shape, layout = Shape.from_args(cfg.model_args()), Layout.from_config(cfg, len(ranks))
+        for rank, measured in enumerate(ranks):
+            predicted = model_state_bytes(shape, layout, rank)
+            for key, value in predicted.items():
+                assert value == pytest.approx(measured[key], rel=0.02), (name, rank, key, value, measured[key])

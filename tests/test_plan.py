@@ -150,3 +150,99 @@ def test_peak_bytes_of_a_training_step(size, micro, accumulation, seq, ac, path)
     layout = Layout(micro_batch=micro, ac=ac, ac_every=cfg.training.ac_every)
     predicted = estimate_memory(workload(cfg, path), layout)["total"]
     assert predicted == pytest.approx(tracker.peak, rel=0.15), (predicted, tracker.peak)
+
+
+def plan_json(cli_env, *args) -> dict:
+    from conftest import run_cli
+
+    result = run_cli(["plan", *args, "--json"], cli_env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+GPT_13B = ["--arch", "gpt", "--layers", "40", "--hidden", "5120", "--heads", "40", "--vocab", "51200",
+           "--seq-len", "2048", "--gpu", "v100-16gb"]
+
+
+def test_13b_gpt_on_16gb_v100s(cli_env):
+    """docs/planning.md's worked example: plain DDP does not fit; micro-batch 1 with TP 4, PP 8 and
+    full checkpointing does; and the search over 32 GPUs finds layouts that fit, best first."""
+    fixed = ["--micro-batch", "1", "--ac", "full", "--global-batch", "64", "--gpus", "32"]
+    ddp = plan_json(cli_env, *GPT_13B, *fixed, "--tp", "1", "--pp", "1", "--zero", "0")["layouts"]
+    assert len(ddp) == 1 and not ddp[0]["fits"]
+    assert ddp[0]["memory_gib"]["params"] + ddp[0]["memory_gib"]["optimizer"] > 12.5e9 * 12 / 2**30  # 4 + 8 bytes
+    megatron = plan_json(cli_env, *GPT_13B, *fixed, "--tp", "4", "--pp", "8", "--zero", "0",
+                         "--pp-schedule", "1f1b")["layouts"]
+    assert len(megatron) == 1 and megatron[0]["fits"], megatron
+    best = megatron[0]
+    assert (best["tp"], best["pp"], best["dp"]) == (4, 8, 1) and 12.5e9 < best["params"] < 13.5e9
+    assert best["memory_gib"]["total"] < 15.78
+    search = plan_json(cli_env, *GPT_13B, "--gpus", "32", "--global-batch", "64")
+    fitting = [lay for lay in search["layouts"] if lay["fits"]]
+    assert fitting and search["layouts"][: len(fitting)] == fitting
+    speeds = [lay["tokens_per_s_per_gpu"] for lay in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    for key in ("tp", "pp", "dp", "dp_replicate", "zero", "micro_batch", "ac", "fits", "params",
+                "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "step_time_s"):
+        assert key in fitting[0]
+    assert set(fitting[0]["memory_gib"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
+    assert all(0 < lay["mfu"] < 1 for lay in fitting)
+
+
+def test_the_best_layout_becomes_a_config_that_trains_and_submits(cli_env, tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "best.toml"
+    result = run_cli(["plan", "--model", "llama3-8b", "--gpu", "h100-80gb", "--gpus", "16", "--seq-len", "4096",
+                      "--global-batch", "64", "--write-config", str(out)], cli_env)
+    assert result.returncode == 0, result.stderr
+    cfg = load_config(out)
+    assert cfg.model.n_layers == 32 and cfg.training.seq_len == 4096 and cfg.training.global_batch_size == 64
+    assert 16 % (cfg.parallel.tp * cfg.parallel.pp) == 0
+    # explaining that config gives the same layout back, fitting
+    again = plan_json(cli_env, "--config", str(out), "--gpu", "h100-80gb", "--gpus", "16")["layouts"]
+    assert len(again) == 1 and again[0]["fits"] and again[0]["tp"] == cfg.parallel.tp
+    job = run_cli(["jobscript", "slurm", "--config", str(out), "--nodes", "2", "--gpus-per-node", "8"], cli_env)
+    assert job.returncode == 0 and "srun" in job.stdout, job.stderr
+
+
+def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
+    rows = [{"op": "all_reduce", "bytes": 2**28, "busbw_GBps": 3.5, "nodes": 2, "world_size": 16},
+            {"op": "all_reduce", "bytes": 2**20, "busbw_GBps": 1.0, "nodes": 2, "world_size": 16}]
+    comm = tmp_path / "comm.json"
+    comm.write_text(json.dumps(rows))
+    args = ["--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus", "16", "--tp", "1", "--pp", "1", "--zero", "3",
+            "--micro-batch", "1", "--ac", "full", "--global-batch", "16"]
+    slow = plan_json(cli_env, *args, "--comm", str(comm))
+    fast = plan_json(cli_env, *args)
+    assert slow["inter_node_gbps"] == 3.5 and fast["inter_node_gbps"] == pytest.approx(20.0)
+    assert slow["layouts"][0]["step_time_s"] > fast["layouts"][0]["step_time_s"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny", "--gpu", "k80"], "--gpu 'k80' unknown"),
+    (["--model", "tiny", "--gpu", "v100-16gb", "--dtype", "bf16"], "has no bf16"),
+    (["--model", "nope", "--gpu", "h100-80gb"], "neither a preset"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--comm", "missing.json"], "cannot read it"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"], "Llama architecture"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--hidden", "100", "--heads", "3"], "divisible"),
+])
+def test_bad_plan_requests_get_one_line(args, message, cli_env, tmp_path):
+    from conftest import run_cli
+
+    result = run_cli(["plan", *args], cli_env, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_training_warns_before_a_layout_that_will_not_fit(caplog):
+    from meshtrain.model.presets import PRESETS
+    from meshtrain.plan.check import warn_if_too_big
+
+    cfg = load_config(None, ["--model.preset", "llama3-70b", "--training.seq_len", "4096"])
+    with caplog.at_level("WARNING", logger="meshtrain"):
+        warn_if_too_big(cfg, PRESETS["llama3-70b"], 1, torch.device("cpu"), 1)
+    assert "predicts" in caplog.text and "meshtrain plan" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="meshtrain"):
+        warn_if_too_big(load_config(None), PRESETS["tiny"], 1, torch.device("cpu"), 1)
+    assert caplog.text == ""

@@ -89,7 +89,8 @@ def run_comm_bench(ops: list[str], low: int, high: int, iters: int) -> list[dict
     for op in ops:
         for size in sizes_between(low, high):
             iterations = max(1, min(iters, (64 * 2**20) // max(size, 1) or 1))  # fewer calls for big messages
-            rows.append(bench_collective(op, size, device, iterations))
+            rows.append({**bench_collective(op, size, device, iterations),
+                         "nodes": max(1, env.world_size // max(1, env.local_world_size))})
     return rows if dist.get_rank() == 0 else []
 
 

@@ -95,8 +95,9 @@ class TrainingConfig:
     """Training precision: fp32, or bf16 mixed precision (fp32 master weights and optimizer states)."""
     bf16_compute: Literal["auto", "bf16", "fp32"] = "auto"
     """With dtype bf16, the arithmetic of matmuls and attention: "bf16" kernels, or "fp32" on bf16-rounded
-    inputs (same storage and numbers; faster where bf16 kernels are slow); "auto": fp32 on an x86 CPU without
-    AMX, bf16 elsewhere."""
+    inputs (same storage and numbers; faster where bf16 kernels are slow); "auto": on a CPU, whichever a
+    probe (a GEMM and an attention backward in both, cached per CPU model and thread count) measured faster;
+    bf16 on a GPU."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: "full" every block, "selective" every ac_every-th block."""
     ac_every: int = 2
@@ -178,6 +179,9 @@ class RunConfig:
     checkpoint with `meshtrain export` instead)."""
     save_model_max_gb: float = 8.0
     """Largest model whose full weights are gathered into one process at the end."""
+    plan_check: bool = False
+    """Log the planner's prediction (model-state bytes per rank, peak of a step) next to what this run
+    measured."""
     sample_prompt: str = "def "
     """After training, rank 0 prints a continuation of this; "" to skip."""
     sample_tokens: int = 48

@@ -38,7 +38,7 @@ def _shape(args, cfg: Config, seq_len: int | None) -> Shape:
     if args.heads and not args.kv_heads:
         model.n_kv_heads = args.heads
     for key, value in dataclasses.asdict(model).items():
-        if isinstance(value, int) and value <= 0:
+        if type(value) is int and value <= 0:
             raise MeshtrainError(f"model {key} must be positive, got {value}")
     if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
         raise MeshtrainError(f"--hidden ({model.dim}) must be divisible by --heads ({model.n_heads}), and --heads "

@@ -29,8 +29,9 @@ def _chunk(n: int, parts: int, index: int) -> int:
 
 def local_numel(p: Param, layout: Layout, tp_rank: int, shard_rank: int) -> int:
     """Elements of a parameter one rank holds: its tensor-parallel slice, then its FSDP shard of dim 0."""
-    shards = layout.dp_shard if layout.fsdp else 1
-    return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, shards, shard_rank)
+    if not layout.fsdp:
+        return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, 1, 0)
+    return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, layout.dp_shard, shard_rank)
 
 
 @functools.cache
@@ -120,7 +121,10 @@ def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int
     local = [(local_numel(p, layout, c["tp"], c["dp_shard"]), len(p.shape) >= 2) for p in params]
     held = sum(n for n, _ in local)
     moments = _zero1_share(local, layout.dp, c["dp"]) if layout.zero == 1 and layout.dp > 1 else held
-    return {"params": STATE_BYTES["params"] * held, "grads": STATE_BYTES["grads"] * held,
+    grads = held
+    if layout.tp > 1 and not layout.fsdp:  # the vocabulary-parallel embedding's gradient comes back whole
+        grads += sum(p.numel - n for p, (n, _) in zip(params, local, strict=True) if p.owner == "embed" and p.tp_dim == 0)
+    return {"params": STATE_BYTES["params"] * held, "grads": STATE_BYTES["grads"] * grads,
             "optimizer": STATE_BYTES["optimizer"] * moments}
 
 

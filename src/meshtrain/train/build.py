@@ -105,6 +105,10 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     torch.manual_seed(t.seed)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     dims.build_mesh(device.type)
+    if env.rank == 0:
+        from meshtrain.plan.check import warn_if_too_big
+
+        warn_if_too_big(cfg, args, env.world_size, device, env.local_world_size)
     with torch.device("meta"):
         full_model = Llama(args)
     model = parallelize(full_model, dims, cfg.parallel, t, device, cross_entropy)

@@ -130,6 +130,11 @@ def report_memory(s: TrainState, metrics: MetricsLogger) -> None:
     report = gather_memory_report(s.model.parameters(), s.optimizer)
     for rank, line in enumerate(report):
         log.info(format_memory(rank, line))
+    if s.cfg.run.plan_check:
+        from meshtrain.plan.check import compare
+
+        for line in compare(s.cfg, s.args, s.device, report):
+            log.info(line)
     metrics.write_json("memory.json", report)
 
 
