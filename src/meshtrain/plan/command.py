@@ -104,7 +104,9 @@ def run_plan(args) -> int:
     title = (f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {gpus} x {dev.name} ({dev.gpus_per_node} per node, "
              f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {inter:.1f} GB/s per GPU), seq {seq_len}, "
              f"global batch {global_batch}, {dtype}")
-    render(title, estimates, refused, args.top, Console())
+    import sys
+
+    render(title, estimates, refused, args.top, Console(width=None if sys.stdout.isatty() else 120))
     return 0
 
 

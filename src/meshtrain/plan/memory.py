@@ -122,8 +122,8 @@ def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int
     held = sum(n for n, _ in local)
     moments = _zero1_share(local, layout.dp, c["dp"]) if layout.zero == 1 and layout.dp > 1 else held
     grads = held
-    if layout.tp > 1 and not layout.fsdp:  # the vocabulary-parallel embedding's gradient comes back whole
-        grads += sum(p.numel - n for p, (n, _) in zip(params, local, strict=True) if p.owner == "embed" and p.tp_dim == 0)
+    if layout.tp > 1 and not layout.fsdp:  # DTensor's vocabulary-parallel embedding: its gradient comes back whole
+        grads += sum(p.numel - n for p, (n, _) in zip(params, local, strict=True) if p.name == "tok_embeddings.weight")
     return {"params": STATE_BYTES["params"] * held, "grads": STATE_BYTES["grads"] * grads,
             "optimizer": STATE_BYTES["optimizer"] * moments}
 

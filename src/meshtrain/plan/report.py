@@ -16,14 +16,14 @@ def render(title: str, estimates: list[Estimate], refused: dict[str, int], top: 
     for i, e in enumerate(estimates[:top], 1):
         s = e.speed
         table.add_row(str(i), e.layout.describe(), f"{e.memory['total'] / GIB:.1f}", "yes" if e.fits else "[red]no",
-                      f"{s['tokens_per_s_per_gpu']:,.0f}", f"{s['tflops_per_gpu']:.1f}", f"{s['mfu']:.1%}",
+                      f"{s['tokens_per_s_per_gpu']:,.0f}", f"{s['tflops_per_gpu']:.3g}", f"{s['mfu']:.1%}",
                       f"{s['step_time_s']:.3g}")
     console.print(table)
     if not estimates:
         console.print("no layout is possible: " + "; ".join(refused))
         return
     best = estimates[0]
-    breakdown = Table(title=f"memory of #1 on its busiest rank ({best.layout.describe()})", title_justify="left")
+    breakdown = Table(title="memory of #1, busiest rank", title_justify="left")
     breakdown.add_column("item")
     breakdown.add_column("GiB", justify="right")
     for key, value in best.memory.items():
