@@ -33,7 +33,7 @@ def _base_config(args) -> Config:
 def _shape(args, cfg: Config, seq_len: int | None) -> Shape:
     overrides = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
                  "ffn_dim": args.ffn, "vocab_size": args.vocab}
-    model = cfg.model_args(vocab_size=cfg.data.vocab_size)
+    model = cfg.model_args()
     model = dataclasses.replace(model, **{k: v for k, v in overrides.items() if v is not None})
     if args.heads and not args.kv_heads:
         model.n_kv_heads = args.heads
@@ -81,7 +81,7 @@ def run_plan(args) -> int:
                        "pp_schedule": p.pp_schedule, "virtual_stages": p.pp_virtual_stages}
         fixed = {k: v if v is not None else from_config[k] for k, v in fixed.items()}
     llama = args.arch == "llama"
-    model_args = cfg.model_args(vocab_size=cfg.data.vocab_size) if llama else None
+    model_args = cfg.model_args() if llama else None
     if llama:
         model_args = dataclasses.replace(model_args, **{k: getattr(shape, k) for k in (
             "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}, vocab_size=shape.vocab_size)
