@@ -9,13 +9,18 @@ Variants:
   meshtrain           meshtrain's own step (`parallelize` + `train_step`: fused AdamW, clipping)
   meshtrain+compile   the same with training.compile = true (blocks and loss compiled)
   meshtrain+compile/bf16-kernels
-                      bf16 rows only: training.bf16_compute = "bf16", i.e. without the fp32
-                      arithmetic that "auto" picks on a CPU without AMX (= the first two where it doesn't)
+                      bf16 rows only: training.bf16_compute = "bf16", i.e. bf16 kernels whatever
+                      "auto" measured (= the first two where "auto" picks them)
   hf                  the plain loop: torch.optim.AdamW with its defaults, clip_grad_norm_
   hf+fused            the plain loop with fused AdamW: isolates the model code from the optimizer
+  hf+compile          the strongest peer: the whole HF model under torch.compile, fused AdamW
 
-MFU is against the peak of the arithmetic each variant runs: bf16 rows with fp32 arithmetic
-against the fp32 matmul peak, the others against the bf16 one.
+Each row also compares meshtrain's best variant with the best HF variant. MFU is against the best
+dense peak the device has for the row's dtype (bf16 on a CPU: the larger of its bf16 and fp32
+matmul peaks), whatever arithmetic a variant ran. Where bf16 kernels are emulated (a CPU without
+bf16 instructions, bf16 work many times slower than fp32), the variants that would run them (the HF
+loops under autocast, bf16-kernels) are skipped in bf16 rows and the row says so: one of their
+steps would take minutes.
 """
 
 from __future__ import annotations
@@ -28,13 +33,17 @@ import torch.nn.functional as F
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
 from meshtrain.interop.hf import hf_config
-from meshtrain.metrics import device_peak_tflops
+from meshtrain.metrics import device_peak_tflops, mfu_peak_tflops
 from meshtrain.plan.shapes import Shape
 from meshtrain.parallel import arithmetic_dtype
+from meshtrain.parallel.precision import bf16_slowdown
 from meshtrain.train import build
 
 NATIVE = "meshtrain+compile/bf16-kernels"
-VARIANTS = ("meshtrain", "meshtrain+compile", NATIVE, "hf", "hf+fused")
+MESHTRAIN = ("meshtrain", "meshtrain+compile", NATIVE)
+HF = ("hf", "hf+fused", "hf+compile")
+VARIANTS = (*MESHTRAIN, *HF)
+EMULATED_BF16 = 4.0  # bf16 kernels this many times slower than fp32 arithmetic: not run in the bench
 
 
 def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
@@ -51,13 +60,15 @@ def meshtrain_step(cfg, batch: tuple):
     return lambda: state.step(*batch)
 
 
-def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device):
-    """What a user writes around transformers: forward, loss, backward, clip, AdamW."""
+def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device, compiled: bool = False):
+    """What a user writes around transformers: forward, loss, backward, clip, AdamW (optionally the
+    whole model under torch.compile)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**{k: v for k, v in hf_config(args, None).items() if k not in ("architectures", "model_type")})
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(dev)
+    forward = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=True if fused else None)
     inputs, targets = batch
@@ -65,7 +76,7 @@ def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device):
     def step():
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            logits = model(input_ids=inputs).logits
+            logits = forward(input_ids=inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -81,11 +92,15 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
     configs = {"meshtrain": meshtrain_config(preset, dtype, False, "auto", batch),
                "meshtrain+compile": meshtrain_config(preset, dtype, True, "auto", batch)}
-    if dtype == "bf16":
+    slowdown = bf16_slowdown() if dtype == "bf16" and dev.type == "cpu" else 1.0
+    bf16_kernels = slowdown < EMULATED_BF16
+    if dtype == "bf16" and bf16_kernels:
         configs[NATIVE] = meshtrain_config(preset, dtype, True, "bf16", batch)
     fns = {name: meshtrain_step(cfg, batch) for name, cfg in configs.items()}
-    fns["hf"] = hf_step(args, dtype, False, batch, dev)
-    fns["hf+fused"] = hf_step(args, dtype, True, batch, dev)
+    if dtype != "bf16" or bf16_kernels:
+        fns["hf"] = hf_step(args, dtype, False, batch, dev)
+        fns["hf+fused"] = hf_step(args, dtype, True, batch, dev)
+        fns["hf+compile"] = hf_step(args, dtype, True, batch, dev, compiled=True)
     for fn in fns.values():  # warm-up: compilation, allocator, oneDNN primitive caches
         timed(fn, 2, dev)
     times = {name: [] for name in fns}
@@ -93,30 +108,37 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     for i in range(rounds):  # each round starts at another variant: no variant always runs after the same one
         for name in names[i % len(names):] + names[:i % len(names)]:
             times[name].append(timed(fns[name], steps, dev))
-    peaks = {"bf16": device_peak_tflops(dev, torch.bfloat16), "fp32": device_peak_tflops(dev, torch.float32)}
-    dtype_names = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-    arithmetic = {name: dtype_names[arithmetic_dtype(cfg.training, dev)] for name, cfg in configs.items()}
-    arithmetic.update(hf=dtype, **{"hf+fused": dtype})
+    peak = mfu_peak_tflops(dev, dtype)
     flops = Shape.from_args(args).flops_per_token(seq_len)
     row = {"preset": preset, "dtype": dtype, "device": dev.type, "threads": torch.get_num_threads(),
-           "batch": batch_size, "seq_len": seq_len, "peak_tflops": peaks[dtype], "peak_tflops_fp32": peaks["fp32"],
-           "meshtrain_arithmetic": arithmetic["meshtrain"]}
+           "batch": batch_size, "seq_len": seq_len, "peak_tflops": peak,
+           "peak_tflops_fp32": device_peak_tflops(dev, torch.float32),
+           "meshtrain_arithmetic": "bf16" if arithmetic_dtype(configs["meshtrain"].training, dev) == torch.bfloat16
+           else "fp32"}
+    if not bf16_kernels:
+        row["skipped"] = (f"bf16 kernels are {slowdown:.0f}x slower than fp32 arithmetic on this CPU (emulated): "
+                          "the variants that run them were not run")
     for name, ts in times.items():
         tok_s = batch_size * seq_len / statistics.median(ts)
-        peak = peaks[arithmetic[name]]
         row[f"{name}_tokens_per_s"] = tok_s
         row[f"{name}_mfu"] = tok_s * flops / 1e12 / peak if peak else 0.0
-        row[f"{name}_mfu_vs_{dtype}_peak"] = tok_s * flops / 1e12 / peaks[dtype] if peaks[dtype] else 0.0
-    for name in configs:
-        for base in ("hf", "hf+fused"):
-            ratios = [b / t for t, b in zip(times[name], times[base])]
-            row[f"{name}_vs_{base}"] = statistics.median(ratios)
-            row[f"{name}_vs_{base}_range"] = [min(ratios), max(ratios)]
+    pairs = [(name, base) for name in configs for base in HF if base in times]
+    best = {side: max((n for n in names if n in times), key=lambda n: row[f"{n}_tokens_per_s"], default=None)
+            for side, names in (("meshtrain", MESHTRAIN), ("hf", HF))}
+    if best["hf"]:
+        row["best_meshtrain"], row["best_hf"] = best["meshtrain"], best["hf"]
+        pairs.append((best["meshtrain"], best["hf"]))
+    for name, base in pairs:
+        ratios = [b / t for t, b in zip(times[name], times[base], strict=True)]
+        row[f"{name}_vs_{base}"] = statistics.median(ratios)
+        row[f"{name}_vs_{base}_range"] = [min(ratios), max(ratios)]
     print(f"  {preset} {dtype}: " + ", ".join(f"{n} {row[f'{n}_tokens_per_s']:,.0f} tok/s" for n in fns), flush=True)
     return row
 
 
-def ratio(row: dict, name: str, base: str) -> str:
+def ratio(row: dict, name: str | None, base: str | None) -> str:
+    if f"{name}_vs_{base}" not in row:
+        return "-"
     low, high = row[f"{name}_vs_{base}_range"]
     return f"{row[f'{name}_vs_{base}']:.2f}x ({low:.2f}-{high:.2f})"
 
@@ -126,13 +148,13 @@ def table(rows: list[dict]) -> str:
         return fmt(r) if f"{name}_tokens_per_s" in r else "-"
 
     header = ["preset", "dtype (meshtrain arithmetic)", *[f"{n} tok/s (MFU)" for n in VARIANTS],
-              "meshtrain / hf (range over rounds)", "meshtrain+compile / hf", "meshtrain+compile / hf+fused",
-              "bf16 kernels / hf", "peak TFLOP/s (fp32)"]
+              "meshtrain / hf (range over rounds)", "meshtrain+compile / hf+compile",
+              "best meshtrain / best hf", "MFU peak TFLOP/s (fp32)"]
     lines = [[r["preset"], f"{r['dtype']} ({r['meshtrain_arithmetic']})",
               *[cell(r, n, lambda r, n=n: f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})") for n in VARIANTS],
-              ratio(r, "meshtrain", "hf"), ratio(r, "meshtrain+compile", "hf"),
-              ratio(r, "meshtrain+compile", "hf+fused"),
-              cell(r, NATIVE, lambda r: ratio(r, NATIVE, "hf")),
+              ratio(r, "meshtrain", "hf"), ratio(r, "meshtrain+compile", "hf+compile"),
+              f"{ratio(r, r.get('best_meshtrain'), r.get('best_hf'))} ({r.get('best_meshtrain', '-')} / "
+              f"{r.get('best_hf', '-')})" if "best_hf" in r else r.get("skipped", "-"),
               f"{r['peak_tflops']:.3f} ({r['peak_tflops_fp32']:.3f})"] for r in rows]
     return markdown(header, lines)
 

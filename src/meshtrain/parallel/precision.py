@@ -40,10 +40,15 @@ def arithmetic_dtype(training, device: torch.device) -> torch.dtype:
 
 
 def fp32_arithmetic_is_faster() -> bool:
+    return bf16_slowdown() > 1.0
+
+
+def bf16_slowdown() -> float:
+    """This CPU's time for the probe's work in bf16 kernels over its time in fp32 arithmetic
+    (measured once per CPU model and thread count, then cached)."""
     from meshtrain.metrics import cached_measurement, cpu_peak_key
 
-    ratio = cached_measurement(f"{cpu_peak_key(BF16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio, keep_max=False)
-    return ratio > 1.0
+    return cached_measurement(f"{cpu_peak_key(BF16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio, keep_max=False)
 
 
 def _bf16_time_ratio(repeats: int = 3) -> float:
