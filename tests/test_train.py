@@ -42,9 +42,14 @@ def test_single_process_run_writes_metrics_config_tensorboard_weights(single_run
 @pytest.mark.multiproc
 def test_ddp_matches_single_process_loss_grad_norm_and_weights(single_run, corpus, cli_env, tmp_path):
     """1 process with 2 accumulation steps vs 2 DDP ranks with 1: same global batch of 8."""
-    result = run_cli([*train_args(corpus, tmp_path), "--nproc", "2"], cli_env)
+    result = run_cli([*train_args(corpus, tmp_path), "--nproc", "2", "--run.plan_check", "true"], cli_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2" in result.stdout
+    import re  # run.plan_check: the planner's model-state MiB next to the measured ones, per rank
+    checks = re.findall(r"rank (\d) planner/measured MiB: params ([\d.]+)/([\d.]+) \| grads ([\d.]+)/([\d.]+)",
+                        result.stdout)
+    assert [c[0] for c in checks] == ["0", "1"]
+    assert all(c[1] == c[2] and c[3] == c[4] for c in checks), checks
     single, ddp = read_metrics(single_run[0]), read_metrics(tmp_path)
     assert len(single) == len(ddp) == 10
     for s, d in zip(single, ddp, strict=True):
