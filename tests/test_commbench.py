@@ -22,6 +22,7 @@ def test_comm_bench_over_two_processes(cli_env, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert {r["op"] for r in rows} == set(BUS_FACTOR) and {r["world_size"] for r in rows} == {2}
+    assert {r["nodes"] for r in rows} == {1}  # `meshtrain plan --comm` reads a one-node file as intra-node
     assert sorted({r["bytes"] for r in rows}) == [4096, 16384, 65536, 262144, 1048576]
     for r in rows:
         assert r["time_us"] > 0

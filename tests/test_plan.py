@@ -217,6 +217,10 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
     fast = plan_json(cli_env, *args)
     assert slow["inter_node_gbps"] == 3.5 and fast["inter_node_gbps"] == pytest.approx(20.0)
     assert slow["layouts"][0]["step_time_s"] > fast["layouts"][0]["step_time_s"]
+    one_node = tmp_path / "one-node.json"  # a single-node measurement sets the intra-node bandwidth
+    one_node.write_text(json.dumps([{**row, "nodes": 1, "busbw_GBps": 150.0} for row in rows]))
+    measured = plan_json(cli_env, *args, "--comm", str(one_node), "--comm", str(comm))
+    assert (measured["intra_node_gbps"], measured["inter_node_gbps"]) == (150.0, 3.5)
 
 
 @pytest.mark.parametrize("args, message", [
