@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from meshtrain.config import Config, load_config, to_toml
 from meshtrain.errors import MeshtrainError
+from meshtrain.model.llama import ModelArgs
 from meshtrain.model.presets import PRESETS
 from meshtrain.plan.hardware import device
 from meshtrain.plan.layout import Workload, to_config
@@ -30,7 +32,8 @@ def _base_config(args) -> Config:
     return load_config(None)
 
 
-def _shape(args, cfg: Config, seq_len: int | None) -> Shape:
+def _model(args, cfg: Config) -> ModelArgs:
+    """The config's (or preset's) model with the shape flags applied."""
     overrides = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
                  "ffn_dim": args.ffn, "vocab_size": args.vocab}
     model = cfg.model_args()
@@ -43,19 +46,18 @@ def _shape(args, cfg: Config, seq_len: int | None) -> Shape:
     if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
         raise MeshtrainError(f"--hidden ({model.dim}) must be divisible by --heads ({model.n_heads}), and --heads "
                              f"by --kv-heads ({model.n_kv_heads})")
-    if args.arch == "gpt":
-        return Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size,
-                         max(seq_len or 0, model.max_seq_len))
-    return Shape.from_args(model)
+    return model
 
 
 def run_plan(args) -> int:
     cfg = _base_config(args)
     explain = bool(args.config)
     t = cfg.training
-    seq_len = args.seq_len or (t.seq_len if explain else None)
-    shape = _shape(args, cfg, seq_len)
-    seq_len = seq_len or min(2048, shape.max_seq_len)
+    model = _model(args, cfg)
+    llama = args.arch == "llama"
+    seq_len = args.seq_len or (t.seq_len if explain else min(2048, model.max_seq_len))
+    shape = (Shape.from_args(model) if llama else
+             Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, max(seq_len, model.max_seq_len)))
     gpus = args.gpus or (cfg.parallel.tp * cfg.parallel.pp if explain else 8)
     global_batch = args.global_batch or (t.global_batch_size if explain else 4 * gpus)
     if min(gpus, seq_len, global_batch) < 1:
@@ -80,15 +82,10 @@ def run_plan(args) -> int:
                        "micro_batch": t.micro_batch_size, "ac": t.activation_checkpointing,
                        "pp_schedule": p.pp_schedule, "virtual_stages": p.pp_virtual_stages}
         fixed = {k: v if v is not None else from_config[k] for k, v in fixed.items()}
-    llama = args.arch == "llama"
-    model_args = cfg.model_args() if llama else None
-    if llama:
-        model_args = dataclasses.replace(model_args, **{k: getattr(shape, k) for k in (
-            "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}, vocab_size=shape.vocab_size)
-    estimates, refused = search(w, dev, inter, gpus, fixed, cfg if llama else None, model_args)
+    estimates, refused = search(w, dev, inter, gpus, fixed, cfg if llama else None, model if llama else None)
 
     if args.write_config:
-        _write_config(args, estimates, w, cfg, model_args)
+        _write_config(args, estimates, w, cfg, model)
     if args.json:
         print(json.dumps({
             "model": {"arch": shape.arch, "params": shape.n_params(), **dataclasses.asdict(shape)},
@@ -104,13 +101,11 @@ def run_plan(args) -> int:
     title = (f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {gpus} x {dev.name} ({dev.gpus_per_node} per node, "
              f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {inter:.1f} GB/s per GPU), seq {seq_len}, "
              f"global batch {global_batch}, {dtype}")
-    import sys
-
     render(title, estimates, refused, args.top, Console(width=None if sys.stdout.isatty() else 120))
     return 0
 
 
-def _write_config(args, estimates, w: Workload, cfg: Config, model_args) -> None:
+def _write_config(args, estimates, w: Workload, cfg: Config, model: ModelArgs) -> None:
     from meshtrain.files import write_text
 
     fitting = [e for e in estimates if e.fits]
@@ -124,7 +119,7 @@ def _write_config(args, estimates, w: Workload, cfg: Config, model_args) -> None
         raise MeshtrainError("--write-config: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
     best = to_config(fitting[0].layout, w, cfg)
     best = dataclasses.replace(best, model=dataclasses.replace(best.model, **{
-        k: getattr(model_args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}))
+        k: getattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}))
     path = write_text(args.write_config, to_toml(best))
     load_config(path)  # what was written must train
     print(f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "

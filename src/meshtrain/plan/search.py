@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from meshtrain.config import Config
 from meshtrain.errors import ConfigError
@@ -23,7 +23,6 @@ class Estimate:
     fits: bool
     params: int
     why_not: str = ""
-    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         lay = self.layout
