@@ -23,7 +23,7 @@ cluster-deps:
 	bash scripts/install-cluster-deps.sh
 
 test: setup cluster-deps
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=30
 
 # The benchmark suite (tens of minutes on 2 CPU cores): bench/results/*.json, *.md and *.png.
 bench: setup
