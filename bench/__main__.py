@@ -1,17 +1,18 @@
-"""python -m bench [throughput|scaling|memory|serve|plots|all] [options]: see bench/README.md."""
+"""python -m bench [throughput|profile|scaling|memory|serve|plots|all] [options]: see bench/README.md."""
 
 import argparse
 
-from bench import memory, plots, scaling, serve, throughput
+from bench import memory, plots, profile, scaling, serve, throughput
 
 p = argparse.ArgumentParser(prog="python -m bench")
-p.add_argument("suite", nargs="?", default="all", choices=("throughput", "scaling", "memory", "serve", "plots", "all"))
+p.add_argument("suite", nargs="?", default="all", choices=("throughput", "profile", "scaling", "memory", "serve", "plots", "all"))
 p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
 p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
 p.add_argument("--batch", type=int, default=8, help="throughput: sequences per step")
 p.add_argument("--seq-len", type=int, default=256)
 p.add_argument("--steps", type=int, default=2, help="throughput: steps per timed round")
 p.add_argument("--rounds", type=int, default=6, help="throughput: interleaved timing rounds")
+p.add_argument("--profile-steps", type=int, default=3, help="profile: steps profiled per variant")
 p.add_argument("--scaling-preset", default="tiny")
 p.add_argument("--scaling-rounds", type=int, default=2, help="scaling: rounds over every layout")
 p.add_argument("--train-steps", type=int, default=12, help="scaling: steps per run (the first 2 are not timed)")
@@ -22,7 +23,7 @@ p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], defaul
 p.add_argument("--serve-preset", default="tiny", help="serve: the model served")
 p.add_argument("--serve-tokens", type=int, default=64, help="serve: new tokens per request")
 a = p.parse_args()
-for name, suite in (("throughput", throughput), ("scaling", scaling), ("memory", memory), ("serve", serve),
+for name, suite in (("throughput", throughput), ("profile", profile), ("scaling", scaling), ("memory", memory), ("serve", serve),
                     ("plots", plots)):
     if a.suite in (name, "all"):
         print(f"== {name}", flush=True)

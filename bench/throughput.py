@@ -46,6 +46,11 @@ VARIANTS = (*MESHTRAIN, *HF)
 EMULATED_BF16 = 4.0  # bf16 kernels this many times slower than fp32 arithmetic: not run in the bench
 
 
+def bf16_kernel_slowdown(dtype: str, dev: torch.device) -> float:
+    """How many times slower bf16 kernels are than fp32 arithmetic here (1 outside bf16 on a CPU)."""
+    return bf16_slowdown() if dtype == "bf16" and dev.type == "cpu" else 1.0
+
+
 def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
     inputs, _ = batch
     return load_config(None, ["--model.preset", preset, "--training.dtype", dtype, "--training.compile",
@@ -92,7 +97,7 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
     configs = {"meshtrain": meshtrain_config(preset, dtype, False, "auto", batch),
                "meshtrain+compile": meshtrain_config(preset, dtype, True, "auto", batch)}
-    slowdown = bf16_slowdown() if dtype == "bf16" and dev.type == "cpu" else 1.0
+    slowdown = bf16_kernel_slowdown(dtype, dev)
     bf16_kernels = slowdown < EMULATED_BF16
     if dtype == "bf16" and bf16_kernels:
         configs[NATIVE] = meshtrain_config(preset, dtype, True, "bf16", batch)

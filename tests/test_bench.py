@@ -26,3 +26,21 @@ def test_memory_suite_measures_the_zero_ratios_and_plots(corpus, tmp_path):
         assert r["peak_rss"] > r["model_states"]
     assert (tmp_path / "memory.png").stat().st_size > 10_000
     assert "| 2 | ZeRO-3 |" in (tmp_path / "memory.md").read_text()
+
+
+def test_profile_splits_a_step_into_kernels_and_host_time():
+    """A step of one big matmul is matmul time; a step that sleeps is time outside any kernel."""
+    import time
+
+    import torch
+
+    from bench.profile import breakdown, category
+
+    assert [category(n) for n in ("aten::mm", "sm90_xmma_gemm_bf16", "aten::_fused_adamw_",
+                                  "## Call CompiledFxGraph abc", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                  "aten::add_")] == ["matmul", "matmul", "optimizer", "compiled", "attention", "other"]
+    a = torch.randn(768, 768)
+    ms = breakdown(lambda: a @ a, 3, torch.device("cpu"))
+    assert ms["matmul"] > 0.8 * ms["wall"] and ms["outside kernels"] < 0.2 * ms["wall"], ms
+    ms = breakdown(lambda: time.sleep(0.02), 3, torch.device("cpu"))
+    assert ms["outside kernels"] >= 19 and ms["matmul"] == 0, ms

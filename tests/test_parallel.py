@@ -37,8 +37,9 @@ LAYOUTS = {
     "pp2-zero1-dp2": (4, ["--parallel.pp", "2", "--parallel.zero", "1"]),
     "pp2-tp2": (4, ["--parallel.pp", "2", "--parallel.tp", "2"]),
     "pp2-fsdp2-tp2": (8, ["--parallel.pp", "2", "--parallel.zero", "3", "--parallel.tp", "2"]),
-    # torch.compile'd blocks and loss: the same numbers as eager, alone and composed.
-    "compiled": (None, ["--training.compile", "true"]),
+    # torch.compile'd model and loss: the same numbers as eager, alone (one graph for the whole
+    # model, with checkpointed blocks inside it) and composed (a graph per block).
+    "compiled": (None, ["--training.compile", "true", "--training.activation_checkpointing", "selective"]),
     "compiled-zero3-2-ac": (2, ["--training.compile", "true", "--parallel.zero", "3", *AC_FULL]),
     "compiled-pp2-1f1b": (2, ["--training.compile", "true", "--parallel.pp", "2"]),
     "compiled-pp2-tp2": (4, ["--training.compile", "true", "--parallel.pp", "2", "--parallel.tp", "2"]),

@@ -65,3 +65,18 @@ def test_non_finite_gradients_skip_the_update_on_the_device():
     _, norm, skipped = step(x1[:, :-1], x1[:, 1:])  # and training goes on
     assert torch.isfinite(norm) and skipped.item() == 0.0
     assert not torch.equal(model.layers["0"].attention.wq.weight, before["layers.0.attention.wq.weight"])
+
+
+def test_one_process_compiles_the_whole_model_into_one_graph():
+    """training.compile on one process: a step enters compiled code twice (model, loss), not once per
+    block: the host launches a few graphs instead of walking every module."""
+    from torch.profiler import profile
+
+    cfg = load_config(None, [*MODEL, "--training.compile", "true"])
+    step = build_state(cfg, with_data=False).step
+    (tokens,) = batches(1)
+    step(tokens[:, :-1], tokens[:, 1:])  # compiles
+    with profile() as prof:
+        step(tokens[:, :-1], tokens[:, 1:])
+    regions = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+    assert len(regions) == 2 * 2, [e.name for e in regions]  # 2 micro-batches x (model, loss)

@@ -103,7 +103,8 @@ class TrainingConfig:
     ac_every: int = 2
     """With selective checkpointing: checkpoint every this many blocks."""
     compile: bool = False
-    """torch.compile each block (whole model under TP) and the loss; the first step pays the compile."""
+    """torch.compile the model (whole on one process or under TP, per block with DP/FSDP/PP) and the
+    loss; the first step pays the compile."""
     eval_every: int = 50
     """Steps between validation passes; 0 = only at the end."""
     eval_batches: int = 4

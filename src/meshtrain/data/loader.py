@@ -35,20 +35,26 @@ class TokenWindows:
     def __len__(self) -> int:
         return self.n_windows
 
-    def gather(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, windows: np.ndarray, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets): two views of one int64 tensor, in page-locked memory with `pin_memory`
+        (one pinned buffer per batch, so its copy to the GPU is asynchronous)."""
         rows = np.stack([self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1] for w in windows])
         batch = torch.from_numpy(rows.astype(np.int64))
+        if pin_memory:
+            batch = batch.pin_memory()
         return batch[:, :-1], batch[:, 1:]
 
 
 class DistributedLoader:
     """Yields this DP rank's slice of each global batch, in the seeded global order."""
 
-    def __init__(self, windows: TokenWindows, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(self, windows: TokenWindows, global_batch: int, dp_rank: int, dp_size: int, seed: int,
+                 pin_memory: bool = False):
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by DP degree {dp_size}")
         self.windows, self.global_batch, self.seed = windows, global_batch, seed
         self.dp_rank, self.local_batch = dp_rank, global_batch // dp_size
+        self.pin_memory = pin_memory
         self.consumed = 0  # global samples handed out so far, over all ranks
         self._epoch, self._perm = -1, np.empty(0, np.int64)
 
@@ -60,11 +66,11 @@ class DistributedLoader:
         return int(self._perm[pos])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (global_batch / dp_size, seq_len) int64, on the CPU."""
+        """(inputs, targets), each (global_batch / dp_size, seq_len) int64, on the CPU (pinned for a GPU)."""
         start = self.consumed + self.dp_rank * self.local_batch
         windows = np.array([self._window(g) for g in range(start, start + self.local_batch)])
         self.consumed += self.global_batch
-        return self.windows.gather(windows)
+        return self.windows.gather(windows, self.pin_memory)
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "seed": self.seed, "seq_len": self.windows.seq_len,

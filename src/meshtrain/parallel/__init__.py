@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
             apply_tp(part, dims.mesh("tp"), parallel.sequence_parallel, parallel.loss_parallel)
         apply_ac(part, training.activation_checkpointing, training.ac_every)
         if training.compile:
-            apply_compile(part, tensor_parallel=dims.tp > 1)
+            apply_compile(part, whole_model=dims.tp > 1 or (dims.dp == 1 and dims.pp == 1))
         if fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), dims.zero, torch.bfloat16 if training.dtype == "bf16" else None)
         part.to_empty(device=device)

@@ -1,9 +1,16 @@
-"""torch.compile per transformer block (torchtitan's choice): blocks are identical, so one graph is
-compiled and reused, and each block stays its own FSDP / activation-checkpointing unit.
+"""torch.compile of the model: one graph for the whole model where the layout allows, one graph per
+transformer block (torchtitan's choice) where the blocks must stay separate units.
 
-With tensor parallelism the whole model is compiled instead: in torch 2.13 a compiled block hands
-plain-tensor gradients back to the eager DTensor redistribution at its boundary (sequence-parallel
-input), which fails in backward; with the redistributions inside one graph it works.
+- Whole model (one process, or tensor parallel only): one forward and one backward graph per step,
+  so the host launches a handful of compiled kernels instead of walking dozens of modules, hooks
+  and autograd nodes (the host time that bounds small models on a GPU). Under tensor parallelism
+  it is also needed for correctness: in torch 2.13 a compiled block hands plain-tensor gradients
+  back to the eager DTensor redistribution at its boundary (sequence-parallel input), which fails
+  in backward; with the redistributions inside one graph it works.
+- Per block (data parallel, FSDP, pipeline stages): blocks are identical, so one graph is compiled
+  and reused; each block's gradients are ready as soon as its backward graph ran, which keeps
+  DDP's bucketed all-reduce and FSDP's per-block reduce-scatter overlapping the rest of backward
+  (a whole-model backward graph would hand every gradient over at its very end).
 
 `emulate_precision_casts` keeps every bf16 rounding that eager mode does: without it inductor fuses
 away a cast to bf16 and back, and bf16 training with fp32 arithmetic (parallel/precision.py) would
@@ -16,10 +23,10 @@ from torch import nn
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
-def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
+def apply_compile(model: nn.Module, whole_model: bool = False) -> None:
     """Compile in place (`Module.compile`), which keeps parameter names unchanged."""
-    if tensor_parallel:
-        model.compile(options=COMPILE_OPTIONS)
+    if whole_model:
+        model.compile(fullgraph=True, options=COMPILE_OPTIONS)
         return
     for block in model.layers.values():
         block.compile(fullgraph=True, options=COMPILE_OPTIONS)

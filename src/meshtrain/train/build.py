@@ -115,9 +115,11 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     optimizer, scheduler = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
     state = TrainState(cfg, env, device, dims, args, num_params(full_model), model, optimizer, scheduler, dataset)
     if dataset is not None:
-        state.loader = DistributedLoader(dataset.train, t.global_batch_size, dims.dp_rank, dims.dp, t.seed)
-        if len(dataset.val):
-            state.val = validation_batches(dataset.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)
+        state.loader = DistributedLoader(dataset.train, t.global_batch_size, dims.dp_rank, dims.dp, t.seed,
+                                         pin_memory=device.type == "cuda")
+        if len(dataset.val):  # few and fixed: copied to the device once
+            state.val = [(x.to(device), y.to(device)) for x, y in
+                         validation_batches(dataset.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)]
         root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
         state.checkpointer = Checkpointer(root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_,
                                           env.rank)
