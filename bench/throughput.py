@@ -7,7 +7,7 @@ MFU is against the matmul peak measured in the same run.
 
 Variants:
   meshtrain           meshtrain's own step (`parallelize` + `train_step`: fused AdamW, clipping)
-  meshtrain+compile   the same with training.compile = true (blocks and loss compiled)
+  meshtrain+compile   the same with training.compile = true (one process: the whole model and the loss compiled)
   meshtrain+compile/bf16-kernels
                       bf16 rows only: training.bf16_compute = "bf16", i.e. bf16 kernels whatever
                       "auto" measured (= the first two where "auto" picks them)
