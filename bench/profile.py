@@ -21,6 +21,11 @@ from meshtrain.config import load_config
 from meshtrain.plan.shapes import Shape
 
 CATEGORIES = ("matmul", "attention", "optimizer", "compiled", "other")
+# Ops that only make views or allocate: host work, not computation.
+METADATA_OPS = {"aten::empty", "aten::empty_strided", "aten::view", "aten::as_strided", "aten::t", "aten::transpose",
+                "aten::unsqueeze", "aten::reshape", "aten::permute", "aten::expand", "aten::detach",
+                "aten::select", "aten::slice", "aten::split", "aten::alias", "aten::_unsafe_view", "aten::resize_",
+                "aten::set_", "aten::lift_fresh"}
 
 
 def category(name: str) -> str:
@@ -28,7 +33,7 @@ def category(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("scaled_dot_product", "flash", "fmha", "attention")):
         return "attention"
-    if n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") or any(k in n for k in ("gemm", "nvjet", "xmma")):
+    if n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") or any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass")):
         return "matmul"
     if "adam" in n or n.startswith("aten::_foreach"):
         return "optimizer"
@@ -67,13 +72,6 @@ def breakdown(step, steps: int, dev: torch.device) -> dict:
     ms["wall"] = wall * 1e3
     ms["outside kernels"] = max(0.0, ms["wall"] - sum(ms[c] for c in CATEGORIES))
     return ms
-
-
-# Ops that only make views or allocate: host work, not computation.
-METADATA_OPS = {"aten::empty", "aten::empty_strided", "aten::view", "aten::as_strided", "aten::t", "aten::transpose",
-                "aten::unsqueeze", "aten::reshape", "aten::permute", "aten::expand", "aten::detach",
-                "aten::select", "aten::slice", "aten::split", "aten::alias", "aten::_unsafe_view", "aten::resize_",
-                "aten::set_", "aten::lift_fresh"}
 
 
 def main(a) -> list[dict]:
