@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.meshtrain-installed
 
-.PHONY: setup cluster-deps train test bench clean
+.PHONY: setup cluster-deps train test stress bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,21 @@ cluster-deps:
 
 test: setup cluster-deps
 	$(BIN)/python -m pytest -q -rs --durations=30
+
+# Before a submission: the recovery, chaos and launcher tests again and again, every process pausing
+# a seeded random moment at each write, truncation, rename and deletion of run files (tests/faults/),
+# so that races a fast or slow machine would hit show up here first. STRESS_ROUNDS=N, STRESS_SEED=S.
+STRESS_ROUNDS ?= 3
+STRESS_SEED ?= 1
+stress: setup cluster-deps
+	for round in $$(seq $(STRESS_ROUNDS)); do \
+	  MESHTRAIN_JITTER=$$(( $(STRESS_SEED) + round )):0.05 $(BIN)/python -m pytest -q -x -p no:cacheprovider \
+	    tests/test_chaos.py tests/test_launchers.py \
+	    "tests/test_checkpoint.py::test_stop_and_resume_is_exact" \
+	    "tests/test_checkpoint.py::test_a_skipped_checkpoint_leaves_the_lineage_so_no_logged_step_is_lost" \
+	    "tests/test_checkpoint.py::test_a_signal_to_the_launcher_checkpoints_and_the_next_run_continues" \
+	    || exit 1; \
+	done
 
 # The benchmark suite (tens of minutes on 2 CPU cores): bench/results/*.json, *.md and *.png.
 bench: setup

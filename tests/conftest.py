@@ -31,6 +31,8 @@ def cli_env(tmp_path_factory) -> dict:
     env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))  # CPU peak probe cache
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
+    if env.get("MESHTRAIN_JITTER"):  # `make stress`: seeded pauses at every run-file write in every process
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (FAULTS, env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -270,3 +270,30 @@ def test_an_unwritable_run_dir_is_one_line(corpus, cli_env, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     result = train(corpus, cli_env, tmp_path / "file" / "run", check=False)
     assert_user_error(result, "cannot write", str(tmp_path / "file"))
+
+
+def test_a_skipped_checkpoint_leaves_the_lineage_so_no_logged_step_is_lost(corpus, cli_env, tmp_path):
+    """The interleaving that lost metrics records: a start skips a damaged checkpoint, resumes from
+    an older one (metrics cut back to it) and dies before logging; the damaged checkpoint is then
+    repaired (the chaos test's second flip of the same byte; a file restored from a copy). Resuming
+    from it would leave the steps between the two checkpoints unlogged. The skipped checkpoint is
+    set aside instead (damaged_step_N), and the next start resumes where the metrics are."""
+    run = ["--checkpoint.every", "2", "--training.steps", "6"]
+    train(corpus, cli_env, tmp_path, *run, "--training.stop_at_step", "4")
+    shard = tmp_path / "checkpoints" / "step_00000004" / "__0_0.distcp"
+    flip = len(shard.read_bytes()) // 2
+
+    def flip_byte(path):
+        data = bytearray(path.read_bytes())
+        data[flip] ^= 0x5A
+        path.write_bytes(bytes(data))
+
+    flip_byte(shard)
+    died = train(corpus, cli_env, tmp_path, *run, env=faulty(cli_env, MESHTRAIN_FAIL_AT_STEP="3"), check=False)
+    assert died.returncode != 0 and "skipping damaged checkpoint" in died.stdout + died.stderr
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    if shard.exists():  # repaired where it was
+        flip_byte(shard)
+    train(corpus, cli_env, tmp_path, *run)
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "checkpoints" / "damaged_step_00000004").is_dir()  # kept to inspect

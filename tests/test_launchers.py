@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import read_metrics, run_cli, train_args
+from conftest import faulty, read_metrics, run_cli, train_args
 
 ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe"] if os.geteuid() == 0 else ["--oversubscribe"]
 LAUNCHERS = {
@@ -45,7 +45,10 @@ def test_mpi_launchers_train_like_one_process(name, reference, corpus, cli_env, 
     need(LAUNCHERS[name][0])
     env = {**cli_env, **MPI_ENV}
     cmd = [*LAUNCHERS[name], sys.executable, "-m", "meshtrain"]
-    out = subprocess.run([*cmd, "env", "--json", "--all-ranks"], env=env, capture_output=True, text=True, timeout=120)
+    # Each write to stdout is followed by a pause, so the other rank's output lands between two
+    # writes of one rank: a line must go out in one write to arrive whole.
+    out = subprocess.run([*cmd, "env", "--json", "--all-ranks"], env=faulty(env, MESHTRAIN_STDOUT_PAUSE="0.3"),
+                         capture_output=True, text=True, timeout=120)
     ranks = sorted(json.loads(line)["rank"] for line in out.stdout.splitlines() if line.startswith("{"))
     assert ranks == [0, 1], out.stdout + out.stderr
     assert all(json.loads(line)["launcher"] == name for line in out.stdout.splitlines() if line.startswith("{"))

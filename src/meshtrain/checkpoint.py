@@ -63,8 +63,10 @@ def crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def verify(path: Path) -> dict:
-    """The commit marker of a complete, unchanged checkpoint, or a CheckpointError naming what is wrong."""
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
+    """The commit marker of a complete, unchanged checkpoint, or a CheckpointError naming what is
+    wrong. `share` = (k, n) checksums every n-th file from the k-th: n ranks verify one
+    checkpoint together, each reading 1/n of its bytes."""
     marker_path = path / MARKER
     if not marker_path.is_file():
         raise CheckpointError(f"checkpoint {path} was never committed (no {MARKER}): an interrupted save")
@@ -73,7 +75,8 @@ def verify(path: Path) -> dict:
         files = marker["files"]
     except (ValueError, KeyError):
         raise CheckpointError(f"{marker_path} is corrupt; resume from an earlier checkpoint") from None
-    for name, expected in files.items():
+    k, n = share
+    for name, expected in sorted(files.items())[k::n]:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}: a shard was lost; resume from an earlier one")
@@ -86,39 +89,93 @@ def verify(path: Path) -> dict:
     return marker
 
 
-def committed_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoint directories, oldest first."""
+def step_dirs(root: Path) -> list[Path]:
+    """Checkpoint directories (committed or not), oldest first."""
     if not root.is_dir():
         return []
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
-    return [p for _, p in steps if (p / MARKER).is_file()]
+    return [p for _, p in steps]
 
 
-def find_resume(resume: str, root: Path, warn) -> Path | None:
-    """The checkpoint to resume from: for "auto" the newest committed one (uncommitted newer ones
-    are skipped with a warning), for a path that checkpoint (it must be complete)."""
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoint directories, oldest first."""
+    return [p for p in step_dirs(root) if (p / MARKER).is_file()]
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _agreed(obj):
+    """Rank 0's value of `obj` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agreed_problem(path: Path) -> str | None:
+    """What is wrong with a checkpoint, verified by all ranks together (each a share of its files);
+    every rank gets the same answer."""
+    try:
+        verify(path, _rank_world())
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    if not dist.is_initialized():
+        return problem
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
+def retire(path: Path) -> None:
+    """Take a checkpoint out of the run's lineage: an interrupted save is deleted; a damaged one is
+    renamed damaged_step_N (kept to inspect, never resumed). A start that skips a checkpoint then
+    logs over its steps: were it resumed later (a repaired file, a save that completes late), the
+    metrics of the steps in between would be gone."""
+    if not (path / MARKER).is_file():
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    target, n = path.with_name(f"damaged_{path.name}"), 1
+    while target.exists():
+        target, n = path.with_name(f"damaged_{path.name}.{n}"), n + 1
+    path.rename(target)
+
+
+def find_resume(resume: str, root: Path, warn, retire_skipped: bool = False) -> Path | None:
+    """The checkpoint to resume from: for "auto" the newest complete one (newer uncommitted or
+    damaged ones are skipped with a warning, and with retire_skipped taken out of the lineage), for
+    a path that checkpoint (it must be complete). Under a process group all ranks decide together:
+    rank 0 lists the candidates, every rank checksums a share of each, all get the same answer."""
     if resume == "none":
         return None
+    rank = _rank_world()[0]
     if resume != "auto":
         path = Path(resume)
         if not (path / MARKER).is_file() and committed_checkpoints(path):
             path = committed_checkpoints(path)[-1]  # a checkpoint root or run dir
-        verify(path)
+        path = _agreed(path)
+        problem = _agreed_problem(path)
+        if problem:
+            raise CheckpointError(problem)
         return path
-    if not root.is_dir():
-        return None
-    candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))), reverse=True)
-    for _, path in candidates:
-        if not (path / MARKER).is_file():
-            warn(f"skipping uncommitted checkpoint {path} (an interrupted save)")
-            continue
-        try:
-            verify(path)
-        except CheckpointError as e:
-            warn(f"skipping damaged checkpoint: {e}")
-            continue
-        return path
-    return None
+    chosen = None
+    for path in _agreed(step_dirs(root)[::-1]):
+        problem = _agreed_problem(path)
+        if problem is None:
+            chosen = path
+            break
+        if rank == 0:
+            uncommitted = "never committed" in problem
+            warn(f"skipping uncommitted checkpoint {path} (an interrupted save)" if uncommitted else
+                 f"skipping damaged checkpoint: {problem}")
+            if retire_skipped:
+                retire(path)
+    if retire_skipped and dist.is_initialized():
+        dist.barrier()  # retired everywhere before anyone writes
+    return chosen
 
 
 class Checkpointer:

@@ -350,11 +350,11 @@ def main(argv: list[str] | None = None) -> None:
                 code = 0
             else:
                 from meshtrain.launch import detect
+                from meshtrain.logs import write_line
 
                 env = detect(launcher=args.launcher).as_dict()
                 if args.all_ranks or env["rank"] == 0:
-                    print(json.dumps(env) if args.json else "\n".join(f"{k:18} {v}" for k, v in env.items()),
-                          flush=True)
+                    write_line(json.dumps(env) if args.json else "\n".join(f"{k:18} {v}" for k, v in env.items()))
                 code = 0
     except MeshtrainError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,6 +34,15 @@ class ConsoleHandler(logging.Handler):
             self.handleError(record)
 
 
+def write_line(text: str, stream=None) -> None:
+    """`text` and its newline in one write. Under mpirun or srun every rank's stdout is merged into
+    one stream; print() writes the newline separately (unbuffered Python, PYTHONUNBUFFERED=1), so
+    another rank's line could land between a line and its end."""
+    stream = stream or sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def console() -> Console:
     """The rank-0 console (plain when stdout is not a terminal)."""
     global _console

@@ -6,6 +6,14 @@ carries no test hooks. Set in the run's environment:
   MESHTRAIN_FAIL_IN_SAVE_AT_STEP=N  that rank dies while committing the checkpoint of step N
   MESHTRAIN_STEP_SLEEP=S            every step takes S seconds longer (time to signal a run mid-way)
   MESHTRAIN_ENOSPC_AT_STEP=N        every rank's checkpoint write of step N fails: "No space left on device"
+  MESHTRAIN_STDOUT_PAUSE=S          every write to stdout is followed by S seconds of sleep (other
+                                    processes' output lands between two writes)
+  MESHTRAIN_RNG_PROBE=1             every step draws rank + 1 numbers from torch's generator (as dropout
+                                    would); at the end each rank writes its generator's CRC to
+                                    <run.dir>/rng-rank<R>.txt
+  MESHTRAIN_JITTER=SEED[:MAX_S]     a seeded random pause (0 to MAX_S, default 0.05 s) before every
+                                    write, truncation, rename and deletion of run files (`make stress`):
+                                    changes the relative speed of processes to shake out races
 
 Faults fire on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so an elastic restart recovers.
 """
@@ -24,9 +32,12 @@ def _die(what: str) -> None:
 
 
 def _install() -> None:
-    names = ("MESHTRAIN_FAIL_AT_STEP", "MESHTRAIN_FAIL_IN_SAVE_AT_STEP", "MESHTRAIN_STEP_SLEEP", "MESHTRAIN_ENOSPC_AT_STEP")
+    names = ("MESHTRAIN_FAIL_AT_STEP", "MESHTRAIN_FAIL_IN_SAVE_AT_STEP", "MESHTRAIN_STEP_SLEEP", "MESHTRAIN_ENOSPC_AT_STEP",
+             "MESHTRAIN_STDOUT_PAUSE", "MESHTRAIN_RNG_PROBE", "MESHTRAIN_JITTER")
     if not any(os.environ.get(n) for n in names):
         return
+    if os.environ.get("MESHTRAIN_STDOUT_PAUSE"):
+        _pause_after_stdout_writes(float(os.environ["MESHTRAIN_STDOUT_PAUSE"]))
     import errno
     import time
 
@@ -42,6 +53,10 @@ def _install() -> None:
         if _dies_here("MESHTRAIN_FAIL_AT_STEP", step):
             _die(f"at step {step}")
         time.sleep(float(os.environ.get("MESHTRAIN_STEP_SLEEP") or 0))
+        if os.environ.get("MESHTRAIN_RNG_PROBE"):
+            import torch
+
+            torch.rand(int(os.environ.get("RANK", "0")) + 1)
         return next_batch(self)
 
     def faulty_commit(self, step, path, train_state):
@@ -57,6 +72,78 @@ def _install() -> None:
         return save(state, checkpoint_id=checkpoint_id, **kwargs)
 
     DistributedLoader.next_batch, Checkpointer._commit, dcp.save = faulty_next_batch, faulty_commit, full_disk_save
+    if os.environ.get("MESHTRAIN_RNG_PROBE"):
+        _write_rng_at_the_end()
+    if os.environ.get("MESHTRAIN_JITTER"):
+        _jitter(os.environ["MESHTRAIN_JITTER"])
+
+
+class _PausingStdout:
+    def __init__(self, stream, seconds: float):
+        self._stream, self._seconds = stream, seconds
+
+    def write(self, text):
+        n = self._stream.write(text)
+        self._stream.flush()
+        import time
+
+        time.sleep(self._seconds)
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _pause_after_stdout_writes(seconds: float) -> None:
+    import sys
+
+    sys.stdout = _PausingStdout(sys.stdout, seconds)
+
+
+def _write_rng_at_the_end() -> None:
+    import zlib
+    from pathlib import Path
+
+    import torch
+
+    import meshtrain.train
+    import meshtrain.train.loop
+
+    train = meshtrain.train.loop.train
+
+    def train_and_write_rng(cfg):
+        result = train(cfg)
+        crc = zlib.crc32(torch.get_rng_state().numpy().tobytes())
+        Path(cfg.run.dir, f"rng-rank{os.environ.get('RANK', '0')}.txt").write_text(f"{crc:08x}\n")
+        return result
+
+    meshtrain.train.train = meshtrain.train.loop.train = train_and_write_rng
+
+
+def _jitter(spec: str) -> None:
+    import random
+    import shutil
+    import time
+
+    import meshtrain.files
+    from meshtrain.checkpoint import Checkpointer
+    from meshtrain.metrics import MetricsLogger
+
+    seed, _, most = spec.partition(":")
+    rng = random.Random(f"{seed}:{os.environ.get('RANK', '0')}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    most_s = float(most or 0.05)
+
+    def paused(fn):
+        def call(*args, **kwargs):
+            time.sleep(rng.uniform(0, most_s))
+            return fn(*args, **kwargs)
+
+        return call
+
+    os.replace, os.rename, shutil.rmtree = paused(os.replace), paused(os.rename), paused(shutil.rmtree)
+    meshtrain.files.atomic_write = paused(meshtrain.files.atomic_write)
+    MetricsLogger.__init__, MetricsLogger.log = paused(MetricsLogger.__init__), paused(MetricsLogger.log)
+    Checkpointer._commit, Checkpointer._prune = paused(Checkpointer._commit), paused(Checkpointer._prune)
 
 
 _install()

@@ -91,7 +91,7 @@ def warn_pointless_settings(s: TrainState) -> None:
 def resume(s: TrainState) -> tuple[int, int]:
     """(steps done, updates skipped so far) from the checkpoint to resume, or a fresh start."""
     ckpt = s.checkpointer
-    path = find_resume(s.cfg.checkpoint.resume, ckpt.root, log.warning)
+    path = find_resume(s.cfg.checkpoint.resume, ckpt.root, log.warning, retire_skipped=True)
     if path is None:
         if s.cfg.model.init_from:
             from meshtrain.interop import load_hf_weights
