@@ -34,7 +34,7 @@ def timed(fn, n: int, dev: torch.device) -> float:
 
 
 def machine() -> dict:
-    from meshtrain.metrics import cpu_model
+    from meshtrain.hardware import cpu_model
 
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if torch.cuda.is_available():

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
 from meshtrain.interop.hf import hf_config
-from meshtrain.metrics import device_peak_tflops, mfu_peak_tflops
+from meshtrain.hardware import device_peak_tflops, mfu_peak_tflops
 from meshtrain.plan.shapes import Shape
 from meshtrain.parallel import arithmetic_dtype
-from meshtrain.parallel.precision import bf16_slowdown
+from meshtrain.hardware import bf16_slowdown
 from meshtrain.train import build
 
 NATIVE = "meshtrain+compile/bf16-kernels"

@@ -54,19 +54,25 @@ def straight(corpus, cli_env, tmp_path_factory):
     runs = {}
     for name, extra in {"single": [], **LAYOUTS}.items():
         runs[name] = tmp_path_factory.mktemp(f"straight-{name}")
-        train(corpus, cli_env, runs[name], *extra)
+        train(corpus, cli_env, runs[name], *extra, env=faulty(cli_env, MESHTRAIN_RNG_PROBE="1"))
     return runs
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_stop_and_resume_is_exact(name, straight, corpus, cli_env, tmp_path):
-    train(corpus, cli_env, tmp_path, *LAYOUTS[name], "--training.stop_at_step", "6")
+    """Losses, weights and each rank's random generator (drawn from differently on each rank, as
+    dropout would) as if the run had never stopped."""
+    env = faulty(cli_env, MESHTRAIN_RNG_PROBE="1")
+    train(corpus, cli_env, tmp_path, *LAYOUTS[name], "--training.stop_at_step", "6", env=env)
     assert max(losses(tmp_path)) == 6 and not (tmp_path / "model.safetensors").exists()
-    result = train(corpus, cli_env, tmp_path, *LAYOUTS[name])
+    result = train(corpus, cli_env, tmp_path, *LAYOUTS[name], env=env)
     assert "resumed from" in result.stdout and "step 6" in result.stdout
     assert losses(tmp_path) == losses(straight[name])  # identical, not just close
     assert_same_weights(tmp_path, straight[name], exact=True)
+    rng = {p.name: p.read_text() for p in straight[name].glob("rng-rank*.txt")}
+    assert len(rng) > 1 and len(set(rng.values())) > 1  # the ranks' generators differ
+    assert {p.name: p.read_text() for p in tmp_path.glob("rng-rank*.txt")} == rng
 
 
 @pytest.mark.multiproc

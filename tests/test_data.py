@@ -81,7 +81,7 @@ def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
         from tokenizers.models import WordLevel
         T(WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0")).save(str(tmp_path / "big.json"))
         (tmp_path / "a.txt").write_text("w1 w2")
-        args += ["--input", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "big.json"), "--dtype", "uint16"]
+        args += ["--input", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "big.json"), "--token-dtype", "uint16"]
     assert_user_error(run_cli(args, cli_env), *fragments)
     assert not (tmp_path / "out").exists()
 

@@ -226,7 +226,10 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny", "--gpu", "k80"], "--gpu 'k80' unknown"),
     (["--model", "tiny", "--gpu", "v100-16gb", "--dtype", "bf16"], "has no bf16"),
-    (["--model", "nope", "--gpu", "h100-80gb"], "neither a preset"),
+    (["--model", "nope", "--gpu", "h100-80gb"], "is not a preset"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "0"], "--gpus: 0 must be at least 1"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--seq-len", "0"], "0 must be at least 1"),
+    (["--model", "llama3-8b", "--config", "configs/tiny.toml", "--gpu", "h100-80gb"], "not allowed with"),
     (["--model", "tiny", "--gpu", "h100-80gb", "--comm", "missing.json"], "cannot read it"),
     (["--model", "tiny", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"], "Llama architecture"),
     (["--model", "tiny", "--gpu", "h100-80gb", "--hidden", "100", "--heads", "3"], "divisible"),

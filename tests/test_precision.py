@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain import hardware
 from meshtrain.model import Llama
 from meshtrain.model.llama import Attention, ModelArgs
 from meshtrain.parallel import precision
@@ -130,10 +131,10 @@ def test_auto_picks_the_arithmetic_measured_faster_on_this_cpu(monkeypatch, tmp_
     assert not precision.wants_fp32_compute(training(), cuda)  # GPUs: bf16 kernels
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(precision, "_bf16_time_ratio", lambda: calls.append(1) or 0.4)  # bf16 measured faster
+    monkeypatch.setattr(hardware, "_bf16_time_ratio", lambda: calls.append(1) or 0.4)  # bf16 measured faster
     assert not precision.wants_fp32_compute(training(), cpu)
     assert precision.arithmetic_dtype(training(), cpu) == BF16
-    monkeypatch.setattr(precision, "_bf16_time_ratio", lambda: calls.append(1) or 2.5)
+    monkeypatch.setattr(hardware, "_bf16_time_ratio", lambda: calls.append(1) or 2.5)
     assert not precision.wants_fp32_compute(training(), cpu)  # measured once per CPU, then cached
     assert len(calls) == 1
     (tmp_path / "meshtrain" / "cpu_peak.json").unlink()
@@ -143,16 +144,14 @@ def test_auto_picks_the_arithmetic_measured_faster_on_this_cpu(monkeypatch, tmp_
 
 
 def test_the_probe_measures_both_arithmetics():
-    ratio = precision._bf16_time_ratio(repeats=1)
+    ratio = hardware._bf16_time_ratio(repeats=1)
     assert math.isfinite(ratio) and ratio > 0
 
 
 def test_mfu_is_against_the_best_peak_whatever_arithmetic_runs(monkeypatch, tmp_path):
-    from meshtrain import metrics
-
-    monkeypatch.setattr(metrics, "cpu_peak_tflops", lambda dtype: {BF16: 0.15, torch.float32: 0.3}[dtype])
-    assert metrics.mfu_peak_tflops(torch.device("cpu"), "bf16") == 0.3
-    monkeypatch.setattr(metrics, "cpu_peak_tflops", lambda dtype: {BF16: 0.9, torch.float32: 0.3}[dtype])
-    assert metrics.mfu_peak_tflops(torch.device("cpu"), "bf16") == 0.9
-    assert metrics.mfu_peak_tflops(torch.device("cpu"), "fp32") == 0.3
-    assert metrics.mfu_peak_tflops(torch.device("cpu"), "bf16", override=2.0) == 2.0
+    monkeypatch.setattr(hardware, "cpu_peak_tflops", lambda dtype: {BF16: 0.15, torch.float32: 0.3}[dtype])
+    assert hardware.mfu_peak_tflops(torch.device("cpu"), "bf16") == 0.3
+    monkeypatch.setattr(hardware, "cpu_peak_tflops", lambda dtype: {BF16: 0.9, torch.float32: 0.3}[dtype])
+    assert hardware.mfu_peak_tflops(torch.device("cpu"), "bf16") == 0.9
+    assert hardware.mfu_peak_tflops(torch.device("cpu"), "fp32") == 0.3
+    assert hardware.mfu_peak_tflops(torch.device("cpu"), "bf16", override=2.0) == 2.0

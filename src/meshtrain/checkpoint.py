@@ -202,6 +202,7 @@ class Checkpointer:
             shutil.rmtree(path)  # an uncommitted leftover of the same step
         if dist.is_initialized():
             dist.barrier()
+        write_json(path / f"rng-rank{self.rank:05d}.json", rng_state())  # each rank's own generators
         state = self._state()
         with self._saving(step, path):
             if self.use_async and not blocking:
@@ -291,7 +292,21 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, options in zip(self.optimizer.param_groups, hyper):
             group.update(options)
+        self._load_rng(path, train_state)
         return train_state
+
+    def _load_rng(self, path: Path, train_state: dict) -> None:
+        """This rank's generators as this rank saved them (dropout and sampling differ by rank). On
+        another world size ranks are different processes: they keep their fresh seeds."""
+        from meshtrain.logs import log
+
+        saved_world = (train_state.get("layout") or {}).get("world_size")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        own = path / f"rng-rank{self.rank:05d}.json"
+        if saved_world == world and own.is_file():
+            set_rng_state(json.loads(own.read_text()))
+        elif self.rank == 0:
+            log.info(f"random generators not restored: {path} was saved by {saved_world} ranks, this run has {world}")
 
 
 def _root_cause(e: BaseException) -> BaseException:

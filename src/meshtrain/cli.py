@@ -13,60 +13,102 @@ from meshtrain.launch.jobscript import GENERATORS
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one `error:` line, like every other mistake."""
+    """Usage errors as one `error:` line, like every other mistake. No abbreviations: `--gpus` is not
+    `--gpus-per-node`, and a flag that is not spelled out is refused."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         hint = " (a value that starts with '-' is written --key=VALUE)" if "expected one argument" in message else ""
         raise MeshtrainError(f"{self.prog}: {message}{hint}; see {self.prog} --help")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshtrain", allow_abbrev=False,
-                                description="Train Llama-style language models on any launcher and layout; export "
-                                "them to Hugging Face and serve them.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _number(kind, low, high=None, what=""):
+    """An argparse type: `kind` within [low, high]; 0 is refused like a negative where low > 0."""
 
-    t = sub.add_parser("train", allow_abbrev=False, help="train a model (any launcher, any layout)",
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or value < low or (high is not None and value > high):  # NaN too
+            bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{text} must be {what or bound}")
+        return value
+
+    return parse
+
+
+COUNT = _number(int, 1)  # processes, nodes, GPUs, tokens, iterations: at least 1
+INDEX = _number(int, 0)  # ranks, restarts, GPUs per CPU node: 0 allowed
+POSITIVE = _number(float, 1e-12, what="positive")
+PORT = _number(int, 1, 65535)
+
+
+def _size(text: str) -> int:
+    from meshtrain.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="meshtrain",
+                description="Train Llama-style language models on any launcher and layout, plan layouts before "
+                "spending GPU hours, export to Hugging Face and serve. Flags that set a config key are spelled "
+                "like the key (--training.seq_len); sizes are written 64M, 5G or 5GB (binary units).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a model (any launcher, any layout)",
                        usage="meshtrain train [--config FILE] [--nproc N] [launcher options] [--section.key VALUE ...]",
-                       epilog="Config keys as --section.key VALUE (or --section.key=VALUE) override the file.")
+                       epilog="Config keys as --section.key VALUE (or --section.key=VALUE) override the file. The "
+                       "launcher options (--nnodes, --node-rank, --master-addr, --master-port, --max-restarts) "
+                       "need --nproc.")
     t.add_argument("--config", help="TOML config file (default: built-in defaults = configs/tiny.toml)")
-    t.add_argument("--nproc", type=int, help="start this many local worker processes (torch elastic)")
-    t.add_argument("--max-restarts", type=int, default=0, help="restart failed workers up to this many times")
-    t.add_argument("--nnodes", type=int, help="nodes, each running one `meshtrain train --nproc G` (default: "
+    t.add_argument("--nproc", type=COUNT, help="start this many local worker processes (torch elastic)")
+    t.add_argument("--max-restarts", type=INDEX, help="restart failed workers up to this many times (default 0)")
+    t.add_argument("--nnodes", type=COUNT, help="nodes, each running one `meshtrain train --nproc G` (default: "
                    "the Slurm allocation's when run as one srun task per node, else 1)")
-    t.add_argument("--node-rank", type=int, help="this node's index (static rendezvous at --master-addr)")
+    t.add_argument("--node-rank", type=INDEX, help="this node's index (static rendezvous at --master-addr)")
     t.add_argument("--master-addr", help="the first node's address (default: the first Slurm host)")
-    t.add_argument("--master-port", type=int, help="rendezvous port (default: derived from the job id)")
+    t.add_argument("--master-port", type=PORT, help="rendezvous port (default: derived from the job id)")
     _add_config_keys(t)
 
     d = sub.add_parser("data", help="prepare training data")
-    dsub = d.add_subparsers(dest="data_command", required=True)
-    prep = dsub.add_parser("prepare", allow_abbrev=False, help="tokenize text/jsonl/parquet into a token file")
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    prep = dsub.add_parser("prepare", help="tokenize text/jsonl/parquet into token files + manifest")
     prep.add_argument("--input", nargs="+", required=True, help="files or directories (.txt, .jsonl, .parquet)")
     prep.add_argument("--out", required=True, help="output directory")
     group = prep.add_mutually_exclusive_group()
     group.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to use")
-    group.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size (default 8192)")
-    prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
-    prep.add_argument("--dtype", default="auto", help="token dtype: auto, uint16 or uint32")
+    group.add_argument("--vocab-size", type=_number(int, 256), help="train a byte-level BPE of this size (default 8192)")
+    prep.add_argument("--val-fraction", type=_number(float, 0.0, 0.5), default=0.01,
+                      help="share of documents held out for validation, 0 to 0.5 (default 0.01)")
+    prep.add_argument("--token-dtype", choices=["auto", "uint16", "uint32"], default="auto",
+                      help="width of the stored token ids (auto: uint16 when the vocabulary fits)")
 
     x = sub.add_parser("export", help="write a Hugging Face Llama directory from a run or checkpoint")
     x.add_argument("source", help="a run directory (its latest checkpoint, else model.safetensors) or a checkpoint")
     x.add_argument("--out", required=True, help="output directory")
-    x.add_argument("--max-shard-size", default="5GB", help="split the safetensors above this size")
+    x.add_argument("--max-shard-size", type=_size, default="5G", help="split the safetensors above this size (default 5G)")
 
     j = sub.add_parser("jobscript", help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster)",
                        epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5")
-    j.add_argument("kind", help=", ".join(GENERATORS))
+    j.add_argument("kind", choices=list(GENERATORS), help=", ".join(GENERATORS))
     j.add_argument("--config", required=True, help="the training config the job runs")
-    j.add_argument("--nodes", type=int, default=1)
-    j.add_argument("--gpus-per-node", type=int, default=0)
-    j.add_argument("--procs-per-node", type=int, default=1, help="ranks per node on CPU nodes")
+    j.add_argument("--nodes", type=COUNT, default=1, help="nodes (default 1)")
+    j.add_argument("--gpus-per-node", type=INDEX, default=0, help="GPUs per node (0: CPU nodes, see --procs-per-node)")
+    j.add_argument("--procs-per-node", type=COUNT, default=1, help="ranks per node on CPU nodes")
     j.add_argument("--time", default="01:00:00", help="wall-clock limit HH:MM:SS")
     j.add_argument("--partition", default="", help="Slurm partition / PBS queue")
     j.add_argument("--account", default="", help="Slurm account / PBS project / ABCI group")
     j.add_argument("--job-name", default="meshtrain")
-    j.add_argument("--mode", default="task-per-rank", help="slurm: task-per-rank or agent-per-node")
+    j.add_argument("--mode", choices=["task-per-rank", "agent-per-node"], default="task-per-rank",
+                   help="slurm: one srun task per rank, or one torch elastic agent per node")
     j.add_argument("--pe", default="", help="sge: parallel environment to request (default: ABCI's -l rt_F)")
     j.add_argument("--container-image", default="", help="pyxis/enroot image for srun")
     j.add_argument("--container-mounts", default="")
@@ -77,81 +119,111 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--out", help="write to this file (pcluster also writes FILE.sbatch) instead of stdout")
 
     b = sub.add_parser("bench", help="measure the interconnect: collective bandwidth (nccl-tests style)")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    comm = bsub.add_parser("comm", help="all-reduce, all-gather, reduce-scatter, broadcast from --min to --max bytes")
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
+    comm = bsub.add_parser("comm", help="all-reduce, all-gather, reduce-scatter, broadcast from --min-bytes to --max-bytes")
     comm.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast")
-    comm.add_argument("--min-bytes", default="1K", help="smallest message (e.g. 1K)")
-    comm.add_argument("--max-bytes", default="1G", help="largest message (e.g. 1G)")
-    comm.add_argument("--iters", type=int, default=20)
-    comm.add_argument("--json", help="also write the rows to this JSON file")
-    comm.add_argument("--nproc", type=int, help="start this many local processes (torch elastic)")
+    comm.add_argument("--min-bytes", type=_size, default="1K", help="smallest message (default 1K)")
+    comm.add_argument("--max-bytes", type=_size, default="1G", help="largest message (default 1G)")
+    comm.add_argument("--iters", type=COUNT, default=20)
+    comm.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    comm.add_argument("--out", help="also write the rows as JSON to this file (what `plan --comm` reads)")
+    comm.add_argument("--nproc", type=COUNT, help="start this many local processes (torch elastic)")
 
-    pl = sub.add_parser("plan", allow_abbrev=False,
-                        help="predict per-GPU memory and throughput of layouts on a cluster, and recommend one",
-                        epilog="Any of --tp --pp --zero --dp-replicate --micro-batch --ac --pp-schedule "
-                        "--virtual-stages fixes that knob; with all fixed (or --config) one layout is explained.")
-    pl.add_argument("--model", help="a preset (tiny, small, gpt2-124m, ..., llama3-405b) or a TOML config's model")
-    pl.add_argument("--config", help="explain the layout of this training config (model, batch, [parallel])")
+    pl = sub.add_parser("plan", help="predict per-GPU memory and throughput of layouts on a cluster, and recommend one",
+                        epilog="Any of the [parallel]/[training] layout flags fixes that knob; with all fixed (or "
+                        "--config) one layout is explained. Each flag that sets a config key is spelled like the "
+                        "key; the short forms are aliases.")
+    source = pl.add_mutually_exclusive_group()
+    source.add_argument("--model.preset", "--model", dest="model", help="a preset: " + ", ".join(_presets()))
+    source.add_argument("--config", help="explain the layout of this training config (model, batch, [parallel])")
     pl.add_argument("--gpu", required=True, help="device kind: " + ", ".join(_plan_kinds()))
-    pl.add_argument("--gpus", type=int, help="GPUs (processes) in all (default: the config's tp x pp, else 8)")
-    pl.add_argument("--gpus-per-node", type=int, help="default: 8 (cpu: the --gpus processes on this machine)")
+    pl.add_argument("--gpus", type=COUNT, help="GPUs (processes) in all (default: the config's tp x pp, else 8)")
+    pl.add_argument("--gpus-per-node", type=COUNT, help="default: 8 (cpu: the --gpus processes on this machine)")
     pl.add_argument("--arch", choices=["llama", "gpt"], default="llama",
                     help="gpt: LayerNorm, GELU MLP of 4h, learned positions, tied embeddings (Megatron GPT)")
-    for flag, what in (("--layers", "blocks"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
-                       ("--kv-heads", "key/value heads"), ("--ffn", "MLP hidden size"), ("--vocab", "vocabulary")):
-        pl.add_argument(flag, type=int, help=f"{what} (default: the preset's)")
-    pl.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's, else 2048 or the "
-                    "model's limit)")
-    pl.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 4 per GPU)")
-    pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 (fp16 on a V100)")
+    for keys, dest, what in ((("--model.n_layers", "--layers"), "layers", "blocks"),
+                             (("--model.dim", "--hidden"), "hidden", "hidden size"),
+                             (("--model.n_heads", "--heads"), "heads", "attention heads"),
+                             (("--model.n_kv_heads", "--kv-heads"), "kv_heads", "key/value heads"),
+                             (("--model.ffn_dim", "--ffn"), "ffn", "MLP hidden size"),
+                             (("--model.vocab_size", "--vocab"), "vocab", "vocabulary")):
+        pl.add_argument(*keys, dest=dest, type=COUNT, help=f"{what} (default: the preset's)")
+    pl.add_argument("--training.seq_len", "--seq-len", dest="seq_len", type=COUNT,
+                    help="tokens per sequence (default: the config's, else 2048 or the model's limit)")
+    pl.add_argument("--training.global_batch_size", "--global-batch", dest="global_batch", type=COUNT,
+                    help="sequences per step (default: the config's, else 4 per GPU)")
+    pl.add_argument("--training.dtype", "--dtype", dest="dtype", choices=["bf16", "fp16", "fp32"],
+                    help="training precision (default: bf16; fp16 on a V100)")
     pl.add_argument("--attention", choices=["flash", "math"], default="flash",
                     help="math: the s x s attention scores are saved (GPT runs without flash attention)")
-    pl.add_argument("--tp", type=int)
-    pl.add_argument("--pp", type=int)
-    pl.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
-    pl.add_argument("--dp-replicate", type=int)
-    pl.add_argument("--micro-batch", type=int)
-    pl.add_argument("--ac", choices=["none", "selective", "full"])
-    pl.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
-    pl.add_argument("--virtual-stages", type=int)
+    pl.add_argument("--parallel.tp", "--tp", dest="tp", type=COUNT)
+    pl.add_argument("--parallel.pp", "--pp", dest="pp", type=COUNT)
+    pl.add_argument("--parallel.zero", "--zero", dest="zero", type=int, choices=[0, 1, 2, 3])
+    pl.add_argument("--parallel.dp_replicate", "--dp-replicate", dest="dp_replicate", type=COUNT)
+    pl.add_argument("--training.micro_batch_size", "--micro-batch", dest="micro_batch", type=COUNT)
+    pl.add_argument("--training.activation_checkpointing", "--ac", dest="ac", choices=["none", "selective", "full"])
+    pl.add_argument("--parallel.pp_schedule", "--pp-schedule", dest="pp_schedule",
+                    choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
+    pl.add_argument("--parallel.pp_virtual_stages", "--virtual-stages", dest="virtual_stages", type=COUNT)
     pl.add_argument("--network", help="inter-node fabric: ib-edr, ib-hdr, ib-ndr, efa-p4d, efa-p5, roce-100g, "
                     "ethernet-10g (default: the GPU's usual one)")
-    pl.add_argument("--inter-node-gbps", type=float, help="inter-node bus bandwidth per GPU, GB/s (bytes)")
-    pl.add_argument("--intra-node-gbps", type=float, help="intra-node bus bandwidth, GB/s (bytes)")
-    pl.add_argument("--comm", action="append", default=[], help="a `meshtrain bench comm --json` file measured on "
-                    "your cluster (one node: intra-node; several: inter-node); repeatable")
-    pl.add_argument("--memory-gib", type=float, help="override the device memory")
-    pl.add_argument("--peak-tflops", type=float, help="override the device's dense peak")
-    pl.add_argument("--efficiency", type=float, help="sustained fraction of the peak in training matmuls")
-    pl.add_argument("--top", type=int, default=10, help="layouts in the table")
+    pl.add_argument("--inter-node-gbps", type=POSITIVE, help="inter-node bus bandwidth per GPU, GB/s (bytes)")
+    pl.add_argument("--intra-node-gbps", type=POSITIVE, help="intra-node bus bandwidth, GB/s (bytes)")
+    pl.add_argument("--comm", action="append", default=[], help="a `meshtrain bench comm --out FILE` file measured "
+                    "on your cluster (one node: intra-node; several: inter-node); repeatable")
+    pl.add_argument("--memory-gib", type=POSITIVE, help="override the device memory")
+    pl.add_argument("--training.peak_tflops", "--peak-tflops", dest="peak_tflops", type=POSITIVE,
+                    help="override the device's dense peak")
+    pl.add_argument("--efficiency", type=_number(float, 0.01, 1.0), help="sustained fraction of the peak in "
+                    "training matmuls (0.01 to 1)")
+    pl.add_argument("--top", type=COUNT, default=10, help="layouts in the table")
     pl.add_argument("--json", action="store_true", help="print JSON (a list `layouts`, best first)")
     pl.add_argument("--write-config", help="write the best layout as a training config to this TOML file")
 
     s = sub.add_parser("serve", help="serve a run, checkpoint or Hugging Face directory (OpenAI-compatible API)")
     s.add_argument("model", help="a run directory, a checkpoint, or a directory `meshtrain export` wrote")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=PORT, default=8000)
     s.add_argument("--api-key", help="require Authorization: Bearer KEY")
-    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together (KV-cache slots)")
-    s.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's max_seq_len)")
-    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    s.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on a GPU, else fp32")
+    s.add_argument("--max-batch", type=COUNT, default=16, help="requests decoded together (KV-cache slots)")
+    s.add_argument("--max-context", type=COUNT, help="prompt + completion tokens (default: the model's max_seq_len)")
+    _add_device(s)
+    s.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="serving precision (auto: bf16 on a GPU, else fp32)")
 
     g = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
     g.add_argument("model", help="a run directory, a checkpoint, or a directory `meshtrain export` wrote")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--max-tokens", type=COUNT, default=64)
+    g.add_argument("--temperature", type=_number(float, 0.0, 2.0), default=0.8, help="0 to 2; 0: greedy")
+    g.add_argument("--top-p", type=_number(float, 1e-6, 1.0), default=1.0, help="nucleus sampling, (0, 1]")
+    g.add_argument("--top-k", type=INDEX, default=50, help="0: off")
+    g.add_argument("--seed", type=_number(int, 0, 2**63 - 1), help="seed of the sampling (0 to 2**63-1)")
+    _add_device(g)
 
     e = sub.add_parser("env", help="print the launch environment this process detects")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.add_argument("--all-ranks", action="store_true", help="print on every rank, not only rank 0")
-    e.add_argument("--launcher", default="auto", help="force an environment (torchrun, slurm, openmpi, ...)")
+    e.add_argument("--launch.env", "--launcher", dest="launcher", default="auto",
+                   help="force an environment: " + ", ".join(_launchers()))
     return p
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--launch.device", "--device", dest="device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: CUDA where there is a GPU, else the CPU")
+
+
+def _presets() -> tuple[str, ...]:
+    from meshtrain.model.presets import PRESETS
+
+    return tuple(PRESETS)
+
+
+def _launchers() -> tuple[str, ...]:
+    from meshtrain.config import LAUNCHERS
+
+    return LAUNCHERS
 
 
 def _plan_kinds() -> tuple[str, ...]:
@@ -194,10 +266,15 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     in_worker = "RANK" in os.environ  # a worker started by torch elastic (ours or torchrun)
+    launcher_flags = {"--nnodes": args.nnodes, "--node-rank": args.node_rank, "--master-addr": args.master_addr,
+                      "--master-port": args.master_port, "--max-restarts": args.max_restarts}
+    given = [flag for flag, value in launcher_flags.items() if value is not None]
+    if given and args.nproc is None:
+        raise MeshtrainError(f"{', '.join(given)} configure meshtrain's own launcher: add --nproc N (workers per "
+                             "node), or leave them to your launcher (torchrun, srun, mpirun)")
+    if args.node_rank is not None and args.node_rank >= (args.nnodes or 1):
+        raise MeshtrainError(f"--node-rank {args.node_rank} must be below --nnodes ({args.nnodes or 1})")
     if args.nproc is not None and not in_worker:
-        if args.nproc < 1 or args.max_restarts < 0 or (args.nnodes is not None and args.nnodes < 1):
-            raise MeshtrainError(f"--nproc ({args.nproc}) and --nnodes must be at least 1, --max-restarts "
-                                 f"({args.max_restarts}) at least 0")
         from meshtrain.launch.local import launch_workers
         from meshtrain.train import check_training, ensure_dataset
 
@@ -206,7 +283,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         check_training(cfg, args.nproc * (args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))),
                        dataset.vocab_size)
         worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
-        return launch_workers(args.nproc, worker_argv, args.max_restarts, args.nnodes, args.node_rank,
+        return launch_workers(args.nproc, worker_argv, args.max_restarts or 0, args.nnodes, args.node_rank,
                               args.master_addr, args.master_port)
 
     from meshtrain.train import train
@@ -244,40 +321,36 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
 
 
 def _bench_comm(args: argparse.Namespace, argv: list[str]) -> int:
-    from meshtrain.commbench import BUS_FACTOR, format_table, parse_size, run_comm_bench
+    from meshtrain.commbench import BUS_FACTOR, format_table, run_comm_bench
 
     ops = args.ops.split(",")
     unknown = [op for op in ops if op not in BUS_FACTOR]
     if unknown:
         raise MeshtrainError(f"--ops {','.join(unknown)} unknown: use {', '.join(BUS_FACTOR)}")
-    try:
-        low, high = parse_size(args.min_bytes), parse_size(args.max_bytes)
-    except (ValueError, IndexError):
-        raise MeshtrainError(f"--min-bytes {args.min_bytes} / --max-bytes {args.max_bytes}: use sizes such as "
-                             "1K, 64M, 1G") from None
-    if not 4 <= low <= high or args.iters < 1:
-        raise MeshtrainError(f"--min-bytes {args.min_bytes} must be at least 4 bytes and at most --max-bytes "
-                             f"{args.max_bytes}, and --iters ({args.iters}) at least 1")
+    if not 4 <= args.min_bytes <= args.max_bytes:
+        raise MeshtrainError(f"--min-bytes ({args.min_bytes} bytes) must be at least 4 bytes and at most --max-bytes "
+                             f"({args.max_bytes} bytes)")
     if args.nproc and "RANK" not in os.environ:
         from meshtrain.launch.local import launch_workers
 
-        forwarded = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
+        forwarded = [a for i, a in enumerate(argv)
+                     if a != "--nproc" and not a.startswith("--nproc=") and (i == 0 or argv[i - 1] != "--nproc")]
         return launch_workers(args.nproc, forwarded)
-    rows = run_comm_bench(ops, low, high, args.iters)
+    rows = run_comm_bench(ops, args.min_bytes, args.max_bytes, args.iters)
     if rows:
-        print(format_table(rows), flush=True)
-        if args.json:
+        from meshtrain.logs import write_line
+
+        write_line(json.dumps(rows) if args.json else format_table(rows))
+        if args.out:
             from meshtrain.files import write_json
 
-            write_json(args.json, rows)
+            write_json(args.out, rows)
     return 0
 
 
 def _sampling(args: argparse.Namespace):
     from meshtrain.serve import SamplingParams
 
-    if args.max_tokens < 1 or not 0 <= args.temperature <= 2 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise MeshtrainError("--max-tokens must be >= 1, --temperature in [0, 2], --top-p in (0, 1], --top-k >= 0")
     return SamplingParams(args.max_tokens, args.temperature, args.top_p, args.top_k, [], args.seed)
 
 
@@ -319,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
                 from meshtrain.data import prepare
 
                 manifest = prepare(args.input, args.out, args.tokenizer, args.vocab_size, args.val_fraction,
-                                   args.dtype, progress=sys.stderr.isatty())
+                                   args.token_dtype, progress=sys.stderr.isatty())
                 print(f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
                       f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})")
                 code = 0
@@ -339,12 +412,7 @@ def main(argv: list[str] | None = None) -> None:
             elif args.command == "bench":
                 code = _bench_comm(args, argv)
             elif args.command == "export":
-                import re
-
                 from meshtrain.interop import export_hf
-
-                if not re.fullmatch(r"\d+(\.\d+)?\s*[KMGT]?B", args.max_shard_size.strip(), re.IGNORECASE):
-                    raise MeshtrainError(f"--max-shard-size {args.max_shard_size!r}: use a size such as 500MB or 5GB")
 
                 print(f"wrote {export_hf(args.source, args.out, args.max_shard_size)}")
                 code = 0

@@ -19,12 +19,6 @@ BUS_FACTOR = {
 }
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper().removesuffix("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-
-
 def sizes_between(low: int, high: int) -> list[int]:
     sizes, size = [], low
     while size <= high:

@@ -1,8 +1,8 @@
 """One typed config tree: the schema (documented dataclasses), reading (TOML + dotted overrides) and
 value checks. Every failure is one line naming the key, the value and what is allowed."""
 
-from meshtrain.config.checks import check_model_args, parse_duration, validate
-from meshtrain.config.loading import describe_type, load_config, parse_overrides, set_dotted
+from meshtrain.config.checks import check_model_args, parse_duration, parse_size, validate
+from meshtrain.config.loading import describe_type, load_config, parse_overrides, set_dotted, set_value
 from meshtrain.config.schema import (
     LAUNCHERS, LOG_LEVELS, PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, CheckpointConfig, Config, DataConfig, LaunchConfig,
     ModelConfig, ParallelConfig, RunConfig, TrainingConfig, config_keys, field_docs, micro_batches, resolved, to_toml,
@@ -11,4 +11,4 @@ from meshtrain.config.schema import (
 __all__ = ["LAUNCHERS", "LOG_LEVELS", "PP_SCHEDULES", "SINGLE_STAGE_SCHEDULES", "CheckpointConfig", "Config",
            "DataConfig", "LaunchConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainingConfig",
            "check_model_args", "config_keys", "describe_type", "field_docs", "load_config", "micro_batches",
-           "parse_duration", "parse_overrides", "resolved", "set_dotted", "to_toml", "validate"]
+           "parse_duration", "parse_overrides", "parse_size", "resolved", "set_dotted", "set_value", "to_toml", "validate"]

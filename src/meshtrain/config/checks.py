@@ -4,6 +4,7 @@ the sequence length and the data. Layout checks live with the layout (`ParallelD
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,21 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
     if data_vocab_size is not None and explicit_vocab and args.vocab_size < data_vocab_size:
         raise ConfigError(f"the model's vocabulary ({args.vocab_size}) is smaller than the data's ({data_vocab_size}); "
                           "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from")
+
+
+SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """The one size grammar of every flag and key: bytes, or a number with K, M, G or T (binary
+    multiples; a trailing B or iB is allowed): "4096", "64M", "1.5G", "5GB", "500MiB"."""
+    m = SIZE.fullmatch(str(text).strip())
+    if not m:
+        raise ValueError(f"{text!r} is not a size: write bytes or a number with K, M, G or T (64M, 5G, 5GB)")
+    value = int(float(m.group(1)) * 1024 ** "_KMGT".index(m.group(2).upper() or "_"))
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
 
 
 def parse_duration(text: str, key: str) -> float:

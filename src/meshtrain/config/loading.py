@@ -17,8 +17,11 @@ from meshtrain.config.schema import ALIASES, SECTIONS, Config
 from meshtrain.errors import ConfigError
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML file (or start from defaults), apply `--section.key value` overrides, check values."""
+def load_config(path: str | os.PathLike | None = None,
+                overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Read a TOML file (or start from defaults), apply overrides, check values. Overrides are the
+    command line's `["--section.key", "VALUE", ...]` (parsed by each key's type) or, from code, a
+    dict of typed values `{"training.steps": 50, "parallel.tp": 2}` (type-checked as TOML values)."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -31,8 +34,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
     cfg = _build(Config, raw, "")
-    for key, value in parse_overrides(overrides or []):
-        set_dotted(cfg, key, value)
+    if isinstance(overrides, dict):
+        for key, value in overrides.items():
+            set_value(cfg, key, value)
+    else:
+        for key, text in parse_overrides(overrides or []):
+            set_dotted(cfg, key, text)
     validate(cfg)
     return cfg
 
@@ -56,7 +63,8 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def set_dotted(cfg: Config, key: str, text: str) -> None:
+def _field(cfg: Config, key: str) -> tuple[Any, str, Any]:
+    """(section object, field name, type) of a dotted key, or a ConfigError naming the known keys."""
     section_name, _, name = key.partition(".")
     name = ALIASES.get(name, name)
     section = getattr(cfg, section_name, None) if section_name in SECTIONS else None
@@ -65,7 +73,20 @@ def set_dotted(cfg: Config, key: str, text: str) -> None:
     hints = typing.get_type_hints(type(section))
     if name not in hints:
         raise ConfigError(f"unknown config key {key!r}: keys of [{section_name}] are {', '.join(_field_names(section))}")
-    setattr(section, name, _from_text(text, hints[name], key))
+    return section, name, hints[name]
+
+
+def set_dotted(cfg: Config, key: str, text: str) -> None:
+    """Set `section.key` from command-line text, parsed by the field's type."""
+    section, name, hint = _field(cfg, key)
+    setattr(section, name, _from_text(text, hint, key))
+
+
+def set_value(cfg: Config, key: str, value: Any) -> None:
+    """Set `section.key` to a typed value (None clears an optional field), checked like TOML."""
+    section, name, hint = _field(cfg, key)
+    optional = type(None) in typing.get_args(hint)
+    setattr(section, name, None if value is None and optional else _check_type(value, hint, key))
 
 
 def _field_names(obj: Any) -> list[str]:

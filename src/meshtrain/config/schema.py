@@ -199,6 +199,13 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def validate(self) -> "Config":
+        """Check every single value and the preset's shape (as load_config does); returns self."""
+        from meshtrain.config.checks import validate
+
+        validate(self)
+        return self
+
     def model_args(self, vocab_size: int | None = None, base: ModelArgs | None = None) -> ModelArgs:
         """`base` (default: the preset) with this config's overrides; `vocab_size` fills an unset one."""
         args = dataclasses.replace(base or PRESETS[self.model.preset])

@@ -27,6 +27,14 @@ from meshtrain.files import atomic_directory
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+
+
+def end_of_text(tokenizer) -> tuple[str | None, int | None]:
+    """The tokenizer's end-of-text token and id (meshtrain's, Llama 3's, SentencePiece's, Gemma's),
+    or (None, None). The one place that decides it: data prepare separates documents with it,
+    training's sample, `generate` and `serve` stop on it, export names it."""
+    token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+    return token, tokenizer.token_to_id(token) if token else None
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 MANIFEST = "manifest.json"
@@ -160,15 +168,15 @@ def prepare(
 
     tok = load_tokenizer(tokenizer) if tokenizer is not None else train_bpe([d.text for d in docs], vocab_size or 8192)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
-    eos_id = next((tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+    eos_id = end_of_text(tok)[1]
 
     if dtype == "auto":
         dtype = "uint16" if n_vocab <= 2**16 else "uint32"
     if dtype not in DTYPES:
-        raise DataError(f"--dtype {dtype} is unknown: use auto, uint16 or uint32")
+        raise DataError(f"--token-dtype {dtype} is unknown: use auto, uint16 or uint32")
     if n_vocab > np.iinfo(DTYPES[dtype]).max + 1:
         raise DataError(
-            f"the vocabulary has {n_vocab} tokens, more than {dtype} can hold; use --dtype uint32 (or auto)"
+            f"the vocabulary has {n_vocab} tokens, more than {dtype} can hold; use --token-dtype uint32 (or auto)"
         )
 
     val_docs = [d for d in docs if _is_val(d, val_fraction)] if val_fraction > 0 else []

@@ -167,11 +167,9 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
         raise MeshtrainError(f"{tokenizer_file} is missing: the export needs the run's tokenizer")
     from tokenizers import Tokenizer
 
-    from meshtrain.data.prepare import EOS_CANDIDATES
+    from meshtrain.data.prepare import end_of_text
 
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    eos = next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
-    eos_id = tok.token_to_id(eos) if eos else None
+    eos, eos_id = end_of_text(Tokenizer.from_file(str(tokenizer_file)))
 
     out = Path(out)
     with atomic_directory(out) as tmp:

@@ -40,42 +40,9 @@ def arithmetic_dtype(training, device: torch.device) -> torch.dtype:
 
 
 def fp32_arithmetic_is_faster() -> bool:
+    from meshtrain.hardware import bf16_slowdown
+
     return bf16_slowdown() > 1.0
-
-
-def bf16_slowdown() -> float:
-    """This CPU's time for the probe's work in bf16 kernels over its time in fp32 arithmetic
-    (measured once per CPU model and thread count, then cached)."""
-    from meshtrain.metrics import cached_measurement, cpu_peak_key
-
-    return cached_measurement(f"{cpu_peak_key(BF16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio, keep_max=False)
-
-
-def _bf16_time_ratio(repeats: int = 3) -> float:
-    """Time of a training step's two kinds of work in bf16 kernels over their time in fp32
-    arithmetic: a GEMM, and causal attention forward + backward. Small shapes: a CPU without bf16
-    instructions emulates them about 100x slower than fp32, and the probe must stay short there too."""
-    import time
-
-    def best(fn) -> float:
-        fn()  # warm up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    def work(dtype: torch.dtype) -> float:
-        a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
-        q, k, v = (torch.randn(2, 4, 128, 64, dtype=dtype, requires_grad=True) for _ in range(3))
-
-        def attention():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        return best(lambda: a @ b) + best(attention)
-
-    return work(BF16) / work(torch.float32)
 
 
 class _Bf16LinearInFp32(torch.autograd.Function):

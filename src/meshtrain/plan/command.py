@@ -23,13 +23,10 @@ KNOBS = ("tp", "pp", "zero", "dp_replicate", "micro_batch", "ac", "pp_schedule",
 def _base_config(args) -> Config:
     if args.config:
         return load_config(args.config)
-    if args.model and args.model in PRESETS:
-        return load_config(None, ["--model.preset", args.model])
-    if args.model and Path(args.model).is_file():
-        return load_config(args.model)
-    if args.model:
-        raise MeshtrainError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
-    return load_config(None)
+    if args.model and args.model not in PRESETS:
+        hint = " (a config file is --config FILE)" if Path(args.model).is_file() else ""
+        raise MeshtrainError(f"--model.preset {args.model!r} is not a preset: use one of {', '.join(PRESETS)}{hint}")
+    return load_config(overrides={"model.preset": args.model} if args.model else None)
 
 
 def _model(args, cfg: Config) -> ModelArgs:
@@ -60,8 +57,6 @@ def run_plan(args) -> int:
              Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, max(seq_len, model.max_seq_len)))
     gpus = args.gpus or (cfg.parallel.tp * cfg.parallel.pp if explain else 8)
     global_batch = args.global_batch or (t.global_batch_size if explain else 4 * gpus)
-    if min(gpus, seq_len, global_batch) < 1:
-        raise MeshtrainError("--gpus, --seq-len and --global-batch must be at least 1")
     gpus_per_node = args.gpus_per_node or (gpus if args.gpu == "cpu" else min(gpus, 8))
     dev, inter = device(args.gpu, gpus_per_node, args.network, args.intra_node_gbps, args.inter_node_gbps,
                         args.memory_gib, args.peak_tflops, args.efficiency, args.comm)
@@ -120,7 +115,6 @@ def _write_config(args, estimates, w: Workload, cfg: Config, model: ModelArgs) -
     best = to_config(fitting[0].layout, w, cfg)
     best = dataclasses.replace(best, model=dataclasses.replace(best.model, **{
         k: getattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}))
-    path = write_text(args.write_config, to_toml(best))
-    load_config(path)  # what was written must train
+    path = write_text(args.write_config, to_toml(best.validate()))  # what is written must train
     print(f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "
           f"{fitting[0].layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`")

@@ -60,8 +60,8 @@ class Device:
 
 
 def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, bf16=True) -> Device:
-    """Peaks from the one table MFU also reads (metrics.GPU_PEAK_TFLOPS, matched by `part`)."""
-    from meshtrain.metrics import GPU_PEAK_TFLOPS
+    """Peaks from the one table MFU also reads (hardware.GPU_PEAK_TFLOPS, matched by `part`)."""
+    from meshtrain.hardware import GPU_PEAK_TFLOPS
 
     half, fp32 = next((b, f) for pattern, b, f in GPU_PEAK_TFLOPS if pattern == part)
     return Device(name, memory_gib, {"bf16": half if bf16 else 0.0, "fp16": half, "fp32": fp32}, intra, link,
@@ -88,7 +88,7 @@ def cpu_device(processes_per_node: int) -> Device:
     over loopback as a fraction of memory bandwidth."""
     import torch
 
-    from meshtrain.metrics import cpu_peak_tflops
+    from meshtrain.hardware import cpu_peak_tflops
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_per_node))

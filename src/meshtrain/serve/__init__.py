@@ -13,7 +13,7 @@ from meshtrain.serve.engine import Engine, Request, SamplingParams
 from meshtrain.serve.loading import ServedModel, load_served_model
 
 __all__ = ["Engine", "Request", "SamplingParams", "ServedModel", "generate_to_terminal", "load_engine",
-           "load_served_model", "serve"]
+           "load_served_model", "sample_text", "serve"]
 
 
 def load_engine(source: str, max_batch: int = 16, max_context: int | None = None, device: str = "auto",
@@ -70,3 +70,23 @@ def generate_to_terminal(source: str, prompt: str, params: SamplingParams, devic
     print()
     engine.close()
     return 0
+
+
+def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: str, max_tokens: int) -> str:
+    """The end-of-run demo: the prompt and a continuation sampled from the full weights (on the CPU,
+    by the engine that serves: one sampling and stopping implementation)."""
+    from tokenizers import Tokenizer
+
+    from meshtrain.data.prepare import end_of_text
+    from meshtrain.model import Llama
+
+    model = Llama(args)
+    model.load_state_dict(state, strict=False)
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    ids = tokenizer.encode(prompt).ids[-(args.max_seq_len - 1):]
+    engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, args.max_seq_len)
+    try:
+        text, _ = engine.complete(ids, SamplingParams(min(max_tokens, args.max_seq_len - len(ids)), 0.8, 1.0, 50, [], 0))
+    finally:
+        engine.close()
+    return prompt + text

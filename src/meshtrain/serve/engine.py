@@ -70,6 +70,23 @@ class Engine:
     def submit(self, request: Request) -> None:
         self.waiting.put(request)
 
+    def complete(self, prompt: list[int], params: SamplingParams) -> tuple[str, str]:
+        """Generate to the end, blocking: (text, finish reason "stop" or "length")."""
+        done, parts, finish = threading.Event(), [], []
+
+        def emit(event: tuple) -> None:
+            if event[0] == "text":
+                parts.append(event[1])
+            else:
+                finish.append(event)
+                done.set()
+
+        self.submit(Request(prompt, params, emit))
+        done.wait()
+        if finish[0][0] == "error":
+            raise RuntimeError(finish[0][1])
+        return "".join(parts), finish[0][1]
+
     def close(self) -> None:
         self._stop.set()
         self.waiting.put(None)  # wake the loop

@@ -47,7 +47,7 @@ def _chat_template(directory: Path) -> str:
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
     from tokenizers import Tokenizer
 
-    from meshtrain.data.prepare import EOS_CANDIDATES
+    from meshtrain.data.prepare import end_of_text
     from meshtrain.interop.hf import hf_model_args, load_full_model, load_hf_weights
 
     path = Path(source)
@@ -66,8 +66,7 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
     if not tokenizer_file.is_file():
         raise MeshtrainError(f"{tokenizer_file} is missing: the server needs the model's tokenizer")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    eos = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+    eos, eos_id = end_of_text(tokenizer)
     model = model.to(device=device, dtype=dtype)
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
-    return ServedModel(path.resolve().name, model.eval(), tokenizer, tokenizer.token_to_id(eos) if eos else None, eos,
-                       _chat_template(tokenizer_dir))
+    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_id, eos, _chat_template(tokenizer_dir))

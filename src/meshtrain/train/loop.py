@@ -12,14 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint import Checkpointer, committed_checkpoints, find_resume, rng_state, set_rng_state
+from meshtrain.checkpoint import Checkpointer, committed_checkpoints, find_resume
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_text
 from meshtrain.launch import detect
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.logs import log, setup_logging
-from meshtrain.metrics import MetricsLogger, Throughput, mfu_peak_tflops
+from meshtrain.hardware import mfu_peak_tflops
+from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.parallel import arithmetic_dtype
 from meshtrain.parallel.memory import format_memory, gather_memory_report
 from meshtrain.plan.shapes import Shape
@@ -104,7 +105,6 @@ def resume(s: TrainState) -> tuple[int, int]:
     s.scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
         group["lr"] = lr
-    set_rng_state(state["rng"])
     log.info(f"resumed from {path} (step {state['step']}, saved with {state['layout']})")
     return state["step"], state.get("skipped_steps", 0)
 
@@ -114,7 +114,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
     layout = {"world_size": s.env.world_size, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate,
               "dp_shard": d.dp_shard, "zero": d.zero}
     s.checkpointer.save(step, {"step": step, "skipped_steps": skipped, "loader": s.loader.state_dict(),
-                               "scheduler": s.scheduler.state_dict(), "rng": rng_state(), "layout": layout,
+                               "scheduler": s.scheduler.state_dict(), "layout": layout,
                                "model": dataclasses.asdict(s.args)}, blocking=blocking)
 
 
@@ -165,11 +165,9 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
             kept = f"; the checkpoint {committed[-1]} holds them: `meshtrain export` writes them out" if committed else ""
             raise MeshtrainError(f"{e}{kept}") from None
     if run.sample_prompt:
-        from meshtrain.model.generate import sample_text
+        from meshtrain.serve import sample_text
 
-        text = sample_text(state, s.args, s.dataset.tokenizer_path, run.sample_prompt, run.sample_tokens,
-                           s.dataset.eos_id)
-        log.info("sample:\n" + text)
+        log.info("sample:\n" + sample_text(state, s.args, s.dataset.tokenizer_path, run.sample_prompt, run.sample_tokens))
 
 
 def train(cfg: Config) -> dict:

@@ -1,0 +1,173 @@
+"""Facts about the machine a process runs on, read by the trainer's metrics and by the planner:
+the dense peak of each GPU (data sheets), and the CPU measured on the spot (matmul peak, whether
+bf16 kernels beat fp32 arithmetic), each probe cached per CPU model and thread count."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.files import write_json
+
+# Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16, fp32 without TF32).
+# Matched by substring of torch.cuda.get_device_name(), most specific first.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
+    ("GB200", 2500.0, 80.0),
+    ("B200", 2250.0, 80.0),
+    ("H200", 989.5, 66.9),
+    ("GH200", 989.5, 66.9),
+    ("H100 PCIe", 756.5, 51.2),
+    ("H100 NVL", 835.0, 60.0),
+    ("H100", 989.5, 66.9),
+    ("H800", 989.5, 66.9),
+    ("A100", 312.0, 19.5),
+    ("A800", 312.0, 19.5),
+    ("L40S", 362.1, 91.6),
+    ("L40", 181.0, 90.5),
+    ("L4", 121.0, 30.3),
+    ("A10G", 70.0, 31.2),
+    ("A10", 125.0, 31.2),
+    ("RTX 4090", 165.2, 82.6),
+    ("V100", 125.0, 15.7),  # no bf16: fp16 tensor-core peak
+    ("MI300X", 1307.4, 163.4),
+    ("MI250X", 383.0, 47.9),
+]
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshtrain" / "cpu_peak.json"
+
+
+def measure_cpu_peak_tflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    """Best-of-repeats square matmul throughput at this process's thread count, at size n, or at
+    the smallest size whose matmul takes over 0.2 s (a CPU without bf16 instructions emulates
+    bf16 about 100x slower than fp32: the probe stays within a second or two there too)."""
+    size = 256
+    while True:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        start = time.perf_counter()
+        torch.matmul(a, b)  # warm up, and see how long one takes
+        if size >= n or time.perf_counter() - start > 0.2:
+            break
+        size *= 2
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * size**3 / best / 1e12
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_key(dtype: torch.dtype) -> str:
+    """A peak holds for one CPU model, core count, thread count and dtype."""
+    return f"{cpu_model()}|{os.cpu_count()}|{torch.get_num_threads()}|{dtype}"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cached_measurement(key: str, measure, keep_max: bool) -> float:
+    """A machine measurement kept in ~/.cache/meshtrain/cpu_peak.json: measured once (keep_max
+    False), or again every time keeping the best (keep_max True). Every rank of a run probes at
+    once: the file is re-read and updated under an exclusive lock, so no rank's record replaces
+    another's. A read-only home only loses the record."""
+    path = _cache_file()
+    cache = _read_cache(path)
+    if key in cache and not keep_max:
+        return cache[key]
+    measured = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            cache = _read_cache(path)
+            if measured > cache.get(key, -math.inf):
+                cache[key] = measured
+                write_json(path, cache)
+    except (OSError, MeshtrainError):
+        return max(measured, cache.get(key, -math.inf))
+    return cache[key]
+
+
+def cpu_peak_tflops(dtype: torch.dtype) -> float:
+    """The best matmul throughput ever measured on this (CPU, thread count, dtype). Every run
+    probes again (well under a second) and keeps the maximum: a probe taken while the machine was
+    busy reads low and would inflate MFU (once 119%), but it can never read high."""
+    return cached_measurement(cpu_peak_key(dtype), lambda: measure_cpu_peak_tflops(dtype), keep_max=True)
+
+
+def mfu_peak_tflops(device: torch.device, training_dtype: str, override: float = 0.0) -> float:
+    """What MFU divides by: the best dense peak the device has for the training's dtype, whatever
+    arithmetic the step picked (bf16 training on a CPU: the larger of its bf16 and fp32 matmul
+    peaks; on a GPU the data sheet's bf16 peak). A slow choice then shows as a low MFU."""
+    if training_dtype == "bf16" and device.type == "cpu" and override <= 0:
+        return max(cpu_peak_tflops(torch.bfloat16), cpu_peak_tflops(torch.float32))
+    return device_peak_tflops(device, torch.bfloat16 if training_dtype == "bf16" else torch.float32, override)
+
+
+def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float:
+    if override > 0:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for pattern, bf16, fp32 in GPU_PEAK_TFLOPS:
+            if pattern in name:
+                return bf16 if dtype == torch.bfloat16 else fp32
+        return 0.0  # unknown GPU: MFU is reported as 0 unless training.peak_tflops is set
+    return cpu_peak_tflops(dtype)
+
+
+def bf16_slowdown() -> float:
+    """This CPU's time for the probe's work in bf16 kernels over its time in fp32 arithmetic
+    (measured once per CPU model and thread count, then cached)."""
+    return cached_measurement(f"{cpu_peak_key(torch.bfloat16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio,
+                              keep_max=False)
+
+
+def _bf16_time_ratio(repeats: int = 3) -> float:
+    """Time of a training step's two kinds of work in bf16 kernels over their time in fp32
+    arithmetic: a GEMM, and causal attention forward + backward. Small shapes: a CPU without bf16
+    instructions emulates them about 100x slower than fp32, and the probe must stay short there too."""
+    import time
+
+    def best(fn) -> float:
+        fn()  # warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def work(dtype: torch.dtype) -> float:
+        a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
+        q, k, v = (torch.randn(2, 4, 128, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def attention():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        return best(lambda: a @ b) + best(attention)
+
+    return work(torch.bfloat16) / work(torch.float32)
