@@ -5,7 +5,9 @@ import argparse
 from bench import memory, plots, profile, scaling, serve, throughput
 
 p = argparse.ArgumentParser(prog="python -m bench")
-p.add_argument("suite", nargs="?", default="all", choices=("throughput", "profile", "scaling", "memory", "serve", "plots", "all"))
+p.add_argument(
+    "suite", nargs="?", default="all", choices=("throughput", "profile", "scaling", "memory", "serve", "plots", "all")
+)
 p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
 p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
 p.add_argument("--batch", type=int, default=8, help="throughput: sequences per step")
@@ -23,8 +25,14 @@ p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], defaul
 p.add_argument("--serve-preset", default="tiny", help="serve: the model served")
 p.add_argument("--serve-tokens", type=int, default=64, help="serve: new tokens per request")
 a = p.parse_args()
-for name, suite in (("throughput", throughput), ("profile", profile), ("scaling", scaling), ("memory", memory), ("serve", serve),
-                    ("plots", plots)):
+for name, suite in (
+    ("throughput", throughput),
+    ("profile", profile),
+    ("scaling", scaling),
+    ("memory", memory),
+    ("serve", serve),
+    ("plots", plots),
+):
     if a.suite in (name, "all"):
         print(f"== {name}", flush=True)
         suite.main(a)

@@ -42,14 +42,30 @@ def machine() -> dict:
     return info
 
 
-def run_train(run_dir: Path, overrides: list[str], nproc: int = 1, threads: int | None = None,
-              timeout: int = 900) -> tuple[list[dict], list[dict]]:
+def run_train(
+    run_dir: Path, overrides: list[str], nproc: int = 1, threads: int | None = None, timeout: int = 900
+) -> tuple[list[dict], list[dict]]:
     """Run `meshtrain train` as a user would; returns (metrics.jsonl rows, memory.json ranks)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "meshtrain", "train", "--run.dir", str(run_dir), "--run.progress", "false",
-           "--run.tensorboard", "false", "--run.sample_prompt", "", "--run.save_model", "false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshtrain",
+        "train",
+        "--run.dir",
+        str(run_dir),
+        "--run.progress",
+        "false",
+        "--run.tensorboard",
+        "false",
+        "--run.sample_prompt",
+        "",
+        "--run.save_model",
+        "false",
+        *overrides,
+    ]
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

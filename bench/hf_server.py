@@ -33,8 +33,13 @@ def create_app(directory: str) -> FastAPI:
 
         def run():
             with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=body.get("max_tokens", 16), do_sample=False,
-                                     streamer=streamer, pad_token_id=tokenizer.eos_token_id)
+                out = model.generate(
+                    ids,
+                    max_new_tokens=body.get("max_tokens", 16),
+                    do_sample=False,
+                    streamer=streamer,
+                    pad_token_id=tokenizer.eos_token_id,
+                )
             run.tokens = out.shape[1] - ids.shape[1]
 
         async def stream():

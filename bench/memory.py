@@ -28,10 +28,27 @@ def theory(zero: int, n: int) -> float:
 def main(a) -> list[dict]:
     gpus = torch.cuda.device_count()  # GPU mode: one process per GPU, so worlds up to the GPU count
     worlds = [n for n in a.worlds if not gpus or n <= gpus]
-    common = ["--model.preset", a.memory_preset, "--training.dtype", "fp32", "--training.steps", "2",
-              "--training.warmup_steps", "1", "--training.global_batch_size", "4", "--training.micro_batch_size",
-              "1", "--training.seq_len", "128", "--training.eval_batches", "1", "--run.log_every", "1",
-              *data_overrides(a)]
+    common = [
+        "--model.preset",
+        a.memory_preset,
+        "--training.dtype",
+        "fp32",
+        "--training.steps",
+        "2",
+        "--training.warmup_steps",
+        "1",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "1",
+        "--training.seq_len",
+        "128",
+        "--training.eval_batches",
+        "1",
+        "--run.log_every",
+        "1",
+        *data_overrides(a),
+    ]
     cases = [(1, 0)] + [(n, zero) for n in worlds if n > 1 for zero in (0, 1, 2, 3)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,10 +65,33 @@ def main(a) -> list[dict]:
         r["ratio_to_ddp"] = r["model_states"] / ddp[r["world"]]
         r["theory"] = theory(r["zero"], r["world"])
     mib = 2**20
-    lines = [[str(r["world"]), f"ZeRO-{r['zero']}", *[f"{r[k] / mib:,.1f}" for k in (*STATES, "model_states")],
-              f"{r['ratio_to_ddp']:.3f}", f"{r['theory']:.3f}", f"{r.get('peak_gpu', r['peak_rss']) / mib:,.0f}"]
-             for r in rows]
-    write_results("memory", rows, markdown(
-        ["world", "stage", "params MiB", "grads MiB", "optimizer MiB", "model states MiB", "/ DDP",
-         "/ DDP (paper)", "peak GPU MiB" if gpus else "peak RSS MiB"], lines))
+    lines = [
+        [
+            str(r["world"]),
+            f"ZeRO-{r['zero']}",
+            *[f"{r[k] / mib:,.1f}" for k in (*STATES, "model_states")],
+            f"{r['ratio_to_ddp']:.3f}",
+            f"{r['theory']:.3f}",
+            f"{r.get('peak_gpu', r['peak_rss']) / mib:,.0f}",
+        ]
+        for r in rows
+    ]
+    write_results(
+        "memory",
+        rows,
+        markdown(
+            [
+                "world",
+                "stage",
+                "params MiB",
+                "grads MiB",
+                "optimizer MiB",
+                "model states MiB",
+                "/ DDP",
+                "/ DDP (paper)",
+                "peak GPU MiB" if gpus else "peak RSS MiB",
+            ],
+            lines,
+        ),
+    )
     return rows

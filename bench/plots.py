@@ -38,8 +38,13 @@ def main(_=None) -> list[str]:
             for i, name in enumerate(VARIANTS):  # one colour per variant in every panel
                 if f"{name}_tokens_per_s" in mine[0]:
                     ax.plot(sizes, [r[f"{name}_tokens_per_s"] for r in mine], marker="o", label=name, color=f"C{i}")
-            ax.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="training tokens/s",
-                   title=f"{dtype}, {mine[0]['device']}, batch {mine[0]['batch']} x {mine[0]['seq_len']}")
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="parameters (M)",
+                ylabel="training tokens/s",
+                title=f"{dtype}, {mine[0]['device']}, batch {mine[0]['batch']} x {mine[0]['seq_len']}",
+            )
             ax.legend()
         fig.tight_layout()
         fig.savefig(RESULTS / "throughput.png", dpi=110)

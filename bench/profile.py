@@ -22,10 +22,27 @@ from meshtrain.plan.shapes import Shape
 
 CATEGORIES = ("matmul", "attention", "optimizer", "compiled", "other")
 # Ops that only make views or allocate: host work, not computation.
-METADATA_OPS = {"aten::empty", "aten::empty_strided", "aten::view", "aten::as_strided", "aten::t", "aten::transpose",
-                "aten::unsqueeze", "aten::reshape", "aten::permute", "aten::expand", "aten::detach",
-                "aten::select", "aten::slice", "aten::split", "aten::alias", "aten::_unsafe_view", "aten::resize_",
-                "aten::set_", "aten::lift_fresh"}
+METADATA_OPS = {
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::view",
+    "aten::as_strided",
+    "aten::t",
+    "aten::transpose",
+    "aten::unsqueeze",
+    "aten::reshape",
+    "aten::permute",
+    "aten::expand",
+    "aten::detach",
+    "aten::select",
+    "aten::slice",
+    "aten::split",
+    "aten::alias",
+    "aten::_unsafe_view",
+    "aten::resize_",
+    "aten::set_",
+    "aten::lift_fresh",
+}
 
 
 def category(name: str) -> str:
@@ -33,7 +50,9 @@ def category(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("scaled_dot_product", "flash", "fmha", "attention")):
         return "attention"
-    if n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") or any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass")):
+    if n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") or any(
+        k in n for k in ("gemm", "nvjet", "xmma", "cutlass")
+    ):
         return "matmul"
     if "adam" in n or n.startswith("aten::_foreach"):
         return "optimizer"
@@ -80,30 +99,64 @@ def main(a) -> list[dict]:
     for preset in a.presets.split(","):
         for dtype in a.dtypes.split(","):
             args = load_config(None, ["--model.preset", preset]).model_args()
-            tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0))
+            tokens = torch.randint(
+                0, args.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0)
+            )
             batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
             shape = Shape.from_args(args)
-            matmul_flops = (shape.flops_per_token(a.seq_len) - 12.0 * shape.n_layers * shape.dim * a.seq_len) * a.batch * a.seq_len
-            variants = {"meshtrain+compile": meshtrain_step(meshtrain_config(preset, dtype, True, "auto", batch), batch)}
+            matmul_flops = (
+                (shape.flops_per_token(a.seq_len) - 12.0 * shape.n_layers * shape.dim * a.seq_len) * a.batch * a.seq_len
+            )
+            variants = {
+                "meshtrain+compile": meshtrain_step(meshtrain_config(preset, dtype, True, "auto", batch), batch)
+            }
             if bf16_kernel_slowdown(dtype, dev) < EMULATED_BF16:  # else an HF step under autocast takes minutes
                 variants["hf"] = hf_step(args, dtype, False, batch, dev)
                 variants["hf+compile"] = hf_step(args, dtype, True, batch, dev, compiled=True)
             for name, step in variants.items():
                 ms = breakdown(step, a.profile_steps, dev)
-                rows.append({"preset": preset, "dtype": dtype, "variant": name, "device": dev.type,
-                             "batch": a.batch, "seq_len": a.seq_len, "ms": ms,
-                             "matmul_tflops": matmul_flops / (ms["matmul"] / 1e3) / 1e12 if ms["matmul"] else 0.0,
-                             "bound": ms["wall"] / ms["matmul"] if ms["matmul"] else 0.0})
+                rows.append(
+                    {
+                        "preset": preset,
+                        "dtype": dtype,
+                        "variant": name,
+                        "device": dev.type,
+                        "batch": a.batch,
+                        "seq_len": a.seq_len,
+                        "ms": ms,
+                        "matmul_tflops": matmul_flops / (ms["matmul"] / 1e3) / 1e12 if ms["matmul"] else 0.0,
+                        "bound": ms["wall"] / ms["matmul"] if ms["matmul"] else 0.0,
+                    }
+                )
                 print(f"  {preset} {dtype} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()), flush=True)
     write_results("profile", rows, table(rows))
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    header = ["preset", "dtype", "variant", "ms/step", *[f"{c} ms" for c in CATEGORIES], "outside kernels ms",
-              "matmul TFLOP/s", "matmul share", "bound (all but matmul free)"]
-    lines = [[r["preset"], r["dtype"], r["variant"], f"{r['ms']['wall']:.1f}",
-              *[f"{r['ms'][c]:.1f}" for c in CATEGORIES], f"{r['ms']['outside kernels']:.1f}",
-              f"{r['matmul_tflops']:.3f}", f"{r['ms']['matmul'] / r['ms']['wall']:.0%}", f"{r['bound']:.2f}x"]
-             for r in rows]
+    header = [
+        "preset",
+        "dtype",
+        "variant",
+        "ms/step",
+        *[f"{c} ms" for c in CATEGORIES],
+        "outside kernels ms",
+        "matmul TFLOP/s",
+        "matmul share",
+        "bound (all but matmul free)",
+    ]
+    lines = [
+        [
+            r["preset"],
+            r["dtype"],
+            r["variant"],
+            f"{r['ms']['wall']:.1f}",
+            *[f"{r['ms'][c]:.1f}" for c in CATEGORIES],
+            f"{r['ms']['outside kernels']:.1f}",
+            f"{r['matmul_tflops']:.3f}",
+            f"{r['ms']['matmul'] / r['ms']['wall']:.0%}",
+            f"{r['bound']:.2f}x",
+        ]
+        for r in rows
+    ]
     return markdown(header, lines)

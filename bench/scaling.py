@@ -37,17 +37,40 @@ def main(a) -> list[dict]:
         print("  skipped: one device (scaling needs at least two)", flush=True)
         return []
     dtype = "bf16" if gpus else "fp32"
-    common = ["--model.preset", a.scaling_preset, "--training.dtype", dtype, "--training.steps", str(a.train_steps),
-              "--training.warmup_steps", "2", "--training.global_batch_size", "16", "--training.micro_batch_size",
-              "8", "--training.seq_len", "256", "--training.eval_batches", "1", "--run.log_every", "1",
-              *data_overrides(a)]
+    common = [
+        "--model.preset",
+        a.scaling_preset,
+        "--training.dtype",
+        dtype,
+        "--training.steps",
+        str(a.train_steps),
+        "--training.warmup_steps",
+        "2",
+        "--training.global_batch_size",
+        "16",
+        "--training.micro_batch_size",
+        "8",
+        "--training.seq_len",
+        "256",
+        "--training.eval_batches",
+        "1",
+        "--run.log_every",
+        "1",
+        *data_overrides(a),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
+
         def measure(name: str, nproc: int, threads: int | None, extra: list[str], tag: str) -> dict:
             run_dir = Path(tmp) / (name.replace(" ", "_") + tag)
             metrics, memory = run_train(run_dir, [*common, *extra], nproc, threads)
-            row = {"layout": name, "processes": nproc, "threads_per_process": threads,
-                   "tokens_per_s": steady_tokens_per_s(metrics), "final_loss": metrics[-1]["loss"],
-                   "peak_rss_mib": max(r["peak_rss"] for r in memory) / 2**20}
+            row = {
+                "layout": name,
+                "processes": nproc,
+                "threads_per_process": threads,
+                "tokens_per_s": steady_tokens_per_s(metrics),
+                "final_loss": metrics[-1]["loss"],
+                "peak_rss_mib": max(r["peak_rss"] for r in memory) / 2**20,
+            }
             print(f"  {name}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
             return row
 
@@ -62,15 +85,48 @@ def main(a) -> list[dict]:
             reference = (singles[-2]["tokens_per_s"] + singles[-1]["tokens_per_s"]) / 2
             for name, run in this_round.items():
                 runs[name].append({**run, "efficiency": run["tokens_per_s"] / reference})
-        rows = [{**singles[0], "tokens_per_s": statistics.median(s["tokens_per_s"] for s in singles),
-                 "tokens_per_s_runs": [s["tokens_per_s"] for s in singles], "efficiency": 1.0}]
+        rows = [
+            {
+                **singles[0],
+                "tokens_per_s": statistics.median(s["tokens_per_s"] for s in singles),
+                "tokens_per_s_runs": [s["tokens_per_s"] for s in singles],
+                "efficiency": 1.0,
+            }
+        ]
         for layout_runs in runs.values():
             effs = [run["efficiency"] for run in layout_runs]
-            rows.append({**layout_runs[0], "efficiency": statistics.median(effs), "efficiency_runs": effs,
-                         "tokens_per_s": statistics.median(run["tokens_per_s"] for run in layout_runs)})
-    lines = [[r["layout"], f"{r['processes']} x {r['threads_per_process'] or 'GPU'}", f"{r['tokens_per_s']:,.0f}",
-              efficiency(r), f"{r['final_loss']:.4f}", f"{r['peak_rss_mib']:,.0f}"] for r in rows]
-    write_results("scaling", rows, markdown(
-        ["layout", "processes x threads", "tokens/s", "efficiency", "loss at the last step", "peak RSS / rank (MiB)"],
-        lines))
+            rows.append(
+                {
+                    **layout_runs[0],
+                    "efficiency": statistics.median(effs),
+                    "efficiency_runs": effs,
+                    "tokens_per_s": statistics.median(run["tokens_per_s"] for run in layout_runs),
+                }
+            )
+    lines = [
+        [
+            r["layout"],
+            f"{r['processes']} x {r['threads_per_process'] or 'GPU'}",
+            f"{r['tokens_per_s']:,.0f}",
+            efficiency(r),
+            f"{r['final_loss']:.4f}",
+            f"{r['peak_rss_mib']:,.0f}",
+        ]
+        for r in rows
+    ]
+    write_results(
+        "scaling",
+        rows,
+        markdown(
+            [
+                "layout",
+                "processes x threads",
+                "tokens/s",
+                "efficiency",
+                "loss at the last step",
+                "peak RSS / rank (MiB)",
+            ],
+            lines,
+        ),
+    )
     return rows

@@ -58,8 +58,14 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
     """(time to first token, tokens generated) of one streamed completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, first, tokens = time.perf_counter(), None, 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         async for line in response.aiter_lines():
@@ -74,17 +80,26 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
 
 async def load(url: str, model: str, clients: int, requests_per_client: int, max_tokens: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
         async def user(i: int):
-            return [await one_request(client, model, PROMPTS[(i + j) % len(PROMPTS)], max_tokens)
-                    for j in range(requests_per_client)]
+            return [
+                await one_request(client, model, PROMPTS[(i + j) % len(PROMPTS)], max_tokens)
+                for j in range(requests_per_client)
+            ]
 
         start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(user(i) for i in range(clients))) for r in rs]
         wall = time.perf_counter() - start
     ttfts = sorted(t for t, _ in results)
-    return {"clients": clients, "requests": len(results), "tokens": sum(n for _, n in results), "wall_s": wall,
-            "tokens_per_s": sum(n for _, n in results) / wall, "ttft_p50_s": statistics.median(ttfts),
-            "ttft_p99_s": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": sum(n for _, n in results),
+        "wall_s": wall,
+        "tokens_per_s": sum(n for _, n in results) / wall,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+    }
 
 
 def free_port() -> int:
@@ -102,8 +117,11 @@ def measure(name: str, cmd: list[str], port: int, model: str, levels: list[int],
         for clients in levels:
             row = asyncio.run(load(url, model, clients, 2 if clients < 16 else 1, max_tokens))
             rows.append({"server": name, **row})
-            print(f"  {name} {clients} clients: {row['tokens_per_s']:,.0f} tok/s, TTFT p50 "
-                  f"{row['ttft_p50_s'] * 1e3:,.0f} ms", flush=True)
+            print(
+                f"  {name} {clients} clients: {row['tokens_per_s']:,.0f} tok/s, TTFT p50 "
+                f"{row['ttft_p50_s'] * 1e3:,.0f} ms",
+                flush=True,
+            )
         return rows
     finally:
         proc.terminate()
@@ -116,20 +134,44 @@ def main(a) -> list[dict]:
         data = ["--data.path", a.data_path, "--data.corpus", ""] if a.data_path else []
         hf = exported_model(a.serve_preset, data, Path(tmp))
         dtype = "bf16" if torch.cuda.is_available() else "fp32"
-        mesh = measure("meshtrain serve", [sys.executable, "-m", "meshtrain", "serve", str(hf), "--max-batch", "16",
-                                           "--dtype", dtype], free_port(), "hf", levels, a.serve_tokens)
-        base = measure("transformers generate()", [sys.executable, "-m", "bench.hf_server", str(hf)], free_port(),
-                       "hf", levels, a.serve_tokens)
+        mesh = measure(
+            "meshtrain serve",
+            [sys.executable, "-m", "meshtrain", "serve", str(hf), "--max-batch", "16", "--dtype", dtype],
+            free_port(),
+            "hf",
+            levels,
+            a.serve_tokens,
+        )
+        base = measure(
+            "transformers generate()",
+            [sys.executable, "-m", "bench.hf_server", str(hf)],
+            free_port(),
+            "hf",
+            levels,
+            a.serve_tokens,
+        )
     rows = mesh + base
     by = {(r["server"], r["clients"]): r for r in rows}
-    summary = {"scaling_16_vs_1": by["meshtrain serve", 16]["tokens_per_s"] / by["meshtrain serve", 1]["tokens_per_s"],
-               "vs_baseline_16": by["meshtrain serve", 16]["tokens_per_s"] /
-               by["transformers generate()", 16]["tokens_per_s"]}
-    lines = [[r["server"], str(r["clients"]), str(r["requests"]), f"{r['tokens_per_s']:,.0f}",
-              f"{r['ttft_p50_s'] * 1e3:,.0f}", f"{r['ttft_p99_s'] * 1e3:,.0f}"] for r in rows]
+    summary = {
+        "scaling_16_vs_1": by["meshtrain serve", 16]["tokens_per_s"] / by["meshtrain serve", 1]["tokens_per_s"],
+        "vs_baseline_16": by["meshtrain serve", 16]["tokens_per_s"] / by["transformers generate()", 16]["tokens_per_s"],
+    }
+    lines = [
+        [
+            r["server"],
+            str(r["clients"]),
+            str(r["requests"]),
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['ttft_p50_s'] * 1e3:,.0f}",
+            f"{r['ttft_p99_s'] * 1e3:,.0f}",
+        ]
+        for r in rows
+    ]
     table = markdown(["server", "clients", "requests", "generated tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)"], lines)
-    table += (f"\n\n{a.serve_preset}, {a.serve_tokens} new tokens per request, greedy, {dtype}: meshtrain serve at 16 "
-              f"clients = {summary['scaling_16_vs_1']:.1f}x its 1-client tokens/s and "
-              f"{summary['vs_baseline_16']:.1f}x the baseline's.")
+    table += (
+        f"\n\n{a.serve_preset}, {a.serve_tokens} new tokens per request, greedy, {dtype}: meshtrain serve at 16 "
+        f"clients = {summary['scaling_16_vs_1']:.1f}x its 1-client tokens/s and "
+        f"{summary['vs_baseline_16']:.1f}x the baseline's."
+    )
     write_results("serve", [*rows, summary], table)
     return rows

@@ -32,11 +32,10 @@ import torch.nn.functional as F
 
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
+from meshtrain.hardware import bf16_slowdown, device_peak_tflops, mfu_peak_tflops
 from meshtrain.interop.hf import hf_config
-from meshtrain.hardware import device_peak_tflops, mfu_peak_tflops
-from meshtrain.plan.shapes import Shape
 from meshtrain.parallel import arithmetic_dtype
-from meshtrain.hardware import bf16_slowdown
+from meshtrain.plan.shapes import Shape
 from meshtrain.train import build
 
 NATIVE = "meshtrain+compile/bf16-kernels"
@@ -53,11 +52,27 @@ def bf16_kernel_slowdown(dtype: str, dev: torch.device) -> float:
 
 def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
     inputs, _ = batch
-    return load_config(None, ["--model.preset", preset, "--training.dtype", dtype, "--training.compile",
-                             str(compile).lower(), "--training.bf16_compute", bf16_compute,
-                             "--training.seq_len", str(inputs.shape[1]),
-                             "--training.global_batch_size", str(len(inputs)),
-                             "--training.micro_batch_size", str(len(inputs)), "--training.lr", "3e-4"])
+    return load_config(
+        None,
+        [
+            "--model.preset",
+            preset,
+            "--training.dtype",
+            dtype,
+            "--training.compile",
+            str(compile).lower(),
+            "--training.bf16_compute",
+            bf16_compute,
+            "--training.seq_len",
+            str(inputs.shape[1]),
+            "--training.global_batch_size",
+            str(len(inputs)),
+            "--training.micro_batch_size",
+            str(len(inputs)),
+            "--training.lr",
+            "3e-4",
+        ],
+    )
 
 
 def meshtrain_step(cfg, batch: tuple):
@@ -74,8 +89,9 @@ def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device, comp
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(dev)
     forward = torch.compile(model) if compiled else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=True if fused else None)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True if fused else None
+    )
     inputs, targets = batch
 
     def step():
@@ -95,8 +111,10 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     args = load_config(None, ["--model.preset", preset]).model_args()
     tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
-    configs = {"meshtrain": meshtrain_config(preset, dtype, False, "auto", batch),
-               "meshtrain+compile": meshtrain_config(preset, dtype, True, "auto", batch)}
+    configs = {
+        "meshtrain": meshtrain_config(preset, dtype, False, "auto", batch),
+        "meshtrain+compile": meshtrain_config(preset, dtype, True, "auto", batch),
+    }
     slowdown = bf16_kernel_slowdown(dtype, dev)
     bf16_kernels = slowdown < EMULATED_BF16
     if dtype == "bf16" and bf16_kernels:
@@ -111,25 +129,37 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     times = {name: [] for name in fns}
     names = list(fns)
     for i in range(rounds):  # each round starts at another variant: no variant always runs after the same one
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             times[name].append(timed(fns[name], steps, dev))
     peak = mfu_peak_tflops(dev, dtype)
     flops = Shape.from_args(args).flops_per_token(seq_len)
-    row = {"preset": preset, "dtype": dtype, "device": dev.type, "threads": torch.get_num_threads(),
-           "batch": batch_size, "seq_len": seq_len, "peak_tflops": peak,
-           "peak_tflops_fp32": device_peak_tflops(dev, torch.float32),
-           "meshtrain_arithmetic": "bf16" if arithmetic_dtype(configs["meshtrain"].training, dev) == torch.bfloat16
-           else "fp32"}
+    row = {
+        "preset": preset,
+        "dtype": dtype,
+        "device": dev.type,
+        "threads": torch.get_num_threads(),
+        "batch": batch_size,
+        "seq_len": seq_len,
+        "peak_tflops": peak,
+        "peak_tflops_fp32": device_peak_tflops(dev, torch.float32),
+        "meshtrain_arithmetic": "bf16"
+        if arithmetic_dtype(configs["meshtrain"].training, dev) == torch.bfloat16
+        else "fp32",
+    }
     if not bf16_kernels:
-        row["skipped"] = (f"bf16 kernels are {slowdown:.0f}x slower than fp32 arithmetic on this CPU (emulated): "
-                          "the variants that run them were not run")
+        row["skipped"] = (
+            f"bf16 kernels are {slowdown:.0f}x slower than fp32 arithmetic on this CPU (emulated): "
+            "the variants that run them were not run"
+        )
     for name, ts in times.items():
         tok_s = batch_size * seq_len / statistics.median(ts)
         row[f"{name}_tokens_per_s"] = tok_s
         row[f"{name}_mfu"] = tok_s * flops / 1e12 / peak if peak else 0.0
     pairs = [(name, base) for name in configs for base in HF if base in times]
-    best = {side: max((n for n in names if n in times), key=lambda n: row[f"{n}_tokens_per_s"], default=None)
-            for side, names in (("meshtrain", MESHTRAIN), ("hf", HF))}
+    best = {
+        side: max((n for n in names if n in times), key=lambda n: row[f"{n}_tokens_per_s"], default=None)
+        for side, names in (("meshtrain", MESHTRAIN), ("hf", HF))
+    }
     if best["hf"]:
         row["best_meshtrain"], row["best_hf"] = best["meshtrain"], best["hf"]
         pairs.append((best["meshtrain"], best["hf"]))
@@ -152,20 +182,38 @@ def table(rows: list[dict]) -> str:
     def cell(r, name, fmt):
         return fmt(r) if f"{name}_tokens_per_s" in r else "-"
 
-    header = ["preset", "dtype (meshtrain arithmetic)", *[f"{n} tok/s (MFU)" for n in VARIANTS],
-              "meshtrain / hf (range over rounds)", "meshtrain+compile / hf+compile",
-              "best meshtrain / best hf", "MFU peak TFLOP/s (fp32)"]
-    lines = [[r["preset"], f"{r['dtype']} ({r['meshtrain_arithmetic']})",
-              *[cell(r, n, lambda r, n=n: f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})") for n in VARIANTS],
-              ratio(r, "meshtrain", "hf"), ratio(r, "meshtrain+compile", "hf+compile"),
-              f"{ratio(r, r.get('best_meshtrain'), r.get('best_hf'))} ({r.get('best_meshtrain', '-')} / "
-              f"{r.get('best_hf', '-')})" if "best_hf" in r else r.get("skipped", "-"),
-              f"{r['peak_tflops']:.3f} ({r['peak_tflops_fp32']:.3f})"] for r in rows]
+    header = [
+        "preset",
+        "dtype (meshtrain arithmetic)",
+        *[f"{n} tok/s (MFU)" for n in VARIANTS],
+        "meshtrain / hf (range over rounds)",
+        "meshtrain+compile / hf+compile",
+        "best meshtrain / best hf",
+        "MFU peak TFLOP/s (fp32)",
+    ]
+    lines = [
+        [
+            r["preset"],
+            f"{r['dtype']} ({r['meshtrain_arithmetic']})",
+            *[cell(r, n, lambda r, n=n: f"{r[f'{n}_tokens_per_s']:,.0f} ({r[f'{n}_mfu']:.0%})") for n in VARIANTS],
+            ratio(r, "meshtrain", "hf"),
+            ratio(r, "meshtrain+compile", "hf+compile"),
+            f"{ratio(r, r.get('best_meshtrain'), r.get('best_hf'))} ({r.get('best_meshtrain', '-')} / "
+            f"{r.get('best_hf', '-')})"
+            if "best_hf" in r
+            else r.get("skipped", "-"),
+            f"{r['peak_tflops']:.3f} ({r['peak_tflops_fp32']:.3f})",
+        ]
+        for r in rows
+    ]
     return markdown(header, lines)
 
 
 def main(a) -> list[dict]:
-    rows = [run(preset, dtype, a.batch, a.seq_len, a.steps, a.rounds)
-            for preset in a.presets.split(",") for dtype in a.dtypes.split(",")]
+    rows = [
+        run(preset, dtype, a.batch, a.seq_len, a.steps, a.rounds)
+        for preset in a.presets.split(",")
+        for dtype in a.dtypes.split(",")
+    ]
     write_results("throughput", rows, table(rows))
     return rows

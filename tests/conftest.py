@@ -13,8 +13,20 @@ import pytest
 from meshtrain.data import prepare, stdlib_sources
 
 # A model small enough that a 2-process run takes seconds on 2 cores.
-SMALL_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-               "--model.ffn_dim", "128", "--model.max_seq_len", "64"]
+SMALL_MODEL = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.ffn_dim",
+    "128",
+    "--model.max_seq_len",
+    "64",
+]
 
 
 @pytest.fixture(scope="session")
@@ -51,15 +63,39 @@ def local_cluster(script: str, timeout: int = 600):
 
 
 def run_cli(args: list[str], env: dict, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def train_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["train", "--data.path", str(corpus), "--data.corpus", "", "--run.dir", str(run_dir), *SMALL_MODEL,
-            "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.micro_batch_size", "4",
-            "--training.steps", "10", "--training.warmup_steps", "2", "--run.log_every", "1",
-            "--run.sample_prompt", "", "--run.tensorboard", "false", *extra]
+    return [
+        "train",
+        "--data.path",
+        str(corpus),
+        "--data.corpus",
+        "",
+        "--run.dir",
+        str(run_dir),
+        *SMALL_MODEL,
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "8",
+        "--training.micro_batch_size",
+        "4",
+        "--training.steps",
+        "10",
+        "--training.warmup_steps",
+        "2",
+        "--run.log_every",
+        "1",
+        "--run.sample_prompt",
+        "",
+        "--run.tensorboard",
+        "false",
+        *extra,
+    ]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -125,11 +125,15 @@ OTHER = {
     "bench ops": (["bench", "comm", "--ops", "all_to_all"], "all_to_all"),
     "bench iters": (["bench", "comm", "--iters", "0"], "--iters"),
     "prepare input": (["data", "prepare", "--input", "/nonexistent/texts", "--out", "/tmp/x"], "/nonexistent/texts"),
-    "prepare fraction": (["data", "prepare", "--input", CONFIG, "--out", "/tmp/x", "--val-fraction", "2"],
-                         "--val-fraction"),
+    "prepare fraction": (
+        ["data", "prepare", "--input", CONFIG, "--out", "/tmp/x", "--val-fraction", "2"],
+        "--val-fraction",
+    ),
     "serve model": (["serve", "/nonexistent/model"], "/nonexistent/model"),
-    "generate temperature": (["generate", "/nonexistent/model", "--prompt", "x", "--temperature", "5"],
-                             "--temperature"),
+    "generate temperature": (
+        ["generate", "/nonexistent/model", "--prompt", "x", "--temperature", "5"],
+        "--temperature",
+    ),
 }
 
 
@@ -138,13 +142,17 @@ def test_other_commands_refuse_bad_input(argv, fragment, capsys):
     assert_one_line(*run_main(argv, capsys), fragment)
 
 
-@pytest.mark.parametrize("env, fragment", [
-    ({"RANK": "0", "WORLD_SIZE": "0"}, "world size 0"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "world size 2 with 0"),
-    ({"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 is outside"),
-    ({"RANK": "0"}, "WORLD_SIZE is missing"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
-], ids=["world zero", "local world zero", "rank outside", "world missing", "rank text"])
+@pytest.mark.parametrize(
+    "env, fragment",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "world size 0"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "world size 2 with 0"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 is outside"),
+        ({"RANK": "0"}, "WORLD_SIZE is missing"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
+    ],
+    ids=["world zero", "local world zero", "rank outside", "world missing", "rank text"],
+)
 def test_bad_launcher_environment(env, fragment, monkeypatch, capsys):
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -16,8 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_memory_suite_measures_the_zero_ratios_and_plots(corpus, tmp_path):
     env = {**os.environ, "MESHTRAIN_BENCH_RESULTS": str(tmp_path)}
     for suite in (["memory", "--memory-preset", "tiny", "--worlds", "2"], ["plots"]):
-        result = subprocess.run([sys.executable, "-m", "bench", *suite, "--data-path", str(corpus)], cwd=ROOT,
-                                env=env, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-m", "bench", *suite, "--data-path", str(corpus)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
     assert [(r["world"], r["zero"]) for r in rows] == [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3)]
@@ -36,9 +42,17 @@ def test_profile_splits_a_step_into_kernels_and_host_time():
 
     from bench.profile import breakdown, category
 
-    assert [category(n) for n in ("aten::mm", "sm90_xmma_gemm_bf16", "aten::_fused_adamw_",
-                                  "## Call CompiledFxGraph abc", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                                  "aten::add_")] == ["matmul", "matmul", "optimizer", "compiled", "attention", "other"]
+    assert [
+        category(n)
+        for n in (
+            "aten::mm",
+            "sm90_xmma_gemm_bf16",
+            "aten::_fused_adamw_",
+            "## Call CompiledFxGraph abc",
+            "aten::_scaled_dot_product_flash_attention_for_cpu",
+            "aten::add_",
+        )
+    ] == ["matmul", "matmul", "optimizer", "compiled", "attention", "other"]
     a = torch.randn(768, 768)
     ms = breakdown(lambda: a @ a, 3, torch.device("cpu"))
     assert ms["matmul"] > 0.8 * ms["wall"] and ms["outside kernels"] < 0.2 * ms["wall"], ms

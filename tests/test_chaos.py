@@ -13,13 +13,27 @@ import time
 
 import pytest
 import torch
-from conftest import alive, children, faulty, read_metrics, run_cli, train_args
 from safetensors.torch import load_file
 
+from conftest import alive, children, faulty, read_metrics, run_cli, train_args
 from meshtrain.checkpoint import MARKER, committed_checkpoints
 
-RUN = ["--model.n_layers", "4", "--training.micro_batch_size", "2", "--training.steps", "48", "--nproc", "2",
-       "--checkpoint.every", "2", "--checkpoint.async", "true", "--checkpoint.keep", "3"]
+RUN = [
+    "--model.n_layers",
+    "4",
+    "--training.micro_batch_size",
+    "2",
+    "--training.steps",
+    "48",
+    "--nproc",
+    "2",
+    "--checkpoint.every",
+    "2",
+    "--checkpoint.async",
+    "true",
+    "--checkpoint.keep",
+    "3",
+]
 FAULTS = ("kill_worker", "kill_during_save", "term_launcher", "corrupt_then_kill")
 
 

@@ -6,12 +6,11 @@ import subprocess
 import sys
 import time
 
-
 import pytest
 import torch
-from conftest import alive, assert_user_error, children, faulty, read_metrics, run_cli, train_args
 from safetensors.torch import load_file
 
+from conftest import alive, assert_user_error, children, faulty, read_metrics, run_cli, train_args
 from meshtrain.checkpoint import MARKER, find_resume, verify
 from meshtrain.errors import CheckpointError
 
@@ -76,8 +75,11 @@ def test_stop_and_resume_is_exact(name, straight, corpus, cli_env, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("target", [[], ["--nproc", "2", "--parallel.tp", "2"], ["--nproc", "2", "--parallel.pp", "2"],
-                                    ["--nproc", "4"]], ids=["single", "tp2", "pp2", "dp4"])
+@pytest.mark.parametrize(
+    "target",
+    [[], ["--nproc", "2", "--parallel.tp", "2"], ["--nproc", "2", "--parallel.pp", "2"], ["--nproc", "4"]],
+    ids=["single", "tp2", "pp2", "dp4"],
+)
 def test_reshard_zero3_checkpoint_onto_other_layouts(target, straight, corpus, cli_env, tmp_path_factory):
     source = tmp_path_factory.mktemp("zero3-source")
     train(corpus, cli_env, source, *LAYOUTS["zero3-2"], "--training.stop_at_step", "6")
@@ -93,14 +95,26 @@ def test_reshard_zero3_checkpoint_onto_other_layouts(target, straight, corpus, c
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("fault, use_async", [("MESHTRAIN_FAIL_AT_STEP", "false"),
-                                              ("MESHTRAIN_FAIL_IN_SAVE_AT_STEP", "true")])
+@pytest.mark.parametrize(
+    "fault, use_async", [("MESHTRAIN_FAIL_AT_STEP", "false"), ("MESHTRAIN_FAIL_IN_SAVE_AT_STEP", "true")]
+)
 def test_crash_recovery_with_elastic_restart(fault, use_async, straight, corpus, cli_env, tmp_path):
     """Rank 1 dies at step 7, or while committing the (async) save of step 10; checkpoints every 5
     steps; the restarted workers resume from the last committed checkpoint and end identical."""
     env = faulty(cli_env, **{fault: "7" if fault == "MESHTRAIN_FAIL_AT_STEP" else "10", "MESHTRAIN_FAIL_RANK": "1"})
-    result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"], "--max-restarts", "1", "--checkpoint.every", "5",
-                   "--checkpoint.async", use_async, env=env)
+    result = train(
+        corpus,
+        cli_env,
+        tmp_path,
+        *LAYOUTS["ddp2"],
+        "--max-restarts",
+        "1",
+        "--checkpoint.every",
+        "5",
+        "--checkpoint.async",
+        use_async,
+        env=env,
+    )
     assert "[fault injection]" in result.stdout
     assert "resumed from" in result.stdout and "step_00000005" in result.stdout
     if fault == "MESHTRAIN_FAIL_IN_SAVE_AT_STEP":
@@ -116,8 +130,9 @@ def test_crash_recovery_with_elastic_restart(fault, use_async, straight, corpus,
 def start_slow_run(corpus, cli_env, run_dir, steps_logged: int = 3) -> subprocess.Popen:
     """`meshtrain train --nproc 2` with 0.5 s steps, once it has logged `steps_logged` steps."""
     args = [sys.executable, "-m", "meshtrain", *train_args(corpus, run_dir, *SCHEDULE, *LAYOUTS["ddp2"])]
-    proc = subprocess.Popen(args, env=faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.5"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        args, env=faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= steps_logged):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -128,10 +143,12 @@ def start_slow_run(corpus, cli_env, run_dir, steps_logged: int = 3) -> subproces
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("sig, code", [(signal.SIGUSR1, 75), (signal.SIGTERM, 75), (signal.SIGINT, 130)],
-                         ids=["usr1", "term", "int"])
-def test_a_signal_to_the_launcher_checkpoints_and_the_next_run_continues(sig, code, straight, corpus, cli_env,
-                                                                        tmp_path):
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGUSR1, 75), (signal.SIGTERM, 75), (signal.SIGINT, 130)], ids=["usr1", "term", "int"]
+)
+def test_a_signal_to_the_launcher_checkpoints_and_the_next_run_continues(
+    sig, code, straight, corpus, cli_env, tmp_path
+):
     """What Slurm does at preemption (SIGTERM or --signal=USR1 to the launcher) and Ctrl-C (SIGINT):
     the workers finish their step, checkpoint and stop; one line, no traceback; the rerun continues
     exactly."""
@@ -170,11 +187,16 @@ def saved(corpus, cli_env, tmp_path_factory):
 
 def test_corrupt_checkpoints_are_named(saved, tmp_path):
     import shutil
+
     good = saved / "step_00000008"
     assert verify(good)["step"] == 8
-    for damage, fragment in [("truncate", "__1_0.distcp is"), ("remove", "missing __0_0.distcp"),
-                             ("metadata", ".metadata does not match"), ("flip", "__1_0.distcp does not match"),
-                             ("marker", "never committed")]:
+    for damage, fragment in [
+        ("truncate", "__1_0.distcp is"),
+        ("remove", "missing __0_0.distcp"),
+        ("metadata", ".metadata does not match"),
+        ("flip", "__1_0.distcp does not match"),
+        ("marker", "never committed"),
+    ]:
         bad = tmp_path / damage / "step_00000008"
         shutil.copytree(good, bad)
         if damage == "truncate":
@@ -183,7 +205,7 @@ def test_corrupt_checkpoints_are_named(saved, tmp_path):
             (bad / "__0_0.distcp").unlink()
         elif damage == "flip":  # random bytes inside a shard, same size
             data = bytearray((bad / "__1_0.distcp").read_bytes())
-            data[len(data) // 2: len(data) // 2 + 8] = bytes(range(8))
+            data[len(data) // 2 : len(data) // 2 + 8] = bytes(range(8))
             (bad / "__1_0.distcp").write_bytes(bytes(data))
         elif damage == "metadata":
             data = bytearray((bad / ".metadata").read_bytes())
@@ -197,6 +219,7 @@ def test_corrupt_checkpoints_are_named(saved, tmp_path):
 
 def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
     import shutil
+
     root = tmp_path / "checkpoints"
     shutil.copytree(saved, root)
     shutil.copytree(root / "step_00000008", root / "step_00000012")
@@ -217,15 +240,35 @@ def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
 
 
 def test_resume_into_a_different_model_is_a_clear_error(saved, corpus, cli_env, tmp_path):
-    result = train(corpus, cli_env, tmp_path, "--checkpoint.resume", str(saved / "step_00000008"),
-                   "--model.n_layers", "3", check=False)
+    result = train(
+        corpus,
+        cli_env,
+        tmp_path,
+        "--checkpoint.resume",
+        str(saved / "step_00000008"),
+        "--model.n_layers",
+        "3",
+        check=False,
+    )
     assert_user_error(result, "different model", "n_layers 4 -> 3")
 
 
 @pytest.mark.parametrize("mode", ["skip", "stop"])
 def test_nonfinite_loss_is_skipped_or_stops(mode, corpus, cli_env, tmp_path):
-    result = train(corpus, cli_env, tmp_path, "--training.lr", "1e30", "--training.warmup_steps", "0",
-                   "--training.grad_clip", "0", "--training.on_nonfinite", mode, check=False)
+    result = train(
+        corpus,
+        cli_env,
+        tmp_path,
+        "--training.lr",
+        "1e30",
+        "--training.warmup_steps",
+        "0",
+        "--training.grad_clip",
+        "0",
+        "--training.on_nonfinite",
+        mode,
+        check=False,
+    )
     if mode == "stop":
         assert_user_error(result, "not finite", "training.on_nonfinite")
     else:
@@ -245,8 +288,16 @@ def test_time_limit_checkpoints_before_the_budget_runs_out(straight, corpus, cli
 
 @pytest.mark.multiproc
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous(corpus, cli_env, tmp_path):
-    result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"], "--checkpoint.every", "4",
-                   env=faulty(cli_env, MESHTRAIN_ENOSPC_AT_STEP="8"), check=False)
+    result = train(
+        corpus,
+        cli_env,
+        tmp_path,
+        *LAYOUTS["ddp2"],
+        "--checkpoint.every",
+        "4",
+        env=faulty(cli_env, MESHTRAIN_ENOSPC_AT_STEP="8"),
+        check=False,
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and all("No space left on device" in e and "step 8" in e for e in errors), result.stderr[-3000:]
@@ -264,8 +315,16 @@ def test_no_room_for_a_checkpoint_is_refused_before_writing(corpus, cli_env, tmp
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
     try:
-        result = train(corpus, cli_env, tmp_path / "run", "--checkpoint.every", "4", "--checkpoint.dir",
-                       str(small / "ckpt"), check=False)
+        result = train(
+            corpus,
+            cli_env,
+            tmp_path / "run",
+            "--checkpoint.every",
+            "4",
+            "--checkpoint.dir",
+            str(small / "ckpt"),
+            check=False,
+        )
         assert_user_error(result, "no room for the checkpoint of step 4", "GB are free")
         assert not list((small / "ckpt").iterdir())
     finally:

@@ -43,8 +43,12 @@ def one_line_error(argv, capsys) -> str:
 @pytest.mark.parametrize("name", list(SUBCOMMANDS))
 def test_every_abbreviated_flag_is_refused(name, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    flags = [s for a in subparser(name)._actions for s in a.option_strings
-             if s.startswith("--") and len(s) > 4 and s != "--help"]
+    flags = [
+        s
+        for a in subparser(name)._actions
+        for s in a.option_strings
+        if s.startswith("--") and len(s) > 4 and s != "--help"
+    ]
     assert flags
     for flag in flags:
         abbreviated = flag[:-1]
@@ -66,37 +70,54 @@ def test_flags_with_one_meaning_everywhere():
             if "--device" in action.option_strings:
                 assert "--launch.device" in action.option_strings, name
     plan = {s for a in subparser("plan")._actions for s in a.option_strings}
-    assert {"--training.micro_batch_size", "--training.activation_checkpointing", "--model.n_layers", "--model.dim",
-            "--parallel.tp", "--parallel.pp_virtual_stages", "--training.seq_len"} <= plan
+    assert {
+        "--training.micro_batch_size",
+        "--training.activation_checkpointing",
+        "--model.n_layers",
+        "--model.dim",
+        "--parallel.tp",
+        "--parallel.pp_virtual_stages",
+        "--training.seq_len",
+    } <= plan
     assert "--launch.env" in {s for a in subparser("env")._actions for s in a.option_strings}
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["jobscript", "slurm", "--config", "configs/tiny.toml", "--gpus", "16", "--nodes", "2"], "--gpus"),
-    (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--gpus", "0"], "--gpus: 0 must be at least 1"),
-    (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--seq-len", "0"], "0 must be at least 1"),
-    (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--config", "configs/tiny.toml"], "not allowed with"),
-    (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--efficiency", "0"], "--efficiency"),
-    (["train", "--nnodes", "2"], "--nnodes"),
-    (["train", "--max-restarts", "3"], "add --nproc"),
-    (["train", "--nproc", "0"], "--nproc: 0 must be at least 1"),
-    (["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "2"], "below --nnodes"),
-    (["jobscript", "slurm", "--config", "configs/tiny.toml", "--nodes", "0"], "--nodes: 0"),
-    (["export", "runs/x", "--out", "o", "--max-shard-size", "5XB"], "is not a size"),
-    (["bench", "comm", "--max-bytes", "0"], "must be positive"),
-    (["serve", "runs/x", "--port", "99999"], "--port: 99999 must be between 1 and 65535"),
-    (["serve", "runs/x", "--max-batch", "0"], "--max-batch"),
-    (["generate", "runs/x", "--prompt", "x", "--seed", str(2**64)], "--seed"),
-    (["generate", "runs/x", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
-    (["data", "prepare", "--input", "x", "--out", "o", "--dtype", "uint16"], "--dtype"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["jobscript", "slurm", "--config", "configs/tiny.toml", "--gpus", "16", "--nodes", "2"], "--gpus"),
+        (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--gpus", "0"], "--gpus: 0 must be at least 1"),
+        (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--seq-len", "0"], "0 must be at least 1"),
+        (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--config", "configs/tiny.toml"], "not allowed with"),
+        (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--efficiency", "0"], "--efficiency"),
+        (["train", "--nnodes", "2"], "--nnodes"),
+        (["train", "--max-restarts", "3"], "add --nproc"),
+        (["train", "--nproc", "0"], "--nproc: 0 must be at least 1"),
+        (["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "2"], "below --nnodes"),
+        (["jobscript", "slurm", "--config", "configs/tiny.toml", "--nodes", "0"], "--nodes: 0"),
+        (["export", "runs/x", "--out", "o", "--max-shard-size", "5XB"], "is not a size"),
+        (["bench", "comm", "--max-bytes", "0"], "must be positive"),
+        (["serve", "runs/x", "--port", "99999"], "--port: 99999 must be between 1 and 65535"),
+        (["serve", "runs/x", "--max-batch", "0"], "--max-batch"),
+        (["generate", "runs/x", "--prompt", "x", "--seed", str(2**64)], "--seed"),
+        (["generate", "runs/x", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+        (["data", "prepare", "--input", "x", "--out", "o", "--dtype", "uint16"], "--dtype"),
+    ],
+)
 def test_refused_in_one_line(argv, fragment, capsys):
     assert fragment in one_line_error(argv, capsys)
 
 
 def test_one_size_grammar():
     assert [parse_size(s) for s in ("4096", "1K", "64M", "64MB", "64MiB", "1.5G", "5GB")] == [
-        4096, 1024, 64 * 2**20, 64 * 2**20, 64 * 2**20, 3 * 2**29, 5 * 2**30]
+        4096,
+        1024,
+        64 * 2**20,
+        64 * 2**20,
+        64 * 2**20,
+        3 * 2**29,
+        5 * 2**30,
+    ]
     for bad in ("0", "-1", "5XB", "lots", ""):
         with pytest.raises(ValueError):
             parse_size(bad)

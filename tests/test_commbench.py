@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import assert_user_error, run_cli
 
+from conftest import assert_user_error, run_cli
 from meshtrain.commbench import BUS_FACTOR, sizes_between
 from meshtrain.config import parse_size
 
@@ -18,8 +18,10 @@ def test_sizes():
 @pytest.mark.multiproc
 def test_comm_bench_over_two_processes(cli_env, tmp_path):
     out = tmp_path / "comm.json"
-    result = run_cli(["bench", "comm", "--nproc", "2", "--min-bytes", "4K", "--max-bytes", "1M", "--iters", "3",
-                      "--out", str(out)], cli_env)
+    result = run_cli(
+        ["bench", "comm", "--nproc", "2", "--min-bytes", "4K", "--max-bytes", "1M", "--iters", "3", "--out", str(out)],
+        cli_env,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert {r["op"] for r in rows} == set(BUS_FACTOR) and {r["world_size"] for r in rows} == {2}

@@ -8,8 +8,9 @@ from meshtrain.train import check_training
 def test_defaults_and_overrides(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[training]\nsteps = 7\nlr = 1\n[model]\npreset = "small"\n')
-    cfg = load_config(path, ["--training.steps", "9", "--run.dir=x/y", "--model.tie_embeddings", "true",
-                             "--model.dim", "none"])
+    cfg = load_config(
+        path, ["--training.steps", "9", "--run.dir=x/y", "--model.tie_embeddings", "true", "--model.dim", "none"]
+    )
     assert cfg.training.steps == 9 and cfg.training.lr == 1.0 and isinstance(cfg.training.lr, float)
     assert cfg.run.dir == "x/y" and cfg.model.tie_embeddings is True and cfg.model.preset == "small"
     assert cfg.model_args().dim == 640  # "none" keeps the preset's value
@@ -96,19 +97,23 @@ def test_every_key_is_documented_and_listed_in_train_help():
 
     keys = config_keys()
     assert len(keys) > 50 and all(doc for _, _, _, doc in keys), [k for k, _, _, d in keys if not d]
-    help_text = subprocess.run([sys.executable, "-m", "meshtrain", "train", "--help"], capture_output=True,
-                               text=True, check=True).stdout
-    for key, _, default, _ in keys:
+    help_text = subprocess.run(
+        [sys.executable, "-m", "meshtrain", "train", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for key, _, _, _ in keys:
         assert f"--{key} " in help_text, key
     assert "Optimizer steps of the schedule. (default: 100)" in " ".join(help_text.split())
 
 
-@pytest.mark.parametrize("override, fragment", [
-    (["--training.lr", "nan"], "finite"),
-    (["--training.beta1", "1.5"], "training.beta1"),
-    (["--training.beta2", "-0.1"], "training.beta2"),
-    (["--training.peak_tflops", "-1"], "training.peak_tflops"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (["--training.lr", "nan"], "finite"),
+        (["--training.beta1", "1.5"], "training.beta1"),
+        (["--training.beta2", "-0.1"], "training.beta2"),
+        (["--training.peak_tflops", "-1"], "training.peak_tflops"),
+    ],
+)
 def test_out_of_range_values_are_named(override, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, override)

@@ -5,9 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import assert_user_error, run_cli
 from tokenizers import Tokenizer
 
+from conftest import assert_user_error, run_cli
 from meshtrain.data import Dataset, DistributedLoader, TokenWindows, prepare
 from meshtrain.errors import DataError
 
@@ -32,8 +32,9 @@ def test_split_is_by_document_and_deterministic(tmp_path):
     for i in range(40):
         (tmp_path / f"{i}.txt").write_text(f"document {i}\n" + TEXT[: 50 + i])
     a = prepare([tmp_path], tmp_path / "a", vocab_size=300, val_fraction=0.2, progress=False)
-    b = prepare(sorted(tmp_path.glob("*.txt"), reverse=True), tmp_path / "b", vocab_size=300, val_fraction=0.2,
-                progress=False)
+    b = prepare(
+        sorted(tmp_path.glob("*.txt"), reverse=True), tmp_path / "b", vocab_size=300, val_fraction=0.2, progress=False
+    )
     assert a["documents"]["val"] > 0 and a["documents"]["train"] > 0
     assert a["documents"] == b["documents"] and a["val_tokens"] == b["val_tokens"]
 
@@ -41,8 +42,13 @@ def test_split_is_by_document_and_deterministic(tmp_path):
 def test_prepare_with_an_existing_tokenizer_and_uint32(tmp_path):
     (tmp_path / "a.txt").write_text(TEXT)
     prepare([tmp_path / "a.txt"], tmp_path / "first", vocab_size=280, progress=False)
-    m = prepare([tmp_path / "a.txt"], tmp_path / "second", tokenizer=tmp_path / "first" / "tokenizer.json",
-                dtype="uint32", progress=False)
+    m = prepare(
+        [tmp_path / "a.txt"],
+        tmp_path / "second",
+        tokenizer=tmp_path / "first" / "tokenizer.json",
+        dtype="uint32",
+        progress=False,
+    )
     assert m["tokenizer_sha256"] == json.loads((tmp_path / "first" / "manifest.json").read_text())["tokenizer_sha256"]
     assert (tmp_path / "second" / "train.bin").stat().st_size == 4 * m["train_tokens"]
 
@@ -56,13 +62,16 @@ def test_replacing_a_dataset_keeps_the_old_one_until_the_new_one_is_complete(tmp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.parametrize("case, fragments", [
-    ("missing", ["nope.txt", "does not exist"]),
-    ("empty", ["holds no text"]),
-    ("binary", ["bad.txt", "not valid UTF-8", "byte offset 6"]),
-    ("jsonl", ["x.jsonl:2", '"text"']),
-    ("vocab", ["70000 tokens", "uint16", "uint32"]),
-])
+@pytest.mark.parametrize(
+    "case, fragments",
+    [
+        ("missing", ["nope.txt", "does not exist"]),
+        ("empty", ["holds no text"]),
+        ("binary", ["bad.txt", "not valid UTF-8", "byte offset 6"]),
+        ("jsonl", ["x.jsonl:2", '"text"']),
+        ("vocab", ["70000 tokens", "uint16", "uint32"]),
+    ],
+)
 def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
     args = ["data", "prepare", "--out", str(tmp_path / "out")]
     if case == "missing":
@@ -79,9 +88,17 @@ def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
     else:
         from tokenizers import Tokenizer as T
         from tokenizers.models import WordLevel
+
         T(WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0")).save(str(tmp_path / "big.json"))
         (tmp_path / "a.txt").write_text("w1 w2")
-        args += ["--input", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "big.json"), "--token-dtype", "uint16"]
+        args += [
+            "--input",
+            str(tmp_path / "a.txt"),
+            "--tokenizer",
+            str(tmp_path / "big.json"),
+            "--token-dtype",
+            "uint16",
+        ]
     assert_user_error(run_cli(args, cli_env), *fragments)
     assert not (tmp_path / "out").exists()
 

@@ -8,8 +8,15 @@ import pytest
 from meshtrain.files import WriteError, atomic_directory, ensure_room, write_text
 
 
-@pytest.mark.parametrize("err, fix", [(errno.ENOSPC, "free some space"), (errno.EROFS, "read-only"),
-                                      (errno.EDQUOT, "quota"), (errno.EACCES, "permission")])
+@pytest.mark.parametrize(
+    "err, fix",
+    [
+        (errno.ENOSPC, "free some space"),
+        (errno.EROFS, "read-only"),
+        (errno.EDQUOT, "quota"),
+        (errno.EACCES, "permission"),
+    ],
+)
 def test_a_failed_write_keeps_the_old_file_and_names_path_cause_and_fix(err, fix, tmp_path, monkeypatch):
     path = tmp_path / "config.toml"
     write_text(path, "old")

@@ -7,10 +7,13 @@ curve; the exported model gives transformers' logits."""
 
 import pytest
 import torch
+
 from conftest import read_metrics, run_cli, train_args
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (`gpu` marker)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (`gpu` marker)"),
+]
 
 GPU = ["--launch.device", "cuda", "--training.dtype", "bf16", "--training.steps", "12"]
 VARIANTS = {

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_user_error, read_metrics, run_cli, train_args
 
+from conftest import assert_user_error, read_metrics, run_cli, train_args
 from meshtrain.interop import export_hf, hf_model_args, load_hf_weights
 from meshtrain.interop.hf import load_full_model
 from meshtrain.model import Llama
@@ -19,8 +19,9 @@ MODEL = ["--model.n_layers", "2", "--model.vocab_multiple", "96"]
 @pytest.fixture(scope="module")
 def trained(corpus, cli_env, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("hf-run")
-    result = run_cli(train_args(corpus, run_dir, *MODEL, "--nproc", "2", "--parallel.zero", "3",
-                                "--checkpoint.every", "10"), cli_env)
+    result = run_cli(
+        train_args(corpus, run_dir, *MODEL, "--nproc", "2", "--parallel.zero", "3", "--checkpoint.every", "10"), cli_env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path_factory.mktemp("hf") / "export"
     result = run_cli(["export", str(run_dir), "--out", str(out)], cli_env)
@@ -58,12 +59,14 @@ def test_transformers_gives_the_same_logits_and_greedy_tokens(trained):
     prompt = tokens[0, :8].tolist()
     greedy = generate(ours, prompt, 12, temperature=0)
     with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
+        hf_out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, 8:].tolist()
     assert greedy == hf_out
 
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     from tokenizers import Tokenizer
+
     text = "def f(x):\n    return x + 1\n"
     assert tok(text)["input_ids"] == Tokenizer.from_file(str(run_dir / "tokenizer.json")).encode(text).ids
 
@@ -76,6 +79,7 @@ def test_export_from_checkpoint_equals_export_from_final_weights(trained, tmp_pa
         shutil.copy(run_dir / name, final_only / name)
     other = export_hf(final_only, tmp_path / "export")
     from safetensors.torch import load_file
+
     a, b = load_file(out / "model.safetensors"), load_file(other / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -110,8 +114,23 @@ def test_import_gives_identical_logits(trained):
 
 def test_training_continues_from_a_hf_directory(trained, corpus, cli_env, tmp_path):
     run_dir, out = trained
-    result = run_cli(train_args(corpus, tmp_path, "--model.init_from", f"hf:{out}", "--nproc", "2",
-                                "--parallel.tp", "2", "--parallel.zero", "3", "--training.steps", "2"), cli_env)
+    result = run_cli(
+        train_args(
+            corpus,
+            tmp_path,
+            "--model.init_from",
+            f"hf:{out}",
+            "--nproc",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--parallel.zero",
+            "3",
+            "--training.steps",
+            "2",
+        ),
+        cli_env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "initialised from hf:" in result.stdout
     trained_loss = read_metrics(run_dir)[-1]["loss"]
@@ -124,6 +143,7 @@ def test_broken_hf_directories_are_clear_errors(trained, corpus, cli_env, tmp_pa
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
     from safetensors.torch import load_file, save_file
+
     weights = load_file(broken / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, broken / "model.safetensors")

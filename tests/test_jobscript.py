@@ -7,15 +7,27 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import assert_user_error, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"
 COMMON = ["--config", "configs/tiny.toml", "--nodes", "2", "--time", "02:00:00", "--account", "proj42"]
 CASES = {
     "slurm": ["slurm", *COMMON, "--gpus-per-node", "8", "--partition", "gpu", "--module", "cuda/12.4"],
-    "slurm-agent-container": ["slurm", *COMMON, "--gpus-per-node", "8", "--mode", "agent-per-node",
-                              "--container-image", "nvcr.io#nvidia/pytorch:25.01-py3",
-                              "--container-mounts", "/fsx:/fsx", "--container-workdir", "/fsx/meshtrain"],
+    "slurm-agent-container": [
+        "slurm",
+        *COMMON,
+        "--gpus-per-node",
+        "8",
+        "--mode",
+        "agent-per-node",
+        "--container-image",
+        "nvcr.io#nvidia/pytorch:25.01-py3",
+        "--container-mounts",
+        "/fsx:/fsx",
+        "--container-workdir",
+        "/fsx/meshtrain",
+    ],
     "slurm-cpu": ["slurm", *COMMON, "--procs-per-node", "2"],
     "sge": ["sge", *COMMON, "--gpus-per-node", "4", "--module", "cuda/12.4", "--module", "nccl/2.21"],
     "pbs": ["pbs", *COMMON, "--gpus-per-node", "4", "--partition", "workq"],
@@ -28,8 +40,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_jobscript_matches_golden_and_lints(case, cli_env, tmp_path):
     out = tmp_path / "job"
-    result = run_cli(["jobscript", *CASES[case], "--out", str(out), "--", "--training.steps", "5"], cli_env,
-                     cwd=Path(__file__).parents[1])
+    result = run_cli(
+        ["jobscript", *CASES[case], "--out", str(out), "--", "--training.steps", "5"],
+        cli_env,
+        cwd=Path(__file__).parents[1],
+    )
     assert result.returncode == 0, result.stderr
     files = {p.name.removeprefix("job"): p.read_text() for p in tmp_path.iterdir() if p.is_file()}
     # Slurm and SGE open the log before the script runs: the directory must exist already.
@@ -46,15 +61,22 @@ def test_jobscript_matches_golden_and_lints(case, cli_env, tmp_path):
                 if os.environ.get("CI"):
                     pytest.fail("shellcheck is missing on CI: `make test` installs it")
                 continue
-            lint = subprocess.run(["shellcheck", "-s", "bash", str(tmp_path / f"job{suffix}")], capture_output=True,
-                                  text=True)
+            lint = subprocess.run(
+                ["shellcheck", "-s", "bash", str(tmp_path / f"job{suffix}")], capture_output=True, text=True
+            )
             assert lint.returncode == 0, lint.stdout
 
 
 def test_slurm_script_has_the_preemption_and_rank_settings(cli_env):
     text = run_cli(["jobscript", *CASES["slurm"]], cli_env).stdout
-    for line in ("#SBATCH --signal=USR1@90", "#SBATCH --requeue", "#SBATCH --ntasks-per-node=8",
-                 "#SBATCH --gpus-per-node=8", "#SBATCH --output=logs/%x.%j.log", "srun --kill-on-bad-exit=1"):
+    for line in (
+        "#SBATCH --signal=USR1@90",
+        "#SBATCH --requeue",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --output=logs/%x.%j.log",
+        "srun --kill-on-bad-exit=1",
+    ):
         assert line in text
     agent = run_cli(["jobscript", *CASES["slurm-agent-container"]], cli_env).stdout
     assert "--ntasks-per-node=1" in agent and "--nproc 8" in agent and "--container-image=" in agent

@@ -8,23 +8,60 @@ from meshtrain.launch.env import detect, port_from_job_id
 from meshtrain.launch.local import rendezvous_args
 
 SLURM_TASK = {  # srun task 1 of 2 inside sbatch job 7
-    "SLURM_JOB_ID": "7", "SLURM_JOBID": "7", "SLURM_JOB_NODELIST": "vm", "SLURM_STEP_NODELIST": "vm",
-    "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
-    "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
-    "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NNODES": "1",
+    "SLURM_JOB_ID": "7",
+    "SLURM_JOBID": "7",
+    "SLURM_JOB_NODELIST": "vm",
+    "SLURM_STEP_NODELIST": "vm",
+    "SLURM_NTASKS": "2",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_NNODES": "1",
 }
-SLURM_BATCH_STEP = {k: v for k, v in SLURM_TASK.items() if "STEP" not in k} | {"SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-OPENMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1",
-           "OMPI_MCA_ess_base_jobid": "1978859521"}
+SLURM_BATCH_STEP = {k: v for k, v in SLURM_TASK.items() if "STEP" not in k} | {
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+}
+OPENMPI = {
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "OMPI_COMM_WORLD_NODE_RANK": "1",
+    "OMPI_MCA_ess_base_jobid": "1978859521",
+}
 MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "8"}
 
 
 def test_torchrun():
-    env = detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-                  "MASTER_ADDR": "node7", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"})
-    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
-            env.master_addr, env.master_port, env.job_id) == ("torchrun", 3, 4, 1, 2, 1, "node7", 29400, "abc")
+    env = detect(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "node7",
+            "MASTER_PORT": "29400",
+            "TORCHELASTIC_RUN_ID": "abc",
+        }
+    )
+    assert (
+        env.launcher,
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.local_world_size,
+        env.node_rank,
+        env.master_addr,
+        env.master_port,
+        env.job_id,
+    ) == ("torchrun", 3, 4, 1, 2, 1, "node7", 29400, "abc")
 
 
 def test_rank_without_world_size_is_an_error():
@@ -44,9 +81,18 @@ def test_slurm_batch_step_is_not_rank_0_of_2():
 
 
 def test_slurm_multi_node_hostlist_and_tasks_per_node():
-    env = detect(SLURM_TASK | {"SLURM_STEP_NODELIST": "gpu[012-013,020]", "SLURM_JOB_NODELIST": "gpu[012-013,020]",
-                               "SLURM_STEP_NUM_TASKS": "12", "SLURM_STEP_TASKS_PER_NODE": "4(x3)",
-                               "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "2"})
+    env = detect(
+        SLURM_TASK
+        | {
+            "SLURM_STEP_NODELIST": "gpu[012-013,020]",
+            "SLURM_JOB_NODELIST": "gpu[012-013,020]",
+            "SLURM_STEP_NUM_TASKS": "12",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x3)",
+            "SLURM_PROCID": "9",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "2",
+        }
+    )
     assert (env.master_addr, env.node_rank, env.local_world_size, env.world_size) == ("gpu012", 2, 4, 12)
 
 
@@ -99,4 +145,12 @@ def test_rendezvous_options():
     assert static == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.1.1", "--master-port", "29400"]
     per_node_task = SLURM_TASK | {"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "n[1-2]"}
     assert rendezvous_args(None, None, None, None, per_node_task) == [
-        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:15007", "--rdzv-id", "7"]
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "n1:15007",
+        "--rdzv-id",
+        "7",
+    ]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import faulty, read_metrics, run_cli, train_args
 
 ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe"] if os.geteuid() == 0 else ["--oversubscribe"]
@@ -36,7 +37,10 @@ def same_run(reference, run_dir):
     got = read_metrics(run_dir)
     assert len(got) == len(reference)
     for r, g in zip(reference, got, strict=True):
-        assert abs(g["loss"] - r["loss"]) <= 1e-5 * r["loss"] and abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * r["grad_norm"]
+        assert (
+            abs(g["loss"] - r["loss"]) <= 1e-5 * r["loss"]
+            and abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * r["grad_norm"]
+        )
 
 
 @pytest.mark.multiproc
@@ -47,8 +51,13 @@ def test_mpi_launchers_train_like_one_process(name, reference, corpus, cli_env, 
     cmd = [*LAUNCHERS[name], sys.executable, "-m", "meshtrain"]
     # Each write to stdout is followed by a pause, so the other rank's output lands between two
     # writes of one rank: a line must go out in one write to arrive whole.
-    out = subprocess.run([*cmd, "env", "--json", "--all-ranks"], env=faulty(env, MESHTRAIN_STDOUT_PAUSE="0.3"),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*cmd, "env", "--json", "--all-ranks"],
+        env=faulty(env, MESHTRAIN_STDOUT_PAUSE="0.3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ranks = sorted(json.loads(line)["rank"] for line in out.stdout.splitlines() if line.startswith("{"))
     assert ranks == [0, 1], out.stdout + out.stderr
     assert all(json.loads(line)["launcher"] == name for line in out.stdout.splitlines() if line.startswith("{"))
@@ -62,11 +71,28 @@ def test_mpi_launchers_train_like_one_process(name, reference, corpus, cli_env, 
 def test_two_nodes_simulated_with_two_agents(reference, corpus, cli_env, tmp_path):
     """Two `meshtrain train --nnodes 2 --node-rank K` agents on 127.0.0.1, 2 workers each: world 4."""
     port = "29611"
-    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path), "--training.micro_batch_size", "2",
-            "--nproc", "2", "--nnodes", "2",
-            "--master-addr", "127.0.0.1", "--master-port", port]
-    procs = [subprocess.Popen([*args, "--node-rank", str(k)], env=cli_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    args = [
+        sys.executable,
+        "-m",
+        "meshtrain",
+        *train_args(corpus, tmp_path),
+        "--training.micro_batch_size",
+        "2",
+        "--nproc",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
+    procs = [
+        subprocess.Popen(
+            [*args, "--node-rank", str(k)], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for k in (0, 1)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-2000:] + err[-3000:]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from meshtrain.model import PRESETS, Llama, ModelArgs, num_params
-from meshtrain.plan.shapes import Shape
 from meshtrain.model.llama import apply_rope, precompute_rope
+from meshtrain.plan.shapes import Shape
 
 ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=32)
 
@@ -19,10 +19,18 @@ def make(args=ARGS, seed=0):
     return model
 
 
-@pytest.mark.parametrize("name, low, high", [
-    ("tiny", 5e6, 10e6), ("small", 45e6, 55e6), ("gpt2-124m", 120e6, 128e6), ("gpt2-345m", 340e6, 370e6),
-    ("llama3-8b", 8.00e9, 8.06e9), ("llama3-70b", 70.4e9, 70.7e9), ("llama3-405b", 405e9, 406.5e9),
-])
+@pytest.mark.parametrize(
+    "name, low, high",
+    [
+        ("tiny", 5e6, 10e6),
+        ("small", 45e6, 55e6),
+        ("gpt2-124m", 120e6, 128e6),
+        ("gpt2-345m", 340e6, 370e6),
+        ("llama3-8b", 8.00e9, 8.06e9),
+        ("llama3-70b", 70.4e9, 70.7e9),
+        ("llama3-405b", 405e9, 406.5e9),
+    ],
+)
 def test_preset_sizes(name, low, high):
     with torch.device("meta"):
         model = Llama(PRESETS[name])
@@ -66,8 +74,10 @@ def test_tied_embeddings_share_one_tensor():
 def test_rope_is_a_rotation_that_encodes_relative_position():
     cos, sin = precompute_rope(16, 32, 10000.0)
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
     def rot(x, pos):
         return apply_rope(x.expand(1, 32, 1, 16), cos, sin)[:, pos]
+
     torch.testing.assert_close(rot(q, 5).norm(), q.norm())
     # <R_m q, R_n k> depends on m - n only
     torch.testing.assert_close((rot(q, 7) * rot(k, 3)).sum(), (rot(q, 14) * rot(k, 10)).sum(), rtol=1e-4, atol=1e-5)
@@ -77,11 +87,16 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
     gqa = make()
     mha_args = dataclasses.replace(ARGS, n_kv_heads=ARGS.n_heads)
     mha = make(mha_args)
-    mha.load_state_dict({
-        k: (v.view(ARGS.n_kv_heads, -1, ARGS.dim).repeat_interleave(2, 0).reshape(-1, ARGS.dim)
-            if k.endswith(("wk.weight", "wv.weight")) else v)
-        for k, v in gqa.state_dict().items()
-    })
+    mha.load_state_dict(
+        {
+            k: (
+                v.view(ARGS.n_kv_heads, -1, ARGS.dim).repeat_interleave(2, 0).reshape(-1, ARGS.dim)
+                if k.endswith(("wk.weight", "wv.weight"))
+                else v
+            )
+            for k, v in gqa.state_dict().items()
+        }
+    )
     tokens = torch.randint(0, ARGS.vocab_size, (2, 12))
     torch.testing.assert_close(gqa(tokens), mha(tokens))
 

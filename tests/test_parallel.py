@@ -3,9 +3,9 @@ single-process per-step loss and gradient norm (fp32, rel. diff <= 1e-4) and the
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli, train_args
 from safetensors.torch import load_file
 
+from conftest import read_metrics, run_cli, train_args
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.train import check_training
@@ -25,12 +25,21 @@ LAYOUTS = {
     "zero3-4": (4, ["--parallel.zero", "3"]),
     "hsdp-2x2": (4, ["--parallel.zero", "3", "--parallel.dp_replicate", "2"]),
     "tp2-sp-lp": (2, ["--parallel.tp", "2"]),
-    "tp2-plain": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "false", "--parallel.loss_parallel", "false"]),
+    "tp2-plain": (
+        2,
+        ["--parallel.tp", "2", "--parallel.sequence_parallel", "false", "--parallel.loss_parallel", "false"],
+    ),
     "tp2-sp-ac": (2, ["--parallel.tp", "2", "--parallel.loss_parallel", "false", *AC_FULL]),
     "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe"]),
     "pp2-1f1b-ac": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", *AC_FULL]),
-    "pp2-interleaved": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b", "--parallel.pp_virtual_stages", "2"]),
-    "pp2-zero-bubble": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zero_bubble", "--parallel.pp_virtual_stages", "2"]),
+    "pp2-interleaved": (
+        2,
+        ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b", "--parallel.pp_virtual_stages", "2"],
+    ),
+    "pp2-zero-bubble": (
+        2,
+        ["--parallel.pp", "2", "--parallel.pp_schedule", "zero_bubble", "--parallel.pp_virtual_stages", "2"],
+    ),
     "pp2-zbv": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zbv", "--parallel.pp_virtual_stages", "2"]),
     "fsdp2-tp2": (4, ["--parallel.zero", "3", "--parallel.tp", "2"]),
     "pp2-fsdp2": (4, ["--parallel.pp", "2", "--parallel.zero", "3"]),
@@ -110,10 +119,15 @@ def test_model_state_bytes_follow_the_zero_formulas(reference, layout_run):
     (FSDP2 keeps ZeRO-2's gathered parameters only between forward and backward; at rest, when
     this is measured, they are sharded too.)"""
     import json
+
     params = sum(t.numel() * 4 for t in load_file(reference / "model.safetensors").values())
     full = {"params": params, "grads": params, "optimizer": 2 * params}  # AdamW: exp_avg, exp_avg_sq
-    sharded = {"ddp2": (), "zero1-2": ("optimizer",), "zero2-2-ac-selective": ("optimizer", "grads", "params"),
-               "zero3-2": ("optimizer", "grads", "params")}
+    sharded = {
+        "ddp2": (),
+        "zero1-2": ("optimizer",),
+        "zero2-2-ac-selective": ("optimizer", "grads", "params"),
+        "zero3-2": ("optimizer", "grads", "params"),
+    }
     for name, keys in sharded.items():
         ranks = json.loads((layout_run(name)[0] / "memory.json").read_text())
         assert len(ranks) == 2
@@ -126,15 +140,25 @@ def test_model_state_bytes_follow_the_zero_formulas(reference, layout_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("nproc, extra", [
-    (None, ["--training.bf16_compute", "bf16"]),
-    (None, ["--training.bf16_compute", "fp32"]),
-    (None, ["--training.bf16_compute", "fp32", "--training.compile", "true"]),
-    (2, ["--parallel.zero", "3", "--training.bf16_compute", "bf16"]),
-    (2, ["--parallel.zero", "3", "--training.bf16_compute", "fp32"]),
-    (2, ["--parallel.tp", "2", "--training.bf16_compute", "fp32"]),
-], ids=["autocast", "autocast-fp32-arithmetic", "compiled-fp32-arithmetic", "fsdp-mixed", "fsdp-mixed-fp32-arithmetic",
-        "tp2-fp32-arithmetic"])
+@pytest.mark.parametrize(
+    "nproc, extra",
+    [
+        (None, ["--training.bf16_compute", "bf16"]),
+        (None, ["--training.bf16_compute", "fp32"]),
+        (None, ["--training.bf16_compute", "fp32", "--training.compile", "true"]),
+        (2, ["--parallel.zero", "3", "--training.bf16_compute", "bf16"]),
+        (2, ["--parallel.zero", "3", "--training.bf16_compute", "fp32"]),
+        (2, ["--parallel.tp", "2", "--training.bf16_compute", "fp32"]),
+    ],
+    ids=[
+        "autocast",
+        "autocast-fp32-arithmetic",
+        "compiled-fp32-arithmetic",
+        "fsdp-mixed",
+        "fsdp-mixed-fp32-arithmetic",
+        "tp2-fp32-arithmetic",
+    ],
+)
 def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_path):
     """bf16 with bf16 kernels, and with fp32 arithmetic (what "auto" picks on a CPU without AMX)."""
     result = launch(corpus, cli_env, tmp_path, nproc, ["--training.dtype", "bf16", *extra])
@@ -143,20 +167,30 @@ def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_
         assert rel(b["loss"], r["loss"]) <= 0.02, (r["step"], r["loss"], b["loss"])
 
 
-@pytest.mark.parametrize("world, overrides, fragment", [
-    (6, ["--parallel.tp", "4"], "world size 6 is not divisible by parallel.tp (4) x parallel.pp (1)"),
-    (4, ["--parallel.tp", "4", "--parallel.zero", "3", "--model.n_kv_heads", "2"], "divisible by parallel.tp (4)"),
-    (4, ["--parallel.pp", "4", "--model.n_layers", "3"], "model.n_layers (3) must be at least"),
-    (4, ["--parallel.tp", "2"], "cannot replicate tensor-parallel"),
-    (4, ["--parallel.dp_replicate", "2"], "needs parallel.zero = 2 or 3"),
-    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b"], "pp_virtual_stages >= 2"),
-    (2, ["--parallel.pp", "2", "--parallel.pp_microbatches", "3", "--training.micro_batch_size", "4"],
-     "does not match the local batch"),
-    (2, ["--parallel.pp", "2", "--training.micro_batch_size", "16"], "needs at least parallel.pp (2) micro-batches"),
-    (2, ["--parallel.pp", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
-    (2, ["--parallel.zero", "5"], "parallel.zero = 5"),
-    (2, ["--parallel.tp", "2", "--parallel.zero", "3", "--model.vocab_multiple", "3"], "vocab_multiple (3)"),
-])
+@pytest.mark.parametrize(
+    "world, overrides, fragment",
+    [
+        (6, ["--parallel.tp", "4"], "world size 6 is not divisible by parallel.tp (4) x parallel.pp (1)"),
+        (4, ["--parallel.tp", "4", "--parallel.zero", "3", "--model.n_kv_heads", "2"], "divisible by parallel.tp (4)"),
+        (4, ["--parallel.pp", "4", "--model.n_layers", "3"], "model.n_layers (3) must be at least"),
+        (4, ["--parallel.tp", "2"], "cannot replicate tensor-parallel"),
+        (4, ["--parallel.dp_replicate", "2"], "needs parallel.zero = 2 or 3"),
+        (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b"], "pp_virtual_stages >= 2"),
+        (
+            2,
+            ["--parallel.pp", "2", "--parallel.pp_microbatches", "3", "--training.micro_batch_size", "4"],
+            "does not match the local batch",
+        ),
+        (
+            2,
+            ["--parallel.pp", "2", "--training.micro_batch_size", "16"],
+            "needs at least parallel.pp (2) micro-batches",
+        ),
+        (2, ["--parallel.pp", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
+        (2, ["--parallel.zero", "5"], "parallel.zero = 5"),
+        (2, ["--parallel.tp", "2", "--parallel.zero", "3", "--model.vocab_multiple", "3"], "vocab_multiple (3)"),
+    ],
+)
 def test_layout_errors_name_the_numbers(world, overrides, fragment):
     with pytest.raises(ConfigError) as e:
         check_training(load_config(None, overrides), world_size=world)

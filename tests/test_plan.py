@@ -20,30 +20,64 @@ from meshtrain.train.step import cross_entropy
 
 
 def model_overrides(dim, layers, heads, kv_heads, ffn, vocab=2048, seq=256):
-    return ["--model.dim", str(dim), "--model.n_layers", str(layers), "--model.n_heads", str(heads),
-            "--model.n_kv_heads", str(kv_heads), "--model.ffn_dim", str(ffn), "--model.vocab_size", str(vocab),
-            "--model.max_seq_len", str(seq)]
+    return [
+        "--model.dim",
+        str(dim),
+        "--model.n_layers",
+        str(layers),
+        "--model.n_heads",
+        str(heads),
+        "--model.n_kv_heads",
+        str(kv_heads),
+        "--model.ffn_dim",
+        str(ffn),
+        "--model.vocab_size",
+        str(vocab),
+        "--model.max_seq_len",
+        str(seq),
+    ]
 
 
 SIZES = {"s": (128, 2, 4, 2, 384), "m": (256, 4, 8, 4, 640), "l": (384, 3, 6, 6, 1024)}
 # (size, micro-batch, seq, checkpointing, dtype path)
 SAVED_CASES = [
-    ("s", 2, 64, "none", "fp32"), ("m", 1, 128, "none", "fp32"), ("l", 2, 96, "none", "fp32"),
-    ("m", 2, 128, "full", "fp32"), ("l", 1, 128, "selective", "fp32"), ("m", 1, 64, "none", "autocast"),
-    ("l", 1, 64, "full", "autocast"), ("m", 2, 64, "none", "fsdp-bf16"), ("s", 1, 128, "none", "fp32-arithmetic"),
+    ("s", 2, 64, "none", "fp32"),
+    ("m", 1, 128, "none", "fp32"),
+    ("l", 2, 96, "none", "fp32"),
+    ("m", 2, 128, "full", "fp32"),
+    ("l", 1, 128, "selective", "fp32"),
+    ("m", 1, 64, "none", "autocast"),
+    ("l", 1, 64, "full", "autocast"),
+    ("m", 2, 64, "none", "fsdp-bf16"),
+    ("s", 1, 128, "none", "fp32-arithmetic"),
 ]
 
 
 def workload(cfg, path: str) -> Workload:
     t = cfg.training
-    return Workload(Shape.from_args(cfg.model_args()), t.seq_len, t.global_batch_size,
-                    "fp32" if path == "fp32" else "bf16", path == "fp32-arithmetic")
+    return Workload(
+        Shape.from_args(cfg.model_args()),
+        t.seq_len,
+        t.global_batch_size,
+        "fp32" if path == "fp32" else "bf16",
+        path == "fp32-arithmetic",
+    )
 
 
 @pytest.mark.parametrize("size, micro, seq, ac, path", SAVED_CASES, ids=lambda v: str(v))
 def test_saved_activations_match_the_tensors_autograd_keeps(size, micro, seq, ac, path):
-    cfg = load_config(None, [*model_overrides(*SIZES[size], seq=seq), "--training.seq_len", str(seq),
-                             "--training.micro_batch_size", str(micro), "--training.global_batch_size", str(micro)])
+    cfg = load_config(
+        None,
+        [
+            *model_overrides(*SIZES[size], seq=seq),
+            "--training.seq_len",
+            str(seq),
+            "--training.micro_batch_size",
+            str(micro),
+            "--training.global_batch_size",
+            str(micro),
+        ],
+    )
     torch.manual_seed(0)
     model = Llama(cfg.model_args())
     if path == "fsdp-bf16":  # what FSDP's mixed precision computes with: bf16 parameters
@@ -55,19 +89,30 @@ def test_saved_activations_match_the_tensors_autograd_keeps(size, micro, seq, ac
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=path in ("autocast", "fp32-arithmetic"))
     with SavedActivations(model) as saved, autocast:
         cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-    layout = Layout(micro_batch=micro, ac=ac, ac_every=cfg.training.ac_every, zero=3 if path == "fsdp-bf16" else 0,
-                    dp=2 if path == "fsdp-bf16" else 1)
+    layout = Layout(
+        micro_batch=micro,
+        ac=ac,
+        ac_every=cfg.training.ac_every,
+        zero=3 if path == "fsdp-bf16" else 0,
+        dp=2 if path == "fsdp-bf16" else 1,
+    )
     w = workload(cfg, path)
     predicted = activation_bytes(w, layout)["saved"]
     if path in ("autocast", "fp32-arithmetic"):  # autocast's bf16 weight copies, which the planner counts
         predicted += 2 * sum(  # once per step under "other": saved by the blocks that are not checkpointed
-            p.numel() for name, p in model.named_parameters()
-            if p.ndim == 2 and not name.startswith("tok_") and "_checkpoint_wrapped_module" not in name)
+            p.numel()
+            for name, p in model.named_parameters()
+            if p.ndim == 2 and not name.startswith("tok_") and "_checkpoint_wrapped_module" not in name
+        )
     assert predicted == pytest.approx(saved.bytes, rel=0.10), (predicted, saved.bytes)
 
 
-TP_CASES = [("m", 2, 64, "none", True), ("m", 1, 128, "none", False), ("l", 1, 64, "full", True),
-            ("s", 2, 128, "selective", True)]
+TP_CASES = [
+    ("m", 2, 64, "none", True),
+    ("m", 1, 128, "none", False),
+    ("l", 1, 64, "full", True),
+    ("s", 2, 128, "selective", True),
+]
 
 
 def _tp_worker(rank: int, port: int, out: str) -> None:
@@ -123,10 +168,17 @@ def test_saved_activations_under_tensor_parallelism(tmp_path):
 
 # (size, micro-batch, accumulation steps, seq, checkpointing, dtype path)
 PEAK_CASES = [
-    ("s", 2, 1, 64, "none", "fp32"), ("s", 4, 2, 128, "none", "fp32"), ("m", 1, 1, 128, "none", "fp32"),
-    ("m", 2, 2, 128, "full", "fp32"), ("m", 4, 1, 64, "selective", "fp32"), ("l", 1, 1, 256, "none", "fp32"),
-    ("l", 2, 1, 128, "full", "fp32"), ("l", 4, 2, 64, "selective", "fp32"), ("m", 8, 1, 32, "none", "fp32"),
-    ("s", 2, 1, 64, "none", "fp32-arithmetic"), ("m", 1, 2, 128, "full", "fp32-arithmetic"),
+    ("s", 2, 1, 64, "none", "fp32"),
+    ("s", 4, 2, 128, "none", "fp32"),
+    ("m", 1, 1, 128, "none", "fp32"),
+    ("m", 2, 2, 128, "full", "fp32"),
+    ("m", 4, 1, 64, "selective", "fp32"),
+    ("l", 1, 1, 256, "none", "fp32"),
+    ("l", 2, 1, 128, "full", "fp32"),
+    ("l", 4, 2, 64, "selective", "fp32"),
+    ("m", 8, 1, 32, "none", "fp32"),
+    ("s", 2, 1, 64, "none", "fp32-arithmetic"),
+    ("m", 1, 2, 128, "full", "fp32-arithmetic"),
     ("l", 2, 1, 64, "none", "fp32-arithmetic"),
 ]
 
@@ -136,9 +188,17 @@ def test_peak_bytes_of_a_training_step(size, micro, accumulation, seq, ac, path)
     """Two real training steps (meshtrain's own step: accumulation, fused AdamW, clipping), every
     live tensor tracked: the largest total against the planner's params + grads + optimizer +
     activations + other, within 15%."""
-    overrides = [*model_overrides(*SIZES[size], seq=seq), "--training.seq_len", str(seq),
-                 "--training.micro_batch_size", str(micro), "--training.global_batch_size", str(micro * accumulation),
-                 "--training.activation_checkpointing", ac]
+    overrides = [
+        *model_overrides(*SIZES[size], seq=seq),
+        "--training.seq_len",
+        str(seq),
+        "--training.micro_batch_size",
+        str(micro),
+        "--training.global_batch_size",
+        str(micro * accumulation),
+        "--training.activation_checkpointing",
+        ac,
+    ]
     if path != "fp32":
         overrides += ["--training.dtype", "bf16", "--training.bf16_compute", "fp32"]
     cfg = load_config(None, overrides)
@@ -160,8 +220,22 @@ def plan_json(cli_env, *args) -> dict:
     return json.loads(result.stdout)
 
 
-GPT_13B = ["--arch", "gpt", "--layers", "40", "--hidden", "5120", "--heads", "40", "--vocab", "51200",
-           "--seq-len", "2048", "--gpu", "v100-16gb"]
+GPT_13B = [
+    "--arch",
+    "gpt",
+    "--layers",
+    "40",
+    "--hidden",
+    "5120",
+    "--heads",
+    "40",
+    "--vocab",
+    "51200",
+    "--seq-len",
+    "2048",
+    "--gpu",
+    "v100-16gb",
+]
 
 
 def test_13b_gpt_on_16gb_v100s(cli_env):
@@ -171,8 +245,9 @@ def test_13b_gpt_on_16gb_v100s(cli_env):
     ddp = plan_json(cli_env, *GPT_13B, *fixed, "--tp", "1", "--pp", "1", "--zero", "0")["layouts"]
     assert len(ddp) == 1 and not ddp[0]["fits"]
     assert ddp[0]["memory_gib"]["params"] + ddp[0]["memory_gib"]["optimizer"] > 12.5e9 * 12 / 2**30  # 4 + 8 bytes
-    megatron = plan_json(cli_env, *GPT_13B, *fixed, "--tp", "4", "--pp", "8", "--zero", "0",
-                         "--pp-schedule", "1f1b")["layouts"]
+    megatron = plan_json(cli_env, *GPT_13B, *fixed, "--tp", "4", "--pp", "8", "--zero", "0", "--pp-schedule", "1f1b")[
+        "layouts"
+    ]
     assert len(megatron) == 1 and megatron[0]["fits"], megatron
     best = megatron[0]
     assert (best["tp"], best["pp"], best["dp"]) == (4, 8, 1) and 12.5e9 < best["params"] < 13.5e9
@@ -182,8 +257,21 @@ def test_13b_gpt_on_16gb_v100s(cli_env):
     assert fitting and search["layouts"][: len(fitting)] == fitting
     speeds = [lay["tokens_per_s_per_gpu"] for lay in fitting]
     assert speeds == sorted(speeds, reverse=True)
-    for key in ("tp", "pp", "dp", "dp_replicate", "zero", "micro_batch", "ac", "fits", "params",
-                "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "step_time_s"):
+    for key in (
+        "tp",
+        "pp",
+        "dp",
+        "dp_replicate",
+        "zero",
+        "micro_batch",
+        "ac",
+        "fits",
+        "params",
+        "tokens_per_s_per_gpu",
+        "tflops_per_gpu",
+        "mfu",
+        "step_time_s",
+    ):
         assert key in fitting[0]
     assert set(fitting[0]["memory_gib"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
     assert all(0 < lay["mfu"] < 1 for lay in fitting)
@@ -193,8 +281,24 @@ def test_the_best_layout_becomes_a_config_that_trains_and_submits(cli_env, tmp_p
     from conftest import run_cli
 
     out = tmp_path / "best.toml"
-    result = run_cli(["plan", "--model", "llama3-8b", "--gpu", "h100-80gb", "--gpus", "16", "--seq-len", "4096",
-                      "--global-batch", "64", "--write-config", str(out)], cli_env)
+    result = run_cli(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--gpu",
+            "h100-80gb",
+            "--gpus",
+            "16",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "64",
+            "--write-config",
+            str(out),
+        ],
+        cli_env,
+    )
     assert result.returncode == 0, result.stderr
     cfg = load_config(out)
     assert cfg.model.n_layers == 32 and cfg.training.seq_len == 4096 and cfg.training.global_batch_size == 64
@@ -207,12 +311,32 @@ def test_the_best_layout_becomes_a_config_that_trains_and_submits(cli_env, tmp_p
 
 
 def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
-    rows = [{"op": "all_reduce", "bytes": 2**28, "busbw_GBps": 3.5, "nodes": 2, "world_size": 16},
-            {"op": "all_reduce", "bytes": 2**20, "busbw_GBps": 1.0, "nodes": 2, "world_size": 16}]
+    rows = [
+        {"op": "all_reduce", "bytes": 2**28, "busbw_GBps": 3.5, "nodes": 2, "world_size": 16},
+        {"op": "all_reduce", "bytes": 2**20, "busbw_GBps": 1.0, "nodes": 2, "world_size": 16},
+    ]
     comm = tmp_path / "comm.json"
     comm.write_text(json.dumps(rows))
-    args = ["--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus", "16", "--tp", "1", "--pp", "1", "--zero", "3",
-            "--micro-batch", "1", "--ac", "full", "--global-batch", "16"]
+    args = [
+        "--model",
+        "llama3-8b",
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        "16",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero",
+        "3",
+        "--micro-batch",
+        "1",
+        "--ac",
+        "full",
+        "--global-batch",
+        "16",
+    ]
     slow = plan_json(cli_env, *args, "--comm", str(comm))
     fast = plan_json(cli_env, *args)
     assert slow["inter_node_gbps"] == 3.5 and fast["inter_node_gbps"] == pytest.approx(20.0)
@@ -223,17 +347,20 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
     assert (measured["intra_node_gbps"], measured["inter_node_gbps"]) == (150.0, 3.5)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "tiny", "--gpu", "k80"], "--gpu 'k80' unknown"),
-    (["--model", "tiny", "--gpu", "v100-16gb", "--dtype", "bf16"], "has no bf16"),
-    (["--model", "nope", "--gpu", "h100-80gb"], "is not a preset"),
-    (["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "0"], "--gpus: 0 must be at least 1"),
-    (["--model", "tiny", "--gpu", "h100-80gb", "--seq-len", "0"], "0 must be at least 1"),
-    (["--model", "llama3-8b", "--config", "configs/tiny.toml", "--gpu", "h100-80gb"], "not allowed with"),
-    (["--model", "tiny", "--gpu", "h100-80gb", "--comm", "missing.json"], "cannot read it"),
-    (["--model", "tiny", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"], "Llama architecture"),
-    (["--model", "tiny", "--gpu", "h100-80gb", "--hidden", "100", "--heads", "3"], "divisible"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "tiny", "--gpu", "k80"], "--gpu 'k80' unknown"),
+        (["--model", "tiny", "--gpu", "v100-16gb", "--dtype", "bf16"], "has no bf16"),
+        (["--model", "nope", "--gpu", "h100-80gb"], "is not a preset"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "0"], "--gpus: 0 must be at least 1"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--seq-len", "0"], "0 must be at least 1"),
+        (["--model", "llama3-8b", "--config", "configs/tiny.toml", "--gpu", "h100-80gb"], "not allowed with"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--comm", "missing.json"], "cannot read it"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"], "Llama architecture"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--hidden", "100", "--heads", "3"], "divisible"),
+    ],
+)
 def test_bad_plan_requests_get_one_line(args, message, cli_env, tmp_path):
     from conftest import run_cli
 
@@ -263,8 +390,16 @@ def test_predicted_step_times_rank_real_runs_in_order(corpus, cli_env, tmp_path)
     from conftest import read_metrics, run_cli, train_args
 
     model = model_overrides(256, 4, 8, 4, 768, seq=128)
-    shape = ["--training.seq_len", "128", "--training.global_batch_size", "8", "--training.micro_batch_size", "8",
-             "--training.steps", "12"]
+    shape = [
+        "--training.seq_len",
+        "128",
+        "--training.global_batch_size",
+        "8",
+        "--training.micro_batch_size",
+        "8",
+        "--training.steps",
+        "12",
+    ]
     measured, predicted = {}, {}
     for ac in ("none", "selective", "full"):
         args = [*train_args(corpus, tmp_path / ac), *model, *shape, "--training.activation_checkpointing", ac]
@@ -280,4 +415,6 @@ def test_predicted_step_times_rank_real_runs_in_order(corpus, cli_env, tmp_path)
         predicted[ac] = step_time(w, Layout(micro_batch=8, ac=ac), dev, inter)["tokens_per_s_per_gpu"]
     order = sorted(measured, key=measured.get, reverse=True)
     assert order == sorted(predicted, key=predicted.get, reverse=True) == ["none", "selective", "full"], (
-        measured, predicted)
+        measured,
+        predicted,
+    )

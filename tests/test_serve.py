@@ -12,15 +12,31 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import run_cli, train_args
 
+from conftest import run_cli, train_args
 from meshtrain.model import Llama, ModelArgs
 from meshtrain.model.generate import generate
 from meshtrain.serve import Engine, Request, SamplingParams
 
 KEY = "test-key"
-PROMPTS = ["def ", "import os\n", "class Foo", "    return ", "for i in range(", "# ", "if x ==", "print(",
-           "self.", "with open(", "try:\n    ", "from . import", "x = [", "while True:", "raise ", "@property\n"]
+PROMPTS = [
+    "def ",
+    "import os\n",
+    "class Foo",
+    "    return ",
+    "for i in range(",
+    "# ",
+    "if x ==",
+    "print(",
+    "self.",
+    "with open(",
+    "try:\n    ",
+    "from . import",
+    "x = [",
+    "while True:",
+    "raise ",
+    "@property\n",
+]
 
 
 def free_port() -> int:
@@ -32,8 +48,10 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def exported(corpus, cli_env, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("serve-run")
-    result = run_cli(train_args(corpus, run_dir, "--training.steps", "30", "--run.log_every", "10",
-                                "--model.max_seq_len", "1024"), cli_env)  # room for long generations
+    result = run_cli(
+        train_args(corpus, run_dir, "--training.steps", "30", "--run.log_every", "10", "--model.max_seq_len", "1024"),
+        cli_env,
+    )  # room for long generations
     assert result.returncode == 0, result.stderr[-3000:]
     out = run_dir.parent / "hf-served"
     assert run_cli(["export", str(run_dir), "--out", str(out)], cli_env).returncode == 0
@@ -42,8 +60,13 @@ def exported(corpus, cli_env, tmp_path_factory):
 
 def start_server(model_dir, cli_env, *extra):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "serve", str(model_dir), "--port", str(port), *extra],
-                            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtrain", "serve", str(model_dir), "--port", str(port), *extra],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -87,7 +110,7 @@ def hf_greedy(exported):
         ids = torch.tensor([tok.encode(prompt).ids])
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        new = [t for t in out[0, ids.shape[1]:].tolist() if t != eos]
+        new = [t for t in out[0, ids.shape[1] :].tolist() if t != eos]
         return tok.decode(new)
 
     return run
@@ -106,8 +129,10 @@ def test_kv_cache_decoding_equals_full_recomputation():
 
     engine = Engine(model, Chars(), eos_id=None, max_batch=3, max_context=64)
     done, got = threading.Semaphore(0), [None] * len(prompts)
-    requests = [Request(p, SamplingParams(max_tokens=20, temperature=0), lambda e: e[0] != "text" and done.release())
-                for p in prompts]
+    requests = [
+        Request(p, SamplingParams(max_tokens=20, temperature=0), lambda e: e[0] != "text" and done.release())
+        for p in prompts
+    ]
     for r in requests:  # four requests, three slots: the last one joins when a slot frees
         engine.submit(r)
     for _ in prompts:
@@ -131,38 +156,50 @@ def test_completions_and_chat_equal_transformers_greedy(client, exported, hf_gre
     from transformers import AutoTokenizer
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f():"}]
-    rendered = AutoTokenizer.from_pretrained(exported).apply_chat_template(messages, tokenize=False,
-                                                                           add_generation_prompt=True)
+    rendered = AutoTokenizer.from_pretrained(exported).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     expected = hf_greedy(rendered, 16)
     chat = client.chat.completions.create(model="hf-served", messages=messages, max_tokens=16, temperature=0)
     assert chat.choices[0].message.content == expected and chat.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model="hf-served", messages=messages, max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="hf-served",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
 def test_sampling_options_seed_stop_and_length(client):
-    a = client.completions.create(model="hf-served", prompt="def ", max_tokens=20, temperature=1.0, top_p=0.9, seed=7,
-                                  extra_body={"top_k": 40})
-    b = client.completions.create(model="hf-served", prompt="def ", max_tokens=20, temperature=1.0, top_p=0.9, seed=7,
-                                  extra_body={"top_k": 40})
+    a = client.completions.create(
+        model="hf-served", prompt="def ", max_tokens=20, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 40}
+    )
+    b = client.completions.create(
+        model="hf-served", prompt="def ", max_tokens=20, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 40}
+    )
     assert a.choices[0].text == b.choices[0].text  # the seed fixes the sample
     full = client.completions.create(model="hf-served", prompt="import os\n", max_tokens=30, temperature=0)
     text = full.choices[0].text
     if full.choices[0].finish_reason == "length":
         assert full.usage.completion_tokens == 30
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     if stop.strip():
-        cut = client.completions.create(model="hf-served", prompt="import os\n", max_tokens=30, temperature=0,
-                                        stop=[stop])
+        cut = client.completions.create(
+            model="hf-served", prompt="import os\n", max_tokens=30, temperature=0, stop=[stop]
+        )
         assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_sixteen_concurrent_streams_equal_their_lone_answers(client):
-    alone = {p: client.completions.create(model="hf-served", prompt=p, max_tokens=24, temperature=0).choices[0].text
-             for p in PROMPTS}
+    alone = {
+        p: client.completions.create(model="hf-served", prompt=p, max_tokens=24, temperature=0).choices[0].text
+        for p in PROMPTS
+    }
     results = {}
 
     def ask(prompt):
@@ -197,8 +234,9 @@ BAD = [
 @pytest.mark.parametrize("headers, body, status, kind", BAD)
 def test_bad_requests_get_openai_errors(server, headers, body, status, kind):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    response = httpx.post(server + path, json=body, timeout=30,
-                          headers={"Authorization": f"Bearer {KEY}"} if headers is None else headers)
+    response = httpx.post(
+        server + path, json=body, timeout=30, headers={"Authorization": f"Bearer {KEY}"} if headers is None else headers
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["type"] == kind and error["message"]
@@ -208,18 +246,25 @@ def test_survives_malformed_bursts_and_abrupt_disconnects(server, client):
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     bodies = [b"{bad", b"[]", b'{"model": 1}', b"\xff\xfe", b'{"model":"hf-served","prompt":{"a":1}}']
     with httpx.Client(base_url=server, timeout=30) as http:
-        statuses = {http.post("/v1/completions", content=bodies[i % len(bodies)], headers=auth).status_code
-                    for i in range(200)}
+        statuses = {
+            http.post("/v1/completions", content=bodies[i % len(bodies)], headers=auth).status_code for i in range(200)
+        }
     assert statuses <= {400, 422}
     before = generated_tokens(server)
-    body = json.dumps({"model": "hf-served", "prompt": "def ", "max_tokens": 900, "temperature": 0,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": "hf-served", "prompt": "def ", "max_tokens": 900, "temperature": 0, "stream": True}
+    ).encode()
     host, port = server.removeprefix("http://").split(":")
     for _ in range(50):  # read the headers and the first bytes of a stream, then hang up
         with socket.create_connection((host, int(port)), timeout=30) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-                      b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
-                      b"\r\n\r\n" + body)
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + KEY.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             assert s.recv(256).startswith(b"HTTP/1.1 200")
     wait_until_idle(server)
     assert generated_tokens(server) - before < 50 * 900 / 4  # the abandoned streams stopped early
@@ -231,7 +276,9 @@ def test_survives_malformed_bursts_and_abrupt_disconnects(server, client):
 
 
 def generated_tokens(url: str) -> float:
-    line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("meshtrain_generated_tokens_total"))
+    line = next(
+        x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("meshtrain_generated_tokens_total")
+    )
     return float(line.split()[-1])
 
 
@@ -262,7 +309,8 @@ def test_a_disconnected_stream_frees_its_only_slot(exported, cli_env):
 
 
 def test_generate_streams_to_the_terminal(exported, cli_env, hf_greedy):
-    result = run_cli(["generate", str(exported), "--prompt", "def ", "--max-tokens", "12", "--temperature", "0"],
-                     cli_env)
+    result = run_cli(
+        ["generate", str(exported), "--prompt", "def ", "--max-tokens", "12", "--temperature", "0"], cli_env
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 12)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import local_cluster, read_metrics, run_cli, train_args
 
 ROOT = Path(__file__).parents[1]
@@ -22,21 +23,42 @@ def test_qsub_pe_mpi_2_runs_the_generated_script(sge, corpus, cli_env, tmp_path)
     reference = tmp_path / "reference"
     assert run_cli(train_args(corpus, reference, "--nproc", "2"), cli_env).returncode == 0
     script, run_dir = tmp_path / "job.sge", tmp_path / "run"
-    args = ["jobscript", "sge", "--config", str(ROOT / "configs" / "tiny.toml"), "--procs-per-node", "2", "--pe", "mpi",
-            "--venv", str(VENV), "--out", str(script), "--", *train_args(corpus, run_dir)[1:]]
+    args = [
+        "jobscript",
+        "sge",
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--procs-per-node",
+        "2",
+        "--pe",
+        "mpi",
+        "--venv",
+        str(VENV),
+        "--out",
+        str(script),
+        "--",
+        *train_args(corpus, run_dir)[1:],
+    ]
     assert run_cli(args, cli_env).returncode == 0
     assert (tmp_path / "logs").is_dir()  # made by jobscript: SGE opens the log before the script runs
-    mpi_env = "OMPI_ALLOW_RUN_AS_ROOT=1,OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,OMPI_MCA_oob_tcp_if_include=lo," \
-              "OMPI_MCA_btl_tcp_if_include=lo"
-    job = subprocess.run(["qsub", "-terse", "-v", mpi_env, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    mpi_env = (
+        "OMPI_ALLOW_RUN_AS_ROOT=1,OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,OMPI_MCA_oob_tcp_if_include=lo,"
+        "OMPI_MCA_btl_tcp_if_include=lo"
+    )
+    job = subprocess.run(
+        ["qsub", "-terse", "-v", mpi_env, str(script)], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
     deadline = time.monotonic() + 300
     while job in subprocess.run(["qstat"], capture_output=True, text=True).stdout:
         if time.monotonic() > deadline:
             subprocess.run(["qdel", job], capture_output=True)
-            pytest.fail(f"SGE job {job} still queued or running after 300 s:\n" + subprocess.run(
-                ["qstat", "-j", job], capture_output=True, text=True).stdout[-2000:])
+            pytest.fail(
+                f"SGE job {job} still queued or running after 300 s:\n"
+                + subprocess.run(["qstat", "-j", job], capture_output=True, text=True).stdout[-2000:]
+            )
         time.sleep(0.5)
     log = (tmp_path / "logs" / "meshtrain.log").read_text()
     assert "world 2" in log, log[-3000:]
-    assert [round(m["loss"], 5) for m in read_metrics(run_dir)] == [round(m["loss"], 5) for m in read_metrics(reference)]
+    assert [round(m["loss"], 5) for m in read_metrics(run_dir)] == [
+        round(m["loss"], 5) for m in read_metrics(reference)
+    ]

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import local_cluster, read_metrics, run_cli, train_args
 
 ROOT = Path(__file__).parents[1]
@@ -28,8 +29,17 @@ def reference(corpus, cli_env, tmp_path_factory):
 def submit(script: Path, workdir: Path, env: dict, timeout: float = 300) -> str:
     """sbatch, then poll squeue until the job has left it (sbatch --wait polls only every 10 s)."""
     (workdir / "logs").mkdir(exist_ok=True)
-    job = subprocess.run(["sbatch", "--parsable", f"--chdir={workdir}", str(script)], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip().split(";")[0]
+    job = (
+        subprocess.run(
+            ["sbatch", "--parsable", f"--chdir={workdir}", str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
@@ -46,9 +56,25 @@ def submit(script: Path, workdir: Path, env: dict, timeout: float = 300) -> str:
 
 def jobscript(cli_env, tmp_path, mode, corpus, run_dir, *extra) -> Path:
     out = tmp_path / "job.sbatch"
-    args = ["jobscript", "slurm", "--config", str(ROOT / "configs" / "tiny.toml"), "--procs-per-node", "2",
-            "--time", "00:10:00", "--venv", str(VENV), "--mode", mode, "--out", str(out), "--",
-            *train_args(corpus, run_dir)[1:], *extra]
+    args = [
+        "jobscript",
+        "slurm",
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--procs-per-node",
+        "2",
+        "--time",
+        "00:10:00",
+        "--venv",
+        str(VENV),
+        "--mode",
+        mode,
+        "--out",
+        str(out),
+        "--",
+        *train_args(corpus, run_dir)[1:],
+        *extra,
+    ]
     assert run_cli(args, cli_env).returncode == 0
     return out
 
@@ -71,7 +97,8 @@ def test_mpirun_inside_sbatch_uses_mpi_ranks_not_the_batch_step(slurm, corpus, c
     script.write_text(
         "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=logs/%x.%j.log\n"
         "export OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_btl_tcp_if_include=lo\n"
-        f"mpirun.openmpi --allow-run-as-root {VENV}/bin/meshtrain env --json --all-ranks\n")
+        f"mpirun.openmpi --allow-run-as-root {VENV}/bin/meshtrain env --json --all-ranks\n"
+    )
     log = submit(script, tmp_path, cli_env)
     envs = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     assert sorted(e["rank"] for e in envs) == [0, 1]
@@ -80,8 +107,13 @@ def test_mpirun_inside_sbatch_uses_mpi_ranks_not_the_batch_step(slurm, corpus, c
 
 @pytest.mark.multiproc
 def test_env_under_srun_reports_each_task(slurm, cli_env):
-    out = subprocess.run(["srun", "-n", "2", str(VENV / "bin" / "meshtrain"), "env", "--json", "--all-ranks"],
-                         env=cli_env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["srun", "-n", "2", str(VENV / "bin" / "meshtrain"), "env", "--json", "--all-ranks"],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     envs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted((e["rank"], e["local_rank"]) for e in envs) == [(0, 0), (1, 1)], out.stderr
     assert {e["launcher"] for e in envs} == {"slurm"} and {e["master_addr"] for e in envs} == {"localhost"}

@@ -8,14 +8,34 @@ from meshtrain.config import load_config
 from meshtrain.model import Llama
 from meshtrain.train import build as build_state
 
-MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-         "--model.ffn_dim", "128", "--model.vocab_size", "256", "--model.max_seq_len", "32",
-         "--training.seq_len", "16", "--training.global_batch_size", "4", "--training.micro_batch_size", "2"]
+MODEL = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.ffn_dim",
+    "128",
+    "--model.vocab_size",
+    "256",
+    "--model.max_seq_len",
+    "32",
+    "--training.seq_len",
+    "16",
+    "--training.global_batch_size",
+    "4",
+    "--training.micro_batch_size",
+    "2",
+]
 
 
 def build(clip: float):
-    cfg = load_config(None, [*MODEL, "--training.grad_clip", str(clip), "--training.lr", "1e-2",
-                             "--training.warmup_steps", "0"])  # the LR schedule is not under test
+    cfg = load_config(
+        None, [*MODEL, "--training.grad_clip", str(clip), "--training.lr", "1e-2", "--training.warmup_steps", "0"]
+    )  # the LR schedule is not under test
     state = build_state(cfg, with_data=False)
     return cfg, state.model.parts[0], state.step
 
@@ -32,15 +52,21 @@ def test_clipping_in_the_optimizer_equals_clip_grad_norm_then_adamw():
     t = cfg.training
     decay = [p for p in ref.parameters() if p.ndim >= 2]
     rest = [p for p in ref.parameters() if p.ndim < 2]
-    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                 {"params": rest, "weight_decay": 0.0}],
-                                lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False)
+    ref_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=1e-8,
+        foreach=False,
+    )
     for tokens in batches(3):
         x, y = tokens[:, :-1], tokens[:, 1:]
         loss, norm, skipped = step(x, y)
         ref_opt.zero_grad()
-        ref_loss = (F.cross_entropy(ref(x[:2]).flatten(0, 1), y[:2].flatten()) / 2
-                    + F.cross_entropy(ref(x[2:]).flatten(0, 1), y[2:].flatten()) / 2)
+        ref_loss = (
+            F.cross_entropy(ref(x[:2]).flatten(0, 1), y[:2].flatten()) / 2
+            + F.cross_entropy(ref(x[2:]).flatten(0, 1), y[2:].flatten()) / 2
+        )
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         ref_opt.step()

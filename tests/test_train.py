@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
-from conftest import assert_user_error, read_metrics, run_cli, train_args
 from safetensors.torch import load_file
+
+from conftest import assert_user_error, read_metrics, run_cli, train_args
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s")
 
@@ -17,8 +18,12 @@ def rel(a: float, b: float) -> float:
 @pytest.fixture(scope="module")
 def single_run(corpus, cli_env, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
-    result = run_cli(train_args(corpus, run_dir, "--run.tensorboard", "true", "--run.sample_prompt", "def",
-                                "--run.sample_tokens", "8"), cli_env)
+    result = run_cli(
+        train_args(
+            corpus, run_dir, "--run.tensorboard", "true", "--run.sample_prompt", "def", "--run.sample_tokens", "8"
+        ),
+        cli_env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, result
 
@@ -46,8 +51,10 @@ def test_ddp_matches_single_process_loss_grad_norm_and_weights(single_run, corpu
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2" in result.stdout
     import re  # run.plan_check: the planner's model-state MiB next to the measured ones, per rank
-    checks = re.findall(r"rank (\d) planner/measured MiB: params ([\d.]+)/([\d.]+) \| grads ([\d.]+)/([\d.]+)",
-                        result.stdout)
+
+    checks = re.findall(
+        r"rank (\d) planner/measured MiB: params ([\d.]+)/([\d.]+) \| grads ([\d.]+)/([\d.]+)", result.stdout
+    )
     assert [c[0] for c in checks] == ["0", "1"]
     assert all(c[1] == c[2] and c[3] == c[4] for c in checks), checks
     single, ddp = read_metrics(single_run[0]), read_metrics(tmp_path)
@@ -61,13 +68,16 @@ def test_ddp_matches_single_process_loss_grad_norm_and_weights(single_run, corpu
         torch.testing.assert_close(w_ddp[key], w_single[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("extra, fragments", [
-    (["--training.stepz", "3"], ["training.stepz"]),
-    (["--training.steps", "many"], ["training.steps", "integer"]),
-    (["--training.seq_len", "128"], ["training.seq_len (128)", "max_seq_len = 64"]),
-    (["--nproc", "3"], ["global_batch_size (8)", "(3) = 12"]),
-    (["--data.path", "/nonexistent/data"], ["/nonexistent/data", "meshtrain data prepare"]),
-])
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--training.stepz", "3"], ["training.stepz"]),
+        (["--training.steps", "many"], ["training.steps", "integer"]),
+        (["--training.seq_len", "128"], ["training.seq_len (128)", "max_seq_len = 64"]),
+        (["--nproc", "3"], ["global_batch_size (8)", "(3) = 12"]),
+        (["--data.path", "/nonexistent/data"], ["/nonexistent/data", "meshtrain data prepare"]),
+    ],
+)
 def test_bad_config_fails_before_any_work(corpus, cli_env, tmp_path, extra, fragments):
     result = run_cli([*train_args(corpus, tmp_path / "run"), *extra], cli_env)
     assert_user_error(result, *fragments)
@@ -81,8 +91,23 @@ def test_default_job_prepares_its_corpus_and_learns(cli_env, tmp_path):
     from pathlib import Path
 
     config = Path(__file__).parents[1] / "configs" / "tiny.toml"
-    result = run_cli(["train", "--config", str(config), "--nproc", "2", "--data.path", str(tmp_path / "stdlib"),
-                      "--run.dir", str(tmp_path / "run"), "--training.steps", "40"], cli_env, timeout=1200)
+    result = run_cli(
+        [
+            "train",
+            "--config",
+            str(config),
+            "--nproc",
+            "2",
+            "--data.path",
+            str(tmp_path / "stdlib"),
+            "--run.dir",
+            str(tmp_path / "run"),
+            "--training.steps",
+            "40",
+        ],
+        cli_env,
+        timeout=1200,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preparing the default corpus" in result.stdout
     metrics = read_metrics(tmp_path / "run")
@@ -97,9 +122,19 @@ def test_default_job_prepares_its_corpus_and_learns(cli_env, tmp_path):
 def test_external_torchrun_runs_the_same_training(single_run, corpus, cli_env, tmp_path):
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "meshtrain", *train_args(corpus, tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "meshtrain",
+        *train_args(corpus, tmp_path),
+    ]
     import subprocess
+
     result = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     for s, d in zip(read_metrics(single_run[0]), read_metrics(tmp_path), strict=True):

@@ -81,11 +81,15 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}: a shard was lost; resume from an earlier one")
         if f.stat().st_size != expected["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: {name} is {f.stat().st_size} bytes, expected {expected['bytes']} "
-                                  "(truncated or overwritten); resume from an earlier one")
+            raise CheckpointError(
+                f"checkpoint {path}: {name} is {f.stat().st_size} bytes, expected {expected['bytes']} "
+                "(truncated or overwritten); resume from an earlier one"
+            )
         if crc32(f) != expected["crc32"]:
-            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum in {MARKER} (its bytes "
-                                  "changed after the save); resume from an earlier one")
+            raise CheckpointError(
+                f"checkpoint {path}: {name} does not match its checksum in {MARKER} (its bytes "
+                "changed after the save); resume from an earlier one"
+            )
     return marker
 
 
@@ -169,8 +173,11 @@ def find_resume(resume: str, root: Path, warn, retire_skipped: bool = False) -> 
             break
         if rank == 0:
             uncommitted = "never committed" in problem
-            warn(f"skipping uncommitted checkpoint {path} (an interrupted save)" if uncommitted else
-                 f"skipping damaged checkpoint: {problem}")
+            warn(
+                f"skipping uncommitted checkpoint {path} (an interrupted save)"
+                if uncommitted
+                else f"skipping damaged checkpoint: {problem}"
+            )
             if retire_skipped:
                 retire(path)
     if retire_skipped and dist.is_initialized():
@@ -241,9 +248,11 @@ class Checkpointer:
         except Exception as e:
             cause = _root_cause(e)
             fix = FIXES.get(getattr(cause, "errno", None), "check the file system")
-            raise CheckpointError(f"saving the checkpoint of step {step} to {path} failed: "
-                                  f"{getattr(cause, 'strerror', None) or cause} ({fix}); earlier checkpoints are "
-                                  "intact") from None
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} to {path} failed: "
+                f"{getattr(cause, 'strerror', None) or cause} ({fix}); earlier checkpoints are "
+                "intact"
+            ) from None
 
     def _commit(self, step: int, path: Path, train_state: dict) -> None:
         # Each rank checksums the shards it has just written (still in the page cache), in parallel.
@@ -255,8 +264,11 @@ class Checkpointer:
         if self.rank == 0:
             write_json(path / TRAIN_STATE, train_state)
             known = {name: crc for rank_sums in sums for name, crc in rank_sums.items()}
-            files = {p.name: {"bytes": p.stat().st_size, "crc32": known.get(p.name) or crc32(p)}
-                     for p in sorted(path.iterdir()) if p.is_file() and p.name != MARKER}
+            files = {
+                p.name: {"bytes": p.stat().st_size, "crc32": known.get(p.name) or crc32(p)}
+                for p in sorted(path.iterdir())
+                if p.is_file() and p.name != MARKER
+            }
             write_json(path / MARKER, {"step": step, "layout": train_state.get("layout"), "files": files})
             self._prune()
         if dist.is_initialized():
@@ -278,9 +290,13 @@ class Checkpointer:
         train_state = json.loads((path / TRAIN_STATE).read_text())
         saved_shape = train_state.get("model")
         if saved_shape is not None and saved_shape != model_shape:
-            diff = ", ".join(f"{k} {saved_shape.get(k)} -> {v}" for k, v in model_shape.items() if saved_shape.get(k) != v)
-            raise CheckpointError(f"checkpoint {path} holds a different model ({diff}); use a matching "
-                                  "model config or checkpoint.resume = none")
+            diff = ", ".join(
+                f"{k} {saved_shape.get(k)} -> {v}" for k, v in model_shape.items() if saved_shape.get(k) != v
+            )
+            raise CheckpointError(
+                f"checkpoint {path} holds a different model ({diff}); use a matching "
+                "model config or checkpoint.resume = none"
+            )
         state = self._state()
         try:
             dcp.load(state, checkpoint_id=str(path))

@@ -57,22 +57,31 @@ def _size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshtrain",
-                description="Train Llama-style language models on any launcher and layout, plan layouts before "
-                "spending GPU hours, export to Hugging Face and serve. Flags that set a config key are spelled "
-                "like the key (--training.seq_len); sizes are written 64M, 5G or 5GB (binary units).")
+    p = _Parser(
+        prog="meshtrain",
+        description="Train Llama-style language models on any launcher and layout, plan layouts before "
+        "spending GPU hours, export to Hugging Face and serve. Flags that set a config key are spelled "
+        "like the key (--training.seq_len); sizes are written 64M, 5G or 5GB (binary units).",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    t = sub.add_parser("train", help="train a model (any launcher, any layout)",
-                       usage="meshtrain train [--config FILE] [--nproc N] [launcher options] [--section.key VALUE ...]",
-                       epilog="Config keys as --section.key VALUE (or --section.key=VALUE) override the file. The "
-                       "launcher options (--nnodes, --node-rank, --master-addr, --master-port, --max-restarts) "
-                       "need --nproc.")
+    t = sub.add_parser(
+        "train",
+        help="train a model (any launcher, any layout)",
+        usage="meshtrain train [--config FILE] [--nproc N] [launcher options] [--section.key VALUE ...]",
+        epilog="Config keys as --section.key VALUE (or --section.key=VALUE) override the file. The "
+        "launcher options (--nnodes, --node-rank, --master-addr, --master-port, --max-restarts) "
+        "need --nproc.",
+    )
     t.add_argument("--config", help="TOML config file (default: built-in defaults = configs/tiny.toml)")
     t.add_argument("--nproc", type=COUNT, help="start this many local worker processes (torch elastic)")
     t.add_argument("--max-restarts", type=INDEX, help="restart failed workers up to this many times (default 0)")
-    t.add_argument("--nnodes", type=COUNT, help="nodes, each running one `meshtrain train --nproc G` (default: "
-                   "the Slurm allocation's when run as one srun task per node, else 1)")
+    t.add_argument(
+        "--nnodes",
+        type=COUNT,
+        help="nodes, each running one `meshtrain train --nproc G` (default: "
+        "the Slurm allocation's when run as one srun task per node, else 1)",
+    )
     t.add_argument("--node-rank", type=INDEX, help="this node's index (static rendezvous at --master-addr)")
     t.add_argument("--master-addr", help="the first node's address (default: the first Slurm host)")
     t.add_argument("--master-port", type=PORT, help="rendezvous port (default: derived from the job id)")
@@ -85,19 +94,34 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, help="output directory")
     group = prep.add_mutually_exclusive_group()
     group.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to use")
-    group.add_argument("--vocab-size", type=_number(int, 256), help="train a byte-level BPE of this size (default 8192)")
-    prep.add_argument("--val-fraction", type=_number(float, 0.0, 0.5), default=0.01,
-                      help="share of documents held out for validation, 0 to 0.5 (default 0.01)")
-    prep.add_argument("--token-dtype", choices=["auto", "uint16", "uint32"], default="auto",
-                      help="width of the stored token ids (auto: uint16 when the vocabulary fits)")
+    group.add_argument(
+        "--vocab-size", type=_number(int, 256), help="train a byte-level BPE of this size (default 8192)"
+    )
+    prep.add_argument(
+        "--val-fraction",
+        type=_number(float, 0.0, 0.5),
+        default=0.01,
+        help="share of documents held out for validation, 0 to 0.5 (default 0.01)",
+    )
+    prep.add_argument(
+        "--token-dtype",
+        choices=["auto", "uint16", "uint32"],
+        default="auto",
+        help="width of the stored token ids (auto: uint16 when the vocabulary fits)",
+    )
 
     x = sub.add_parser("export", help="write a Hugging Face Llama directory from a run or checkpoint")
     x.add_argument("source", help="a run directory (its latest checkpoint, else model.safetensors) or a checkpoint")
     x.add_argument("--out", required=True, help="output directory")
-    x.add_argument("--max-shard-size", type=_size, default="5G", help="split the safetensors above this size (default 5G)")
+    x.add_argument(
+        "--max-shard-size", type=_size, default="5G", help="split the safetensors above this size (default 5G)"
+    )
 
-    j = sub.add_parser("jobscript", help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster)",
-                       epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5")
+    j = sub.add_parser(
+        "jobscript",
+        help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster)",
+        epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5",
+    )
     j.add_argument("kind", choices=list(GENERATORS), help=", ".join(GENERATORS))
     j.add_argument("--config", required=True, help="the training config the job runs")
     j.add_argument("--nodes", type=COUNT, default=1, help="nodes (default 1)")
@@ -107,8 +131,12 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--partition", default="", help="Slurm partition / PBS queue")
     j.add_argument("--account", default="", help="Slurm account / PBS project / ABCI group")
     j.add_argument("--job-name", default="meshtrain")
-    j.add_argument("--mode", choices=["task-per-rank", "agent-per-node"], default="task-per-rank",
-                   help="slurm: one srun task per rank, or one torch elastic agent per node")
+    j.add_argument(
+        "--mode",
+        choices=["task-per-rank", "agent-per-node"],
+        default="task-per-rank",
+        help="slurm: one srun task per rank, or one torch elastic agent per node",
+    )
     j.add_argument("--pe", default="", help="sge: parallel environment to request (default: ABCI's -l rt_F)")
     j.add_argument("--container-image", default="", help="pyxis/enroot image for srun")
     j.add_argument("--container-mounts", default="")
@@ -120,7 +148,9 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure the interconnect: collective bandwidth (nccl-tests style)")
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
-    comm = bsub.add_parser("comm", help="all-reduce, all-gather, reduce-scatter, broadcast from --min-bytes to --max-bytes")
+    comm = bsub.add_parser(
+        "comm", help="all-reduce, all-gather, reduce-scatter, broadcast from --min-bytes to --max-bytes"
+    )
     comm.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast")
     comm.add_argument("--min-bytes", type=_size, default="1K", help="smallest message (default 1K)")
     comm.add_argument("--max-bytes", type=_size, default="1G", help="largest message (default 1G)")
@@ -129,53 +159,101 @@ def _parser() -> argparse.ArgumentParser:
     comm.add_argument("--out", help="also write the rows as JSON to this file (what `plan --comm` reads)")
     comm.add_argument("--nproc", type=COUNT, help="start this many local processes (torch elastic)")
 
-    pl = sub.add_parser("plan", help="predict per-GPU memory and throughput of layouts on a cluster, and recommend one",
-                        epilog="Any of the [parallel]/[training] layout flags fixes that knob; with all fixed (or "
-                        "--config) one layout is explained. Each flag that sets a config key is spelled like the "
-                        "key; the short forms are aliases.")
+    pl = sub.add_parser(
+        "plan",
+        help="predict per-GPU memory and throughput of layouts on a cluster, and recommend one",
+        epilog="Any of the [parallel]/[training] layout flags fixes that knob; with all fixed (or "
+        "--config) one layout is explained. Each flag that sets a config key is spelled like the "
+        "key; the short forms are aliases.",
+    )
     source = pl.add_mutually_exclusive_group()
     source.add_argument("--model.preset", "--model", dest="model", help="a preset: " + ", ".join(_presets()))
     source.add_argument("--config", help="explain the layout of this training config (model, batch, [parallel])")
     pl.add_argument("--gpu", required=True, help="device kind: " + ", ".join(_plan_kinds()))
     pl.add_argument("--gpus", type=COUNT, help="GPUs (processes) in all (default: the config's tp x pp, else 8)")
     pl.add_argument("--gpus-per-node", type=COUNT, help="default: 8 (cpu: the --gpus processes on this machine)")
-    pl.add_argument("--arch", choices=["llama", "gpt"], default="llama",
-                    help="gpt: LayerNorm, GELU MLP of 4h, learned positions, tied embeddings (Megatron GPT)")
-    for keys, dest, what in ((("--model.n_layers", "--layers"), "layers", "blocks"),
-                             (("--model.dim", "--hidden"), "hidden", "hidden size"),
-                             (("--model.n_heads", "--heads"), "heads", "attention heads"),
-                             (("--model.n_kv_heads", "--kv-heads"), "kv_heads", "key/value heads"),
-                             (("--model.ffn_dim", "--ffn"), "ffn", "MLP hidden size"),
-                             (("--model.vocab_size", "--vocab"), "vocab", "vocabulary")):
+    pl.add_argument(
+        "--arch",
+        choices=["llama", "gpt"],
+        default="llama",
+        help="gpt: LayerNorm, GELU MLP of 4h, learned positions, tied embeddings (Megatron GPT)",
+    )
+    for keys, dest, what in (
+        (("--model.n_layers", "--layers"), "layers", "blocks"),
+        (("--model.dim", "--hidden"), "hidden", "hidden size"),
+        (("--model.n_heads", "--heads"), "heads", "attention heads"),
+        (("--model.n_kv_heads", "--kv-heads"), "kv_heads", "key/value heads"),
+        (("--model.ffn_dim", "--ffn"), "ffn", "MLP hidden size"),
+        (("--model.vocab_size", "--vocab"), "vocab", "vocabulary"),
+    ):
         pl.add_argument(*keys, dest=dest, type=COUNT, help=f"{what} (default: the preset's)")
-    pl.add_argument("--training.seq_len", "--seq-len", dest="seq_len", type=COUNT,
-                    help="tokens per sequence (default: the config's, else 2048 or the model's limit)")
-    pl.add_argument("--training.global_batch_size", "--global-batch", dest="global_batch", type=COUNT,
-                    help="sequences per step (default: the config's, else 4 per GPU)")
-    pl.add_argument("--training.dtype", "--dtype", dest="dtype", choices=["bf16", "fp16", "fp32"],
-                    help="training precision (default: bf16; fp16 on a V100)")
-    pl.add_argument("--attention", choices=["flash", "math"], default="flash",
-                    help="math: the s x s attention scores are saved (GPT runs without flash attention)")
+    pl.add_argument(
+        "--training.seq_len",
+        "--seq-len",
+        dest="seq_len",
+        type=COUNT,
+        help="tokens per sequence (default: the config's, else 2048 or the model's limit)",
+    )
+    pl.add_argument(
+        "--training.global_batch_size",
+        "--global-batch",
+        dest="global_batch",
+        type=COUNT,
+        help="sequences per step (default: the config's, else 4 per GPU)",
+    )
+    pl.add_argument(
+        "--training.dtype",
+        "--dtype",
+        dest="dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="training precision (default: bf16; fp16 on a V100)",
+    )
+    pl.add_argument(
+        "--attention",
+        choices=["flash", "math"],
+        default="flash",
+        help="math: the s x s attention scores are saved (GPT runs without flash attention)",
+    )
     pl.add_argument("--parallel.tp", "--tp", dest="tp", type=COUNT)
     pl.add_argument("--parallel.pp", "--pp", dest="pp", type=COUNT)
     pl.add_argument("--parallel.zero", "--zero", dest="zero", type=int, choices=[0, 1, 2, 3])
     pl.add_argument("--parallel.dp_replicate", "--dp-replicate", dest="dp_replicate", type=COUNT)
     pl.add_argument("--training.micro_batch_size", "--micro-batch", dest="micro_batch", type=COUNT)
     pl.add_argument("--training.activation_checkpointing", "--ac", dest="ac", choices=["none", "selective", "full"])
-    pl.add_argument("--parallel.pp_schedule", "--pp-schedule", dest="pp_schedule",
-                    choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
+    pl.add_argument(
+        "--parallel.pp_schedule",
+        "--pp-schedule",
+        dest="pp_schedule",
+        choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"],
+    )
     pl.add_argument("--parallel.pp_virtual_stages", "--virtual-stages", dest="virtual_stages", type=COUNT)
-    pl.add_argument("--network", help="inter-node fabric: ib-edr, ib-hdr, ib-ndr, efa-p4d, efa-p5, roce-100g, "
-                    "ethernet-10g (default: the GPU's usual one)")
+    pl.add_argument(
+        "--network",
+        help="inter-node fabric: ib-edr, ib-hdr, ib-ndr, efa-p4d, efa-p5, roce-100g, "
+        "ethernet-10g (default: the GPU's usual one)",
+    )
     pl.add_argument("--inter-node-gbps", type=POSITIVE, help="inter-node bus bandwidth per GPU, GB/s (bytes)")
     pl.add_argument("--intra-node-gbps", type=POSITIVE, help="intra-node bus bandwidth, GB/s (bytes)")
-    pl.add_argument("--comm", action="append", default=[], help="a `meshtrain bench comm --out FILE` file measured "
-                    "on your cluster (one node: intra-node; several: inter-node); repeatable")
+    pl.add_argument(
+        "--comm",
+        action="append",
+        default=[],
+        help="a `meshtrain bench comm --out FILE` file measured "
+        "on your cluster (one node: intra-node; several: inter-node); repeatable",
+    )
     pl.add_argument("--memory-gib", type=POSITIVE, help="override the device memory")
-    pl.add_argument("--training.peak_tflops", "--peak-tflops", dest="peak_tflops", type=POSITIVE,
-                    help="override the device's dense peak")
-    pl.add_argument("--efficiency", type=_number(float, 0.01, 1.0), help="sustained fraction of the peak in "
-                    "training matmuls (0.01 to 1)")
+    pl.add_argument(
+        "--training.peak_tflops",
+        "--peak-tflops",
+        dest="peak_tflops",
+        type=POSITIVE,
+        help="override the device's dense peak",
+    )
+    pl.add_argument(
+        "--efficiency",
+        type=_number(float, 0.01, 1.0),
+        help="sustained fraction of the peak in training matmuls (0.01 to 1)",
+    )
     pl.add_argument("--top", type=COUNT, default=10, help="layouts in the table")
     pl.add_argument("--json", action="store_true", help="print JSON (a list `layouts`, best first)")
     pl.add_argument("--write-config", help="write the best layout as a training config to this TOML file")
@@ -188,8 +266,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=COUNT, default=16, help="requests decoded together (KV-cache slots)")
     s.add_argument("--max-context", type=COUNT, help="prompt + completion tokens (default: the model's max_seq_len)")
     _add_device(s)
-    s.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="serving precision (auto: bf16 on a GPU, else fp32)")
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="serving precision (auto: bf16 on a GPU, else fp32)",
+    )
 
     g = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
     g.add_argument("model", help="a run directory, a checkpoint, or a directory `meshtrain export` wrote")
@@ -204,14 +286,25 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="print the launch environment this process detects")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.add_argument("--all-ranks", action="store_true", help="print on every rank, not only rank 0")
-    e.add_argument("--launch.env", "--launcher", dest="launcher", default="auto",
-                   help="force an environment: " + ", ".join(_launchers()))
+    e.add_argument(
+        "--launch.env",
+        "--launcher",
+        dest="launcher",
+        default="auto",
+        help="force an environment: " + ", ".join(_launchers()),
+    )
     return p
 
 
 def _add_device(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--launch.device", "--device", dest="device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="auto: CUDA where there is a GPU, else the CPU")
+    parser.add_argument(
+        "--launch.device",
+        "--device",
+        dest="device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: CUDA where there is a GPU, else the CPU",
+    )
 
 
 def _presets() -> tuple[str, ...]:
@@ -256,8 +349,13 @@ def _add_config_keys(parser: argparse.ArgumentParser) -> None:
         section = key.split(".")[0]
         if section not in groups:
             groups[section] = parser.add_argument_group(f"[{section}] config keys")
-        groups[section].add_argument(f"--{key}", action=_ConfigKey, metavar=metavar(hint), default=argparse.SUPPRESS,
-                                     help=f"{doc} (default: {default!r})".replace("%", "%%"))
+        groups[section].add_argument(
+            f"--{key}",
+            action=_ConfigKey,
+            metavar=metavar(hint),
+            default=argparse.SUPPRESS,
+            help=f"{doc} (default: {default!r})".replace("%", "%%"),
+        )
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -266,12 +364,19 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     in_worker = "RANK" in os.environ  # a worker started by torch elastic (ours or torchrun)
-    launcher_flags = {"--nnodes": args.nnodes, "--node-rank": args.node_rank, "--master-addr": args.master_addr,
-                      "--master-port": args.master_port, "--max-restarts": args.max_restarts}
+    launcher_flags = {
+        "--nnodes": args.nnodes,
+        "--node-rank": args.node_rank,
+        "--master-addr": args.master_addr,
+        "--master-port": args.master_port,
+        "--max-restarts": args.max_restarts,
+    }
     given = [flag for flag, value in launcher_flags.items() if value is not None]
     if given and args.nproc is None:
-        raise MeshtrainError(f"{', '.join(given)} configure meshtrain's own launcher: add --nproc N (workers per "
-                             "node), or leave them to your launcher (torchrun, srun, mpirun)")
+        raise MeshtrainError(
+            f"{', '.join(given)} configure meshtrain's own launcher: add --nproc N (workers per "
+            "node), or leave them to your launcher (torchrun, srun, mpirun)"
+        )
     if args.node_rank is not None and args.node_rank >= (args.nnodes or 1):
         raise MeshtrainError(f"--node-rank {args.node_rank} must be below --nnodes ({args.nnodes or 1})")
     if args.nproc is not None and not in_worker:
@@ -280,11 +385,19 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         setup_logging(0, cfg.run.log_level)
         dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
-        check_training(cfg, args.nproc * (args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))),
-                       dataset.vocab_size)
+        check_training(
+            cfg, args.nproc * (args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))), dataset.vocab_size
+        )
         worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
-        return launch_workers(args.nproc, worker_argv, args.max_restarts or 0, args.nnodes, args.node_rank,
-                              args.master_addr, args.master_port)
+        return launch_workers(
+            args.nproc,
+            worker_argv,
+            args.max_restarts or 0,
+            args.nnodes,
+            args.node_rank,
+            args.master_addr,
+            args.master_port,
+        )
 
     from meshtrain.train import train
 
@@ -295,11 +408,25 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
     from meshtrain.config import load_config, parse_duration
     from meshtrain.launch.jobscript import JobSpec, render
 
-    spec = JobSpec(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                   procs_per_node=args.procs_per_node, time=args.time, partition=args.partition, account=args.account,
-                   job_name=args.job_name, container_image=args.container_image,
-                   container_mounts=args.container_mounts, container_workdir=args.container_workdir, mode=args.mode, sge_pe=args.pe,
-                   modules=args.module, instance_type=args.instance_type, venv=args.venv, train_args=train_args)
+    spec = JobSpec(
+        config=args.config,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        procs_per_node=args.procs_per_node,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        job_name=args.job_name,
+        container_image=args.container_image,
+        container_mounts=args.container_mounts,
+        container_workdir=args.container_workdir,
+        mode=args.mode,
+        sge_pe=args.pe,
+        modules=args.module,
+        instance_type=args.instance_type,
+        venv=args.venv,
+        train_args=train_args,
+    )
     files = render(args.kind, spec)
     load_config(args.config, train_args)  # the job must not fail later on its own config
     parse_duration(args.time, "--time")
@@ -328,13 +455,18 @@ def _bench_comm(args: argparse.Namespace, argv: list[str]) -> int:
     if unknown:
         raise MeshtrainError(f"--ops {','.join(unknown)} unknown: use {', '.join(BUS_FACTOR)}")
     if not 4 <= args.min_bytes <= args.max_bytes:
-        raise MeshtrainError(f"--min-bytes ({args.min_bytes} bytes) must be at least 4 bytes and at most --max-bytes "
-                             f"({args.max_bytes} bytes)")
+        raise MeshtrainError(
+            f"--min-bytes ({args.min_bytes} bytes) must be at least 4 bytes and at most --max-bytes "
+            f"({args.max_bytes} bytes)"
+        )
     if args.nproc and "RANK" not in os.environ:
         from meshtrain.launch.local import launch_workers
 
-        forwarded = [a for i, a in enumerate(argv)
-                     if a != "--nproc" and not a.startswith("--nproc=") and (i == 0 or argv[i - 1] != "--nproc")]
+        forwarded = [
+            a
+            for i, a in enumerate(argv)
+            if a != "--nproc" and not a.startswith("--nproc=") and (i == 0 or argv[i - 1] != "--nproc")
+        ]
         return launch_workers(args.nproc, forwarded)
     rows = run_comm_bench(ops, args.min_bytes, args.max_bytes, args.iters)
     if rows:
@@ -391,16 +523,33 @@ def main(argv: list[str] | None = None) -> None:
             if args.command == "data":
                 from meshtrain.data import prepare
 
-                manifest = prepare(args.input, args.out, args.tokenizer, args.vocab_size, args.val_fraction,
-                                   args.token_dtype, progress=sys.stderr.isatty())
-                print(f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
-                      f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})")
+                manifest = prepare(
+                    args.input,
+                    args.out,
+                    args.tokenizer,
+                    args.vocab_size,
+                    args.val_fraction,
+                    args.token_dtype,
+                    progress=sys.stderr.isatty(),
+                )
+                print(
+                    f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
+                    f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})"
+                )
                 code = 0
             elif args.command == "serve":
                 from meshtrain.serve import serve
 
-                code = serve(args.model, args.host, args.port, args.api_key, args.max_batch, args.max_context,
-                             args.device, args.dtype)
+                code = serve(
+                    args.model,
+                    args.host,
+                    args.port,
+                    args.api_key,
+                    args.max_batch,
+                    args.max_context,
+                    args.device,
+                    args.dtype,
+                )
             elif args.command == "generate":
                 from meshtrain.serve import generate_to_terminal
 

@@ -61,8 +61,14 @@ def bench_collective(op: str, nbytes: int, device: torch.device, iters: int, war
     elapsed = (time.perf_counter() - start) / iters
     size = numel * 4
     algbw = size / elapsed / 1e9
-    return {"op": op, "bytes": size, "time_us": elapsed * 1e6, "algbw_GBps": algbw,
-            "busbw_GBps": algbw * BUS_FACTOR[op](world), "world_size": world}
+    return {
+        "op": op,
+        "bytes": size,
+        "time_us": elapsed * 1e6,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * BUS_FACTOR[op](world),
+        "world_size": world,
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -83,13 +89,22 @@ def run_comm_bench(ops: list[str], low: int, high: int, iters: int) -> list[dict
     for op in ops:
         for size in sizes_between(low, high):
             iterations = max(1, min(iters, (64 * 2**20) // max(size, 1) or 1))  # fewer calls for big messages
-            rows.append({**bench_collective(op, size, device, iterations),
-                         "nodes": max(1, env.world_size // max(1, env.local_world_size))})
+            rows.append(
+                {
+                    **bench_collective(op, size, device, iterations),
+                    "nodes": max(1, env.world_size // max(1, env.local_world_size)),
+                }
+            )
     return rows if dist.get_rank() == 0 else []
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'op':>15} {'size':>12} {'time (us)':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}   (world {rows[0]['world_size']})"]
+    lines = [
+        f"{'op':>15} {'size':>12} {'time (us)':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+        f"   (world {rows[0]['world_size']})"
+    ]
     for r in rows:
-        lines.append(f"{r['op']:>15} {r['bytes']:>12,} {r['time_us']:>12.1f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
+        lines.append(
+            f"{r['op']:>15} {r['bytes']:>12,} {r['time_us']:>12.1f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}"
+        )
     return "\n".join(lines)

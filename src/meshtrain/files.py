@@ -117,5 +117,7 @@ def ensure_room(directory: Path | str, need_bytes: float, what: str) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(directory).free
     if free < 1.05 * need_bytes:
-        raise WriteError(f"no room for {what} in {directory}: it needs about {need_bytes / 1e9:.2f} GB and "
-                         f"{free / 1e9:.2f} GB are free; free some space or choose a directory on another file system")
+        raise WriteError(
+            f"no room for {what} in {directory}: it needs about {need_bytes / 1e9:.2f} GB and "
+            f"{free / 1e9:.2f} GB are free; free some space or choose a directory on another file system"
+        )

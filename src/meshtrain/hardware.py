@@ -142,8 +142,9 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float
 def bf16_slowdown() -> float:
     """This CPU's time for the probe's work in bf16 kernels over its time in fp32 arithmetic
     (measured once per CPU model and thread count, then cached)."""
-    return cached_measurement(f"{cpu_peak_key(torch.bfloat16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio,
-                              keep_max=False)
+    return cached_measurement(
+        f"{cpu_peak_key(torch.bfloat16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio, keep_max=False
+    )
 
 
 def _bf16_time_ratio(repeats: int = 3) -> float:

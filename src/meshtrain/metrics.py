@@ -11,6 +11,7 @@ from pathlib import Path
 from meshtrain.files import write_json, write_text, writing
 from meshtrain.logs import log
 
+
 class Throughput:
     """Tokens/s, achieved TFLOP/s per device and MFU over the window since the last report."""
 
@@ -41,8 +42,9 @@ class MetricsLogger:
     (start_step > 0) first drops the records of steps after start_step: they were logged by the
     attempt that crashed after its last checkpoint and are about to be logged again."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, tensorboard: bool, progress: bool,
-                 start_step: int = 0):
+    def __init__(
+        self, run_dir: Path, total_steps: int, enabled: bool, tensorboard: bool, progress: bool, start_step: int = 0
+    ):
         self.enabled = enabled
         if not enabled:
             return
@@ -52,8 +54,11 @@ class MetricsLogger:
 
         self.run_dir = run_dir
         path = run_dir / "metrics.jsonl"
-        kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step] \
-            if start_step and path.is_file() else None
+        kept = (
+            [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
+            if start_step and path.is_file()
+            else None
+        )
         if kept is not None:
             write_text(path, "".join(line + "\n" for line in kept))
         with writing(path):
@@ -65,8 +70,14 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(), console=console(), transient=True, disable=not (progress and sys.stdout.isatty()),
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=console(),
+            transient=True,
+            disable=not (progress and sys.stdout.isatty()),
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
         self.progress.start()
@@ -85,13 +96,22 @@ class MetricsLogger:
                 if isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
         parts = [f"step {step:>5}"]
-        for key, fmt in (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
-                         ("tokens_per_s", "{:,.0f}"), ("tflops", "{:.3f}"), ("mfu", "{:.1%}")):
+        for key, fmt in (
+            ("loss", "{:.4f}"),
+            ("val_loss", "{:.4f}"),
+            ("lr", "{:.2e}"),
+            ("grad_norm", "{:.3f}"),
+            ("tokens_per_s", "{:,.0f}"),
+            ("tflops", "{:.3f}"),
+            ("mfu", "{:.1%}"),
+        ):
             if key in metrics:
                 parts.append(f"{key} {fmt.format(metrics[key])}")
         log.info(" | ".join(parts))
         if "loss" in metrics:
-            self.progress.update(self.task, status=f"loss {metrics['loss']:.3f} {metrics.get('tokens_per_s', 0):,.0f} tok/s")
+            self.progress.update(
+                self.task, status=f"loss {metrics['loss']:.3f} {metrics.get('tokens_per_s', 0):,.0f} tok/s"
+            )
 
     def write_json(self, name: str, obj) -> None:
         if self.enabled:

@@ -22,8 +22,11 @@ import os
 
 
 def _dies_here(var: str, step: int) -> bool:
-    return (os.environ.get(var) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            and os.environ.get("MESHTRAIN_FAIL_RANK", "0") == os.environ.get("RANK", "0"))
+    return (
+        os.environ.get(var) == str(step)
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        and os.environ.get("MESHTRAIN_FAIL_RANK", "0") == os.environ.get("RANK", "0")
+    )
 
 
 def _die(what: str) -> None:
@@ -32,8 +35,15 @@ def _die(what: str) -> None:
 
 
 def _install() -> None:
-    names = ("MESHTRAIN_FAIL_AT_STEP", "MESHTRAIN_FAIL_IN_SAVE_AT_STEP", "MESHTRAIN_STEP_SLEEP", "MESHTRAIN_ENOSPC_AT_STEP",
-             "MESHTRAIN_STDOUT_PAUSE", "MESHTRAIN_RNG_PROBE", "MESHTRAIN_JITTER")
+    names = (
+        "MESHTRAIN_FAIL_AT_STEP",
+        "MESHTRAIN_FAIL_IN_SAVE_AT_STEP",
+        "MESHTRAIN_STEP_SLEEP",
+        "MESHTRAIN_ENOSPC_AT_STEP",
+        "MESHTRAIN_STDOUT_PAUSE",
+        "MESHTRAIN_RNG_PROBE",
+        "MESHTRAIN_JITTER",
+    )
     if not any(os.environ.get(n) for n in names):
         return
     if os.environ.get("MESHTRAIN_STDOUT_PAUSE"):

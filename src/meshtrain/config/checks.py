@@ -30,18 +30,31 @@ def validate(cfg: Config) -> None:
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset = {m.preset!r} is unknown: use one of {', '.join(PRESETS)}")
     if m.init_from and not (m.init_from.startswith("hf:") and Path(m.init_from[3:], "config.json").is_file()):
-        raise ConfigError(f"model.init_from = {m.init_from!r}: use \"hf:DIR\" with a local Hugging Face Llama "
-                          "directory (config.json + safetensors)")
+        raise ConfigError(
+            f'model.init_from = {m.init_from!r}: use "hf:DIR" with a local Hugging Face Llama '
+            "directory (config.json + safetensors)"
+        )
     for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "eval_batches", "ac_every"):
         _positive(getattr(t, key), f"training.{key}")
     for key in ("log_every", "sample_tokens", "save_model_max_gb"):
         _positive(getattr(r, key), f"run.{key}")
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                "rope_theta", "norm_eps", "vocab_multiple"):
+    for key in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_dim",
+        "vocab_size",
+        "max_seq_len",
+        "rope_theta",
+        "norm_eps",
+        "vocab_multiple",
+    ):
         if getattr(m, key) is not None:
             _positive(getattr(m, key), f"model.{key}")
-    _at_least_zero(t, "training", "warmup_steps", "eval_every", "grad_clip", "weight_decay", "peak_tflops",
-                   "stop_at_step")
+    _at_least_zero(
+        t, "training", "warmup_steps", "eval_every", "grad_clip", "weight_decay", "peak_tflops", "stop_at_step"
+    )
     _at_least_zero(c, "checkpoint", "every")
     for key in ("tp", "pp", "dp_replicate", "pp_virtual_stages"):
         _positive(getattr(cfg.parallel, key), f"parallel.{key}")
@@ -67,17 +80,22 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
     if args.dim % args.n_heads:
         raise ConfigError(f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads})")
     if args.head_dim % 2:
-        raise ConfigError(f"head dimension model.dim / model.n_heads = {args.head_dim} must be even for rotary "
-                          "embeddings")
+        raise ConfigError(
+            f"head dimension model.dim / model.n_heads = {args.head_dim} must be even for rotary embeddings"
+        )
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_heads ({args.n_heads}) must be a multiple of model.n_kv_heads ({args.n_kv_heads})")
     if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len ({cfg.training.seq_len}) is longer than the model allows "
-                          f"(model.max_seq_len = {args.max_seq_len}); lower it or raise model.max_seq_len")
+        raise ConfigError(
+            f"training.seq_len ({cfg.training.seq_len}) is longer than the model allows "
+            f"(model.max_seq_len = {args.max_seq_len}); lower it or raise model.max_seq_len"
+        )
     explicit_vocab = cfg.model.vocab_size is not None or cfg.model.init_from
     if data_vocab_size is not None and explicit_vocab and args.vocab_size < data_vocab_size:
-        raise ConfigError(f"the model's vocabulary ({args.vocab_size}) is smaller than the data's ({data_vocab_size}); "
-                          "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from")
+        raise ConfigError(
+            f"the model's vocabulary ({args.vocab_size}) is smaller than the data's ({data_vocab_size}); "
+            "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from"
+        )
 
 
 SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
@@ -96,7 +114,7 @@ def parse_size(text: str) -> int:
 
 
 def parse_duration(text: str, key: str) -> float:
-    """"HH:MM:SS", "MM:SS", "D-HH:MM:SS" (Slurm) or seconds -> seconds; "" -> 0 (no limit)."""
+    """ "HH:MM:SS", "MM:SS", "D-HH:MM:SS" (Slurm) or seconds -> seconds; "" -> 0 (no limit)."""
     if not text:
         return 0.0
     try:
@@ -110,4 +128,3 @@ def parse_duration(text: str, key: str) -> float:
     if seconds <= 0:
         raise ConfigError(f"{key} = {text!r} must be positive")
     return seconds
-

@@ -17,8 +17,7 @@ from meshtrain.config.schema import ALIASES, SECTIONS, Config
 from meshtrain.errors import ConfigError
 
 
-def load_config(path: str | os.PathLike | None = None,
-                overrides: list[str] | dict[str, Any] | None = None) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
     """Read a TOML file (or start from defaults), apply overrides, check values. Overrides are the
     command line's `["--section.key", "VALUE", ...]` (parsed by each key's type) or, from code, a
     dict of typed values `{"training.steps": 50, "parallel.tp": 2}` (type-checked as TOML values)."""
@@ -72,7 +71,9 @@ def _field(cfg: Config, key: str) -> tuple[Any, str, Any]:
         raise ConfigError(f"unknown config key {key!r}: sections are {', '.join(SECTIONS)}")
     hints = typing.get_type_hints(type(section))
     if name not in hints:
-        raise ConfigError(f"unknown config key {key!r}: keys of [{section_name}] are {', '.join(_field_names(section))}")
+        raise ConfigError(
+            f"unknown config key {key!r}: keys of [{section_name}] are {', '.join(_field_names(section))}"
+        )
     return section, name, hints[name]
 
 
@@ -130,10 +131,12 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
         if value not in typing.get_args(hint):
             raise ConfigError(f"{key} = {value!r} is not allowed: use {describe_type(hint)}")
         return value
-    ok = ((hint is bool and isinstance(value, bool))
-          or (hint is int and isinstance(value, int) and not isinstance(value, bool))
-          or (hint is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-          or (hint is str and isinstance(value, str)))
+    ok = (
+        (hint is bool and isinstance(value, bool))
+        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
+        or (hint is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (hint is str and isinstance(value, str))
+    )
     if not ok:
         raise ConfigError(f"{key} = {value!r} has the wrong type: it must be {describe_type(hint)}")
     if hint is float and not math.isfinite(value):
@@ -158,4 +161,3 @@ def _from_text(text: str, hint: Any, key: str) -> Any:
         return _check_type(hint(text), hint, key)
     except ValueError:
         raise ConfigError(f"--{key} {text!r} has the wrong type: it must be {describe_type(hint)}") from None
-

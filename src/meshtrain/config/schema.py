@@ -1,5 +1,6 @@
 """The config tree: one dataclass per section, each field documented by the string under it (that
-docstring is its `meshtrain train --help` line). A leaf: nothing here calls into other parts."""
+docstring is its `meshtrain train --help` line). It reads only the model's shape (ModelArgs, the
+presets) from model/; the checks live in checks.py, reading in loading.py."""
 
 from __future__ import annotations
 
@@ -241,8 +242,14 @@ def config_keys() -> list[tuple[str, Any, Any, str]]:
     for section, cls in typing.get_type_hints(Config).items():
         hints, docs, defaults = typing.get_type_hints(cls), field_docs(cls), cls()
         for f in dataclasses.fields(cls):
-            keys.append((f"{section}.{inverse.get(f.name, f.name)}", hints[f.name], getattr(defaults, f.name),
-                         docs.get(f.name, "")))
+            keys.append(
+                (
+                    f"{section}.{inverse.get(f.name, f.name)}",
+                    hints[f.name],
+                    getattr(defaults, f.name),
+                    docs.get(f.name, ""),
+                )
+            )
     return keys
 
 

@@ -48,8 +48,9 @@ class TokenWindows:
 class DistributedLoader:
     """Yields this DP rank's slice of each global batch, in the seeded global order."""
 
-    def __init__(self, windows: TokenWindows, global_batch: int, dp_rank: int, dp_size: int, seed: int,
-                 pin_memory: bool = False):
+    def __init__(
+        self, windows: TokenWindows, global_batch: int, dp_rank: int, dp_size: int, seed: int, pin_memory: bool = False
+    ):
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by DP degree {dp_size}")
         self.windows, self.global_batch, self.seed = windows, global_batch, seed
@@ -73,21 +74,27 @@ class DistributedLoader:
         return self.windows.gather(windows, self.pin_memory)
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "seq_len": self.windows.seq_len,
-                "n_windows": len(self.windows)}
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "seq_len": self.windows.seq_len,
+            "n_windows": len(self.windows),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["seq_len"] != self.windows.seq_len or state["n_windows"] != len(self.windows):
             raise DataError(
                 f"the data loader state was saved for {state['n_windows']} windows of {state['seq_len']} tokens, "
-                f"but the data now has {len(self.windows)} of {self.windows.seq_len}: the data or training.seq_len changed"
+                f"but the data now has {len(self.windows)} of {self.windows.seq_len}: the data or "
+                "training.seq_len changed"
             )
         self.consumed, self.seed = state["consumed"], state["seed"]
         self._epoch = -1
 
 
-def validation_batches(windows: TokenWindows, n_batches: int, global_batch: int, dp_rank: int,
-                       dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def validation_batches(
+    windows: TokenWindows, n_batches: int, global_batch: int, dp_rank: int, dp_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first n_batches global batches of the validation file, in file order (wrapping)."""
     local = global_batch // dp_size
     out = []

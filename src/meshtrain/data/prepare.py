@@ -35,6 +35,8 @@ def end_of_text(tokenizer) -> tuple[str | None, int | None]:
     training's sample, `generate` and `serve` stop on it, export names it."""
     token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
     return token, tokenizer.token_to_id(token) if token else None
+
+
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 MANIFEST = "manifest.json"
@@ -204,8 +206,9 @@ def prepare(
     return manifest
 
 
-def _write_tokens(out: Path, tok, train_docs: list[Document], val_docs: list[Document], eos_id: int | None,
-                  dtype: str, progress: bool) -> dict[str, int]:
+def _write_tokens(
+    out: Path, tok, train_docs: list[Document], val_docs: list[Document], eos_id: int | None, dtype: str, progress: bool
+) -> dict[str, int]:
     """train.bin and val.bin: each document's tokens, then EOS; returns the token counts."""
     from rich.progress import Progress
 

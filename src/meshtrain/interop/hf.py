@@ -56,8 +56,11 @@ def to_hf_name(name: str) -> str:
     if name.startswith("layers."):
         _, i, rest = name.split(".", 2)
         return f"model.layers.{i}.{LAYER_NAMES[rest]}"
-    return {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight"}[name]
+    return {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }[name]
 
 
 FROM_HF = {v: k for k, v in LAYER_NAMES.items()}
@@ -67,8 +70,11 @@ def from_hf_name(name: str) -> str:
     if name.startswith("model.layers."):
         _, _, i, rest = name.split(".", 3)
         return f"layers.{i}.{FROM_HF[rest]}"
-    return {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-            "lm_head.weight": "output.weight"}[name]
+    return {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+    }[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +90,10 @@ def _resolve_source(source: Path) -> tuple[Path | None, Path]:
         return ckpts[-1], source
     if (source / "model.safetensors").is_file():
         return None, source
-    raise MeshtrainError(f"{source} holds neither a committed checkpoint nor model.safetensors: pass a run "
-                         "directory or a checkpoints/step_N directory")
+    raise MeshtrainError(
+        f"{source} holds neither a committed checkpoint nor model.safetensors: pass a run "
+        "directory or a checkpoints/step_N directory"
+    )
 
 
 def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
@@ -177,8 +185,9 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
         (tmp / "config.json").write_text(json.dumps(hf_config(args, eos_id), indent=2))
         generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token=eos, bos_token=eos,
-                                chat_template=DEFAULT_CHAT_TEMPLATE).save_pretrained(tmp)
+        PreTrainedTokenizerFast(
+            tokenizer_file=str(tokenizer_file), eos_token=eos, bos_token=eos, chat_template=DEFAULT_CHAT_TEMPLATE
+        ).save_pretrained(tmp)
         (tmp / "meshtrain.json").write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
     return out
 
@@ -196,11 +205,17 @@ def hf_model_args(directory: str | Path, vocab_multiple: int = 64) -> ModelArgs:
         raise MeshtrainError(f"model.init_from: {path} is a {c.get('model_type')!r} model, not 'llama'")
     rope = c.get("rope_parameters") or {}
     return ModelArgs(
-        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
-        n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]), ffn_dim=c["intermediate_size"],
-        vocab_size=c["vocab_size"], max_seq_len=c.get("max_position_embeddings", 2048),
-        rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))), norm_eps=c.get("rms_norm_eps", 1e-5),
-        tie_embeddings=c.get("tie_word_embeddings", False), vocab_multiple=vocab_multiple,
+        dim=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=c["num_attention_heads"],
+        n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        ffn_dim=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        max_seq_len=c.get("max_position_embeddings", 2048),
+        rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        norm_eps=c.get("rms_norm_eps", 1e-5),
+        tie_embeddings=c.get("tie_word_embeddings", False),
+        vocab_multiple=vocab_multiple,
     )
 
 
@@ -208,7 +223,9 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     state = {}
     for name in files:
         if not (directory / name).is_file():
@@ -224,10 +241,16 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
     wanted = {clean_fqn(n): p for part in parts for n, p in part.named_parameters()}
     unknown = [n for n in hf if _safe(from_hf_name, n) is None and not n.endswith("rotary_emb.inv_freq")]
     if unknown:
-        raise MeshtrainError(f"model.init_from: {directory} has weights meshtrain cannot place: {', '.join(unknown[:3])}")
+        raise MeshtrainError(
+            f"model.init_from: {directory} has weights meshtrain cannot place: {', '.join(unknown[:3])}"
+        )
     with torch.no_grad():
         for ours, param in wanted.items():
-            name = to_hf_name(ours) if not (args.tie_embeddings and ours == "output.weight") else "model.embed_tokens.weight"
+            name = (
+                to_hf_name(ours)
+                if not (args.tie_embeddings and ours == "output.weight")
+                else "model.embed_tokens.weight"
+            )
             if name not in hf:
                 raise MeshtrainError(f"model.init_from: {directory} has no {name} (needed for {ours})")
             t = hf[name].float()
@@ -240,8 +263,9 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
                 full[: t.shape[0]] = t
                 t = full
             if tuple(t.shape) != tuple(param.shape):
-                raise MeshtrainError(f"model.init_from: {name} has shape {tuple(t.shape)}, the model needs "
-                                     f"{tuple(param.shape)}")
+                raise MeshtrainError(
+                    f"model.init_from: {name} has shape {tuple(t.shape)}, the model needs {tuple(param.shape)}"
+                )
             copy_full_into(param, t)
 
 
@@ -250,4 +274,3 @@ def _safe(fn, arg):
         return fn(arg)
     except (KeyError, ValueError):
         return None
-

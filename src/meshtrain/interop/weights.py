@@ -49,6 +49,8 @@ def save_model(state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path) -
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in state.items() if not (args.tie_embeddings and k == "output.weight")}
-    path = atomic_write(run_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    path = atomic_write(
+        run_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
+    )
     write_text(run_dir / "model.json", json.dumps(dataclasses.asdict(args), indent=2))
     return path

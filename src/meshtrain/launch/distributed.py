@@ -22,7 +22,8 @@ def pick_device(env: LaunchEnv, choice: str = "auto") -> torch.device:
         raise ConfigError(
             f"{env.launcher}: {env.local_world_size} tasks per node but {gpus} GPUs per node; start one task per GPU "
             f"(e.g. srun --ntasks-per-node={gpus}, mpirun -npernode {gpus}), or train on the CPU with "
-            "--launch.device cpu")
+            "--launch.device cpu"
+        )
     return torch.device("cuda", env.local_rank)
 
 

@@ -47,9 +47,14 @@ class LaunchEnv:
 
     def export(self) -> None:
         """Set the variables torch.distributed's env:// rendezvous reads."""
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-                          LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=self.master_addr,
-                          MASTER_PORT=str(self.master_port))
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
 
 
 class ClusterEnvironment(ABC):
@@ -82,8 +87,12 @@ class ClusterEnvironment(ABC):
     def label(self) -> str:
         """The launcher, with the scheduler that allocated the hosts when it is not the launcher."""
         if self.name in ("openmpi", "mpich"):
-            for scheduler, key in (("slurm", "SLURM_JOB_ID"), ("sge", "PE_HOSTFILE"), ("sge", "SGE_JOB_HOSTLIST"),
-                                   ("pbs", "PBS_JOBID")):
+            for scheduler, key in (
+                ("slurm", "SLURM_JOB_ID"),
+                ("sge", "PE_HOSTFILE"),
+                ("sge", "SGE_JOB_HOSTLIST"),
+                ("pbs", "PBS_JOBID"),
+            ):
                 if self.env.get(key):
                     return f"{self.name}+{scheduler}"
         return self.name
@@ -117,10 +126,21 @@ class ClusterEnvironment(ABC):
 
     def resolve(self) -> LaunchEnv:
         if self.world_size < 1 or self.local_world_size < 1:
-            raise MeshtrainError(f"{self.name}: world size {self.world_size} with {self.local_world_size} per node: "
-                                 "both must be at least 1; check the launcher's task counts")
-        launch = LaunchEnv(self.label(), self.rank, self.world_size, self.local_rank, self.local_world_size,
-                           self.node_rank, self.master_addr, self.master_port, self.job_id)
+            raise MeshtrainError(
+                f"{self.name}: world size {self.world_size} with {self.local_world_size} per node: "
+                "both must be at least 1; check the launcher's task counts"
+            )
+        launch = LaunchEnv(
+            self.label(),
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            self.local_world_size,
+            self.node_rank,
+            self.master_addr,
+            self.master_port,
+            self.job_id,
+        )
         check_consistent(launch)
         return launch
 
@@ -136,8 +156,10 @@ class TorchElastic(ClusterEnvironment):
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in self.env]
         if missing:
             present = "WORLD_SIZE" if "RANK" in missing else "RANK"
-            raise MeshtrainError(f"{missing[0]} is missing from the environment while {present} is set; "
-                                 "set both (torchrun does) or neither")
+            raise MeshtrainError(
+                f"{missing[0]} is missing from the environment while {present} is set; "
+                "set both (torchrun does) or neither"
+            )
         return super().resolve()
 
     rank = property(lambda self: self.int("RANK"))
@@ -179,8 +201,11 @@ class AzureML(OpenMPI):
     @property
     def master_port(self) -> int:
         host_port = self.env["AZ_BATCH_MASTER_NODE"].split(":")
-        return self.int("MASTER_PORT") if self.env.get("MASTER_PORT") else (
-            int(host_port[1]) if len(host_port) > 1 else port_from_job_id(self.job_id))
+        return (
+            self.int("MASTER_PORT")
+            if self.env.get("MASTER_PORT")
+            else (int(host_port[1]) if len(host_port) > 1 else port_from_job_id(self.job_id))
+        )
 
 
 class MPICH(ClusterEnvironment):
@@ -241,7 +266,11 @@ class Single(ClusterEnvironment):
 
 
 ENVIRONMENTS: dict[str, type[ClusterEnvironment]] = {
-    "torchrun": TorchElastic, "azureml": AzureML, "openmpi": OpenMPI, "mpich": MPICH, "slurm": Slurm,
+    "torchrun": TorchElastic,
+    "azureml": AzureML,
+    "openmpi": OpenMPI,
+    "mpich": MPICH,
+    "slurm": Slurm,
     "single": Single,
 }
 assert ("auto", *ENVIRONMENTS) == LAUNCHERS

@@ -98,13 +98,17 @@ def slurm(spec: JobSpec) -> str:
             srun += [f"--container-mounts={spec.container_mounts}"]
         srun += [f"--container-workdir={spec.container_workdir or '$PWD'}"]
     if spec.mode == "task-per-rank":
-        lines += ["# Every task is one rank; meshtrain reads SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS",
-                  "# and takes the first host of SLURM_JOB_NODELIST as the rendezvous address.",
-                  " ".join(srun) + " " + spec.train_command()]
+        lines += [
+            "# Every task is one rank; meshtrain reads SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS",
+            "# and takes the first host of SLURM_JOB_NODELIST as the rendezvous address.",
+            " ".join(srun) + " " + spec.train_command(),
+        ]
     else:
-        lines += ["# One task per node runs torch elastic's agent with --nproc ranks; the agents meet in a c10d",
-                  "# rendezvous on the first host (port derived from the job id).",
-                  " ".join(srun) + " " + spec.train_command(spec.per_node)]
+        lines += [
+            "# One task per node runs torch elastic's agent with --nproc ranks; the agents meet in a c10d",
+            "# rendezvous on the first host (port derived from the job id).",
+            " ".join(srun) + " " + spec.train_command(spec.per_node),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -113,7 +117,8 @@ def sge(spec: JobSpec) -> str:
         "#!/bin/bash",
         "# Submit with: mkdir -p logs && qsub THIS_FILE",
         f"#$ -N {spec.job_name}",
-        f"#$ -pe {spec.sge_pe} {spec.world}                # parallel environment and slots (ranks)" if spec.sge_pe
+        f"#$ -pe {spec.sge_pe} {spec.world}                # parallel environment and slots (ranks)"
+        if spec.sge_pe
         else f"#$ -l rt_F={spec.nodes}               # ABCI: full nodes (other SGE sites: --pe mpi)",
         f"#$ -l h_rt={spec.time}          # wall-clock limit",
         "#$ -cwd                         # run in the submission directory",
@@ -122,8 +127,12 @@ def sge(spec: JobSpec) -> str:
     ]
     if spec.account:
         lines.append(f"#$ -g {spec.account}                  # ABCI group to charge")
-    lines += ["", "set -euo pipefail", "# shellcheck disable=SC1091  # the site's module system",
-              "source /etc/profile.d/modules.sh 2>/dev/null || true"]
+    lines += [
+        "",
+        "set -euo pipefail",
+        "# shellcheck disable=SC1091  # the site's module system",
+        "source /etc/profile.d/modules.sh 2>/dev/null || true",
+    ]
     lines += [f"module load {m}" for m in spec.modules]
     lines += [
         "",
@@ -132,11 +141,11 @@ def sge(spec: JobSpec) -> str:
         'HOSTFILE="${SGE_JOB_HOSTLIST:-${PE_HOSTFILE:-}}"',
         'if [ -n "${PE_HOSTFILE:-}" ] && [ -z "${SGE_JOB_HOSTLIST:-}" ]; then',
         '    HOSTFILE="$(mktemp)"',
-        "    awk '{print $1}' \"$PE_HOSTFILE\" > \"$HOSTFILE\"",
+        '    awk \'{print $1}\' "$PE_HOSTFILE" > "$HOSTFILE"',
         "fi",
         "",
         "# Ranks come from MPI (OMPI_COMM_WORLD_*); the first host is the rendezvous address.",
-        f"mpirun -npernode {spec.per_node} -np {spec.world} --hostfile \"$HOSTFILE\" {spec.train_command()}",
+        f'mpirun -npernode {spec.per_node} -np {spec.world} --hostfile "$HOSTFILE" {spec.train_command()}',
     ]
     return "\n".join(lines) + "\n"
 
@@ -156,39 +165,56 @@ def pbs(spec: JobSpec) -> str:
     if spec.account:
         lines.append(f"#PBS -A {spec.account}")
     lines += [
-        "", "set -euo pipefail", 'cd "$PBS_O_WORKDIR"', *(f"module load {m}" for m in spec.modules), "",
+        "",
+        "set -euo pipefail",
+        'cd "$PBS_O_WORKDIR"',
+        *(f"module load {m}" for m in spec.modules),
+        "",
         NCCL_KNOBS,
         "# PBS_NODEFILE lists each host once per MPI process; the first is the rendezvous address.",
-        f"mpirun -np {spec.world} --hostfile \"$PBS_NODEFILE\" {spec.train_command()}",
+        f'mpirun -np {spec.world} --hostfile "$PBS_NODEFILE" {spec.train_command()}',
     ]
     return "\n".join(lines) + "\n"
 
 
 def mpirun(spec: JobSpec) -> str:
-    return "\n".join([
-        "#!/bin/bash",
-        "# Plain MPI over a hostfile: one line per host, e.g. `node1 slots=8`.",
-        "set -euo pipefail",
-        'HOSTFILE="${1:-hostfile}"',
-        "",
-        NCCL_KNOBS,
-        "# Ranks come from OMPI_COMM_WORLD_*. With several hosts set MASTER_ADDR to the first one.",
-        'MASTER_ADDR="$(awk \'NR==1{print $1}\' "$HOSTFILE")"',
-        "export MASTER_ADDR",
-        f"mpirun -np {spec.world} -npernode {spec.per_node} --hostfile \"$HOSTFILE\" -x MASTER_ADDR "
-        f"{spec.train_command()}",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                "#!/bin/bash",
+                "# Plain MPI over a hostfile: one line per host, e.g. `node1 slots=8`.",
+                "set -euo pipefail",
+                'HOSTFILE="${1:-hostfile}"',
+                "",
+                NCCL_KNOBS,
+                "# Ranks come from OMPI_COMM_WORLD_*. With several hosts set MASTER_ADDR to the first one.",
+                'MASTER_ADDR="$(awk \'NR==1{print $1}\' "$HOSTFILE")"',
+                "export MASTER_ADDR",
+                f'mpirun -np {spec.world} -npernode {spec.per_node} --hostfile "$HOSTFILE" -x MASTER_ADDR '
+                f"{spec.train_command()}",
+            ]
+        )
+        + "\n"
+    )
 
 
 def torchrun(spec: JobSpec) -> str:
-    lines = ["#!/bin/bash", "# Run on every node, with NODE_RANK = 0 .. "
-             f"{spec.nodes - 1} and HEAD = the address of node 0.", "set -euo pipefail",
-             'NODE_RANK="${NODE_RANK:?set NODE_RANK}"', 'HEAD="${HEAD:?set HEAD to the first node}"', "", NCCL_KNOBS]
+    lines = [
+        "#!/bin/bash",
+        f"# Run on every node, with NODE_RANK = 0 .. {spec.nodes - 1} and HEAD = the address of node 0.",
+        "set -euo pipefail",
+        'NODE_RANK="${NODE_RANK:?set NODE_RANK}"',
+        'HEAD="${HEAD:?set HEAD to the first node}"',
+        "",
+        NCCL_KNOBS,
+    ]
     if spec.nodes == 1:
         lines.append(spec.train_command(spec.per_node))
     else:
-        lines.append(f"{spec.train_command(spec.per_node)} --nnodes {spec.nodes} --node-rank \"$NODE_RANK\" "
-                     "--master-addr \"$HEAD\" --master-port 29500")
+        lines.append(
+            f'{spec.train_command(spec.per_node)} --nnodes {spec.nodes} --node-rank "$NODE_RANK" '
+            '--master-addr "$HEAD" --master-port 29500'
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -213,7 +239,7 @@ Scheduling:
   SlurmQueues:
     - Name: gpu
       ComputeResources:
-        - Name: {spec.instance_type.replace('.', '-')}
+        - Name: {spec.instance_type.replace(".", "-")}
           InstanceType: {spec.instance_type}
           MinCount: 0                    # scale to zero when idle
           MaxCount: {spec.nodes}

@@ -16,8 +16,9 @@ FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = 600
 
 
-def rendezvous_args(nnodes: int | None, node_rank: int | None, master_addr: str | None,
-                    master_port: int | None, env: dict[str, str]) -> list[str]:
+def rendezvous_args(
+    nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None, env: dict[str, str]
+) -> list[str]:
     """torchrun's rendezvous options. One node: standalone. --node-rank given: static rendezvous at
     --master-addr (like torchrun). One srun task per node: c10d rendezvous on the first Slurm host,
     keyed by the job id."""
@@ -32,15 +33,28 @@ def rendezvous_args(nnodes: int | None, node_rank: int | None, master_addr: str 
     addr = master_addr or first_scheduler_host(env) or "127.0.0.1"
     port = master_port or port_from_job_id(job_id)
     if node_rank is not None:
-        return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", addr,
-                "--master-port", str(port)]
-    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}",
-            "--rdzv-id", job_id]
+        return [
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            addr,
+            "--master-port",
+            str(port),
+        ]
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}", "--rdzv-id", job_id]
 
 
-def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0, nnodes: int | None = None,
-                   node_rank: int | None = None, master_addr: str | None = None,
-                   master_port: int | None = None) -> int:
+def launch_workers(
+    nproc: int,
+    worker_argv: list[str],
+    max_restarts: int = 0,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> int:
     """Run `python -m meshtrain <worker_argv>` in nproc processes on this node (torch elastic's
     agent); with several nodes, one such launcher per node. Returns the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -58,15 +72,30 @@ def launch_workers(nproc: int, worker_argv: list[str], max_restarts: int = 0, nn
     # The workers must not take this launcher's Slurm task variables for their own ranks.
     for key in [k for k in os.environ if k.startswith(("SLURM_PROCID", "SLURM_LOCALID", "PMI_", "OMPI_COMM_WORLD"))]:
         os.environ.pop(key)
-    argv = [*rdzv, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.5", "--signals-to-handle", FORWARDED_SIGNALS,
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "-m", "meshtrain", *worker_argv]
+    argv = [
+        *rdzv,
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.5",
+        "--signals-to-handle",
+        FORWARDED_SIGNALS,
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        "-m",
+        "meshtrain",
+        *worker_argv,
+    ]
     try:
         run(get_args_parser().parse_args(argv))
     except SignalException as e:  # the agent has passed the signal on and waited for the workers to stop
         interrupted = e.sigval == signal.SIGINT
-        log.warning(f"{'interrupted' if interrupted else 'preempted'} ({e.sigval.name}): the workers checkpointed "
-                    "and stopped; run the same command again to continue")
+        log.warning(
+            f"{'interrupted' if interrupted else 'preempted'} ({e.sigval.name}): the workers checkpointed "
+            "and stopped; run the same command again to continue"
+        )
         return INTERRUPTED_EXIT_CODE if interrupted else PREEMPTED_EXIT_CODE
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}

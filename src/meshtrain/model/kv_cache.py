@@ -27,8 +27,16 @@ class KVCache:
         self.max_len = max_len
 
 
-def _attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _attention(
+    attn,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     batch, seq, _ = x.shape
     q = apply_rope(attn.wq(x).view(batch, seq, -1, attn.head_dim), cos, sin)
     k = apply_rope(attn.wk(x).view(batch, seq, -1, attn.head_dim), cos, sin)
@@ -40,14 +48,16 @@ def _attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
     # Causal within the cache: a query at position p sees the keys at positions <= p of its own slot.
     mask = torch.arange(length, device=x.device)[None, None, None, :] <= positions[:, None, :, None]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True
+    )
     return attn.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 @torch.inference_mode()
-def forward_cached(model: Llama, cache: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor) -> torch.Tensor:
+def forward_cached(
+    model: Llama, cache: KVCache, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """tokens and positions (batch, seq) of the sequences in cache `slots` (batch,) -> logits of the
     last token of each row (batch, vocab), padding rows of the vocabulary dropped."""
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]

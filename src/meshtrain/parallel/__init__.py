@@ -1,6 +1,6 @@
 """Layouts, composed the way torchtitan does: one small function per technique, applied in order
-bf16 arithmetic choice -> TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise -> DDP; pipeline stages
-first."""
+bf16 arithmetic choice -> TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise
+-> DDP; pipeline stages first."""
 
 from __future__ import annotations
 
@@ -20,8 +20,19 @@ from meshtrain.parallel.pipeline import build_schedule, pipeline_stage_modules
 from meshtrain.parallel.precision import apply_fp32_compute, arithmetic_dtype, wants_fp32_compute
 from meshtrain.parallel.tensor_parallel import apply_tp
 
-__all__ = ["ParallelDims", "ParallelModel", "apply_ac", "apply_compile", "apply_ddp", "apply_fp32_compute",
-           "apply_fsdp", "apply_tp", "arithmetic_dtype", "parallelize", "wants_fp32_compute"]
+__all__ = [
+    "ParallelDims",
+    "ParallelModel",
+    "apply_ac",
+    "apply_compile",
+    "apply_ddp",
+    "apply_fp32_compute",
+    "apply_fsdp",
+    "apply_tp",
+    "arithmetic_dtype",
+    "parallelize",
+    "wants_fp32_compute",
+]
 
 
 @dataclass
@@ -49,14 +60,16 @@ class ParallelModel:
         return [p for part in self.parts for p in part.parameters()]
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device: torch.device,
-                loss_fn: Callable) -> ParallelModel:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, parallel, training, device: torch.device, loss_fn: Callable
+) -> ParallelModel:
     """`model` is built on the meta device; returns materialised, initialised parts."""
     if training.compile and dims.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
     if dims.pp > 1:
-        staged = pipeline_stage_modules(model, dims.rank_in("pp"), dims.pp, parallel.pp_virtual_stages,
-                                        parallel.pp_schedule)
+        staged = pipeline_stage_modules(
+            model, dims.rank_in("pp"), dims.pp, parallel.pp_virtual_stages, parallel.pp_schedule
+        )
         n_stages = dims.pp * (len(staged))
     else:
         staged, n_stages = [(0, model)], 1
@@ -80,8 +93,23 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, training, device
     stage_ids = [idx for idx, _ in staged]
     schedule = None
     if dims.pp > 1:
-        schedule = build_schedule(list(zip(stage_ids, parts)), n_stages, dims.mesh("pp"), device,
-                                  parallel.pp_schedule, micro_batches(training, dims.dp), loss_fn)
+        schedule = build_schedule(
+            list(zip(stage_ids, parts)),
+            n_stages,
+            dims.mesh("pp"),
+            device,
+            parallel.pp_schedule,
+            micro_batches(training, dims.dp),
+            loss_fn,
+        )
     plain_dp_pipeline = dims.pp > 1 and dims.dp > 1 and not fsdp
-    return ParallelModel(parts, stage_ids, n_stages, schedule, fsdp, loss_fn, dims.tp > 1 and parallel.loss_parallel,
-                         dims.dp_group if plain_dp_pipeline else None)
+    return ParallelModel(
+        parts,
+        stage_ids,
+        n_stages,
+        schedule,
+        fsdp,
+        loss_fn,
+        dims.tp > 1 and parallel.loss_parallel,
+        dims.dp_group if plain_dp_pipeline else None,
+    )

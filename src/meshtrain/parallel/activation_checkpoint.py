@@ -12,5 +12,6 @@ def apply_ac(model: nn.Module, mode: str, every: int = 1) -> None:
         return
     for i, (name, block) in enumerate(list(model.layers.items())):
         if mode == "full" or i % every == 0:
-            model.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                    preserve_rng_state=False)
+            model.layers[name] = checkpoint_wrapper(
+                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False
+            )

@@ -17,7 +17,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: to
     bf16 training computes in bf16 and reduces gradients in fp32; the sharded master weights and
     the optimizer states stay fp32.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        if param_dtype
+        else MixedPrecisionPolicy()
+    )
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's backward comes right after its forward: resharding it would only mean

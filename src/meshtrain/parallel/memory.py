@@ -21,8 +21,12 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
     """Local bytes (DTensor shards count only their local piece; shared tensors once)."""
     seen: set[int] = set()
     unique = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
-    states = [v for state in local_optimizer(optimizer).state.values() for v in state.values()
-              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    states = [
+        v
+        for state in local_optimizer(optimizer).state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
     return {
         "params": sum(_local_bytes(p) for p in unique),
         "grads": sum(_local_bytes(p.grad) for p in unique if p.grad is not None),
@@ -58,6 +62,8 @@ def gather_memory_report(params: list[torch.Tensor], optimizer: torch.optim.Opti
 
 def format_memory(rank: int, b: dict[str, int]) -> str:
     mib = 2**20
-    return (f"rank {rank}: params {b['params'] / mib:8.2f} MiB | grads {b['grads'] / mib:8.2f} MiB | "
-            f"optimizer {b['optimizer'] / mib:8.2f} MiB | peak RSS {b['peak_rss'] / mib:8.1f} MiB"
-            + (f" | peak GPU {b['peak_gpu'] / mib:8.1f} MiB" if "peak_gpu" in b else ""))
+    return (
+        f"rank {rank}: params {b['params'] / mib:8.2f} MiB | grads {b['grads'] / mib:8.2f} MiB | "
+        f"optimizer {b['optimizer'] / mib:8.2f} MiB | peak RSS {b['peak_rss'] / mib:8.1f} MiB"
+        + (f" | peak GPU {b['peak_gpu'] / mib:8.1f} MiB" if "peak_gpu" in b else "")
+    )

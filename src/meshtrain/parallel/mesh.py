@@ -57,8 +57,14 @@ class ParallelDims:
                 f"parallel.zero = {p.zero} (DDP) cannot replicate tensor-parallel (DTensor) parameters: "
                 "use parallel.zero = 2 or 3 with parallel.tp > 1 (zero 0/1 work with pp and plain data parallel)"
             )
-        return cls(world_size=world_size, pp=p.pp, dp_replicate=p.dp_replicate,
-                   dp_shard=dp // p.dp_replicate, tp=p.tp, zero=p.zero)
+        return cls(
+            world_size=world_size,
+            pp=p.pp,
+            dp_replicate=p.dp_replicate,
+            dp_shard=dp // p.dp_replicate,
+            tp=p.tp,
+            zero=p.zero,
+        )
 
     def validate(self, args, cfg: Config) -> None:
         """The layout against the model's shape, the batch and the pipeline schedule."""
@@ -98,8 +104,10 @@ class ParallelDims:
                 f"{self.pp} x {p.pp_virtual_stages} = {stages} (one layer per pipeline stage)"
             )
         if self.pp > 1 and args.tie_embeddings:
-            raise ConfigError("model.tie_embeddings cannot be used with parallel.pp > 1: the embedding and the "
-                              "output live on different pipeline stages")
+            raise ConfigError(
+                "model.tie_embeddings cannot be used with parallel.pp > 1: the embedding and the "
+                "output live on different pipeline stages"
+            )
 
     def _validate_schedule(self, p, n_microbatches: int) -> None:
         """n_microbatches = local batch / micro batch: what the schedule splits each step into."""
@@ -112,34 +120,50 @@ class ParallelDims:
             )
         v = p.pp_virtual_stages
         if p.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
-            raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank: set "
-                              "parallel.pp_virtual_stages = 1, or use interleaved_1f1b / zero_bubble / zbv")
+            raise ConfigError(
+                f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank: set "
+                "parallel.pp_virtual_stages = 1, or use interleaved_1f1b / zero_bubble / zbv"
+            )
         if p.pp_schedule == "interleaved_1f1b" and v < 2:
             raise ConfigError("parallel.pp_schedule = 'interleaved_1f1b' needs parallel.pp_virtual_stages >= 2")
         if p.pp_schedule == "zbv" and v != 2:
-            raise ConfigError("parallel.pp_schedule = 'zbv' places exactly 2 stages per rank in a V: set "
-                              "parallel.pp_virtual_stages = 2")
+            raise ConfigError(
+                "parallel.pp_schedule = 'zbv' places exactly 2 stages per rank in a V: set "
+                "parallel.pp_virtual_stages = 2"
+            )
         if p.pp_schedule == "1f1b" and n_microbatches < self.pp:
-            raise ConfigError(f"parallel.pp_schedule = '1f1b' needs at least parallel.pp ({self.pp}) "
-                              f"micro-batches per step, got {n_microbatches}: raise training.global_batch_size "
-                              "or lower training.micro_batch_size")
+            raise ConfigError(
+                f"parallel.pp_schedule = '1f1b' needs at least parallel.pp ({self.pp}) "
+                f"micro-batches per step, got {n_microbatches}: raise training.global_batch_size "
+                "or lower training.micro_batch_size"
+            )
         if p.pp_schedule not in SINGLE_STAGE_SCHEDULES and n_microbatches % self.pp:
-            raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} needs a number of micro-batches "
-                              f"divisible by parallel.pp ({self.pp}), got {n_microbatches}")
+            raise ConfigError(
+                f"parallel.pp_schedule = {p.pp_schedule!r} needs a number of micro-batches "
+                f"divisible by parallel.pp ({self.pp}), got {n_microbatches}"
+            )
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        """"DDP 2", "FSDP 2 x TP 2, ZeRO-3", "single process"."""
+        """ "DDP 2", "FSDP 2 x TP 2, ZeRO-3", "single process"."""
         names = {"dp_shard": "FSDP" if self.zero >= 2 else "DDP", "dp_replicate": "replicate", "tp": "TP", "pp": "PP"}
         layout = " x ".join(f"{names[n]} {size}" for n, size in self.named_dims()) or "single process"
         return f"{layout}, ZeRO-{self.zero}" if self.dp > 1 else layout
 
     def named_dims(self) -> list[tuple[str, int]]:
-        return [(n, d) for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                    ("dp_shard", self.dp_shard), ("tp", self.tp)) if d > 1]
+        return [
+            (n, d)
+            for n, d in (
+                ("pp", self.pp),
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("tp", self.tp),
+            )
+            if d > 1
+        ]
 
     def build_mesh(self, device_type: str) -> None:
         """Build the world mesh (none for one process). Sub-meshes are looked up with `mesh(name)`;

@@ -47,7 +47,9 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     return bounds
 
 
-def pipeline_stage_modules(model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule: str) -> list[tuple[int, nn.Module]]:
+def pipeline_stage_modules(
+    model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule: str
+) -> list[tuple[int, nn.Module]]:
     """(stage index, module) for each stage this rank holds, cut from a meta-device model."""
     n_stages = pp * (1 if schedule in SINGLE_STAGE_SCHEDULES else virtual)
     layers = split_layers(len(model.layers), n_stages)
@@ -66,8 +68,15 @@ def pipeline_stage_modules(model: nn.Module, pp_rank: int, pp: int, virtual: int
     return parts
 
 
-def build_schedule(parts: list[tuple[int, nn.Module]], n_stages: int, pp_mesh: DeviceMesh, device: torch.device,
-                   schedule: str, n_microbatches: int, loss_fn: Callable):
+def build_schedule(
+    parts: list[tuple[int, nn.Module]],
+    n_stages: int,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable,
+):
     """The schedule over this rank's stages; gradients are averaged over micro-batches."""
     stages = [PipelineStage(module, idx, n_stages, device, group=pp_mesh.get_group()) for idx, module in parts]
     cls = SCHEDULES[schedule]

@@ -22,10 +22,20 @@ from torch.distributed.tensor.parallel import (
 # table): column-parallel layers split their output features (dim 0), row-parallel ones their
 # input features (dim 1), the embedding its vocabulary rows. Norm weights are replicated.
 COLUMN, ROW = 0, 1
-BLOCK_SHARDED_DIM = {"attention.wq": COLUMN, "attention.wk": COLUMN, "attention.wv": COLUMN, "attention.wo": ROW,
-                     "feed_forward.w1": COLUMN, "feed_forward.w2": ROW, "feed_forward.w3": COLUMN}
-SHARDED_DIM = {"tok_embeddings.weight": 0, "output.weight": COLUMN,
-               **{f"{name}.weight": dim for name, dim in BLOCK_SHARDED_DIM.items()}}
+BLOCK_SHARDED_DIM = {
+    "attention.wq": COLUMN,
+    "attention.wk": COLUMN,
+    "attention.wv": COLUMN,
+    "attention.wo": ROW,
+    "feed_forward.w1": COLUMN,
+    "feed_forward.w2": ROW,
+    "feed_forward.w3": COLUMN,
+}
+SHARDED_DIM = {
+    "tok_embeddings.weight": 0,
+    "output.weight": COLUMN,
+    **{f"{name}.weight": dim for name, dim in BLOCK_SHARDED_DIM.items()},
+}
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -48,10 +58,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     for block in model.layers.values():
         block_plan: dict[str, object] = {
             # cos/sin (the None entries) stay plain tensors
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
             "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            **{name: ColwiseParallel() if dim == COLUMN else RowwiseParallel(output_layouts=seq)
-               for name, dim in BLOCK_SHARDED_DIM.items()},
+            **{
+                name: ColwiseParallel() if dim == COLUMN else RowwiseParallel(output_layouts=seq)
+                for name, dim in BLOCK_SHARDED_DIM.items()
+            },
         }
         if sequence_parallel:
             block_plan["attention_norm"] = SequenceParallel()

@@ -32,13 +32,19 @@ def device_capacity(device: torch.device, local_world_size: int) -> float:
 
 def warn_if_too_big(cfg: Config, args: ModelArgs, world_size: int, device: torch.device, local_world_size: int) -> None:
     runtime = 1.0 if device.type == "cuda" else 0.0
-    predicted = estimate_memory(workload_of(cfg, args, device), Layout.from_config(cfg, world_size), runtime,
-                                0.05 if device.type == "cuda" else 0.0)["total"]
+    predicted = estimate_memory(
+        workload_of(cfg, args, device),
+        Layout.from_config(cfg, world_size),
+        runtime,
+        0.05 if device.type == "cuda" else 0.0,
+    )["total"]
     capacity = device_capacity(device, local_world_size)
     if predicted > capacity:
-        log.warning(f"the planner predicts {predicted / GIB:.1f} GiB on the busiest rank for this layout, more than "
-                    f"the {capacity / GIB:.1f} GiB of {device.type} memory per rank: expect running out of memory; "
-                    f"`meshtrain plan --config <this config> --gpu ... --gpus {world_size}` shows layouts that fit")
+        log.warning(
+            f"the planner predicts {predicted / GIB:.1f} GiB on the busiest rank for this layout, more than "
+            f"the {capacity / GIB:.1f} GiB of {device.type} memory per rank: expect running out of memory; "
+            f"`meshtrain plan --config <this config> --gpu ... --gpus {world_size}` shows layouts that fit"
+        )
 
 
 def compare(cfg: Config, args: ModelArgs, device: torch.device, measured: list[dict[str, int]]) -> list[str]:
@@ -49,6 +55,8 @@ def compare(cfg: Config, args: ModelArgs, device: torch.device, measured: list[d
     for rank, got in enumerate(measured):
         predicted = model_state_bytes(w.shape, layout, rank)
         states = " | ".join(f"{k} {predicted[k] / 2**20:.2f}/{got[k] / 2**20:.2f}" for k in predicted)
-        lines.append(f"rank {rank} planner/measured MiB: {states} | predicted peak of a step {peak / 2**20:.1f} "
-                     f"MiB (busiest rank; tensors only, the process adds its runtime)")
+        lines.append(
+            f"rank {rank} planner/measured MiB: {states} | predicted peak of a step {peak / 2**20:.1f} "
+            f"MiB (busiest rank; tensors only, the process adds its runtime)"
+        )
     return lines

@@ -31,8 +31,14 @@ def _base_config(args) -> Config:
 
 def _model(args, cfg: Config) -> ModelArgs:
     """The config's (or preset's) model with the shape flags applied."""
-    overrides = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
-                 "ffn_dim": args.ffn, "vocab_size": args.vocab}
+    overrides = {
+        "n_layers": args.layers,
+        "dim": args.hidden,
+        "n_heads": args.heads,
+        "n_kv_heads": args.kv_heads,
+        "ffn_dim": args.ffn,
+        "vocab_size": args.vocab,
+    }
     model = cfg.model_args()
     model = dataclasses.replace(model, **{k: v for k, v in overrides.items() if v is not None})
     if args.heads and not args.kv_heads:
@@ -41,8 +47,10 @@ def _model(args, cfg: Config) -> ModelArgs:
         if type(value) is int and value <= 0:
             raise MeshtrainError(f"model {key} must be positive, got {value}")
     if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
-        raise MeshtrainError(f"--hidden ({model.dim}) must be divisible by --heads ({model.n_heads}), and --heads "
-                             f"by --kv-heads ({model.n_kv_heads})")
+        raise MeshtrainError(
+            f"--hidden ({model.dim}) must be divisible by --heads ({model.n_heads}), and --heads "
+            f"by --kv-heads ({model.n_kv_heads})"
+        )
     return model
 
 
@@ -53,13 +61,27 @@ def run_plan(args) -> int:
     model = _model(args, cfg)
     llama = args.arch == "llama"
     seq_len = args.seq_len or (t.seq_len if explain else min(2048, model.max_seq_len))
-    shape = (Shape.from_args(model) if llama else
-             Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, max(seq_len, model.max_seq_len)))
+    shape = (
+        Shape.from_args(model)
+        if llama
+        else Shape.gpt(
+            model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, max(seq_len, model.max_seq_len)
+        )
+    )
     gpus = args.gpus or (cfg.parallel.tp * cfg.parallel.pp if explain else 8)
     global_batch = args.global_batch or (t.global_batch_size if explain else 4 * gpus)
     gpus_per_node = args.gpus_per_node or (gpus if args.gpu == "cpu" else min(gpus, 8))
-    dev, inter = device(args.gpu, gpus_per_node, args.network, args.intra_node_gbps, args.inter_node_gbps,
-                        args.memory_gib, args.peak_tflops, args.efficiency, args.comm)
+    dev, inter = device(
+        args.gpu,
+        gpus_per_node,
+        args.network,
+        args.intra_node_gbps,
+        args.inter_node_gbps,
+        args.memory_gib,
+        args.peak_tflops,
+        args.efficiency,
+        args.comm,
+    )
     dtype = args.dtype or (t.dtype if explain else "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16")
     dev.peak(dtype)  # a clear error for bf16 on a V100
     fp32_arithmetic = False
@@ -73,29 +95,51 @@ def run_plan(args) -> int:
     fixed = {k: getattr(args, k) for k in KNOBS}
     if explain:
         p = cfg.parallel
-        from_config = {"tp": p.tp, "pp": p.pp, "zero": p.zero, "dp_replicate": p.dp_replicate,
-                       "micro_batch": t.micro_batch_size, "ac": t.activation_checkpointing,
-                       "pp_schedule": p.pp_schedule, "virtual_stages": p.pp_virtual_stages}
+        from_config = {
+            "tp": p.tp,
+            "pp": p.pp,
+            "zero": p.zero,
+            "dp_replicate": p.dp_replicate,
+            "micro_batch": t.micro_batch_size,
+            "ac": t.activation_checkpointing,
+            "pp_schedule": p.pp_schedule,
+            "virtual_stages": p.pp_virtual_stages,
+        }
         fixed = {k: v if v is not None else from_config[k] for k, v in fixed.items()}
     estimates, refused = search(w, dev, inter, gpus, fixed, cfg if llama else None, model if llama else None)
 
     if args.write_config:
         _write_config(args, estimates, w, cfg, model)
     if args.json:
-        print(json.dumps({
-            "model": {"arch": shape.arch, "params": shape.n_params(), **dataclasses.asdict(shape)},
-            "device": dev.name, "gpus": gpus, "gpus_per_node": dev.gpus_per_node, "memory_gib": dev.memory_gib,
-            "intra_node_gbps": dev.intra_node_gbps, "inter_node_gbps": inter, "seq_len": seq_len,
-            "global_batch": global_batch, "dtype": dtype, "layouts": [e.as_dict() for e in estimates],
-            "not_possible": refused}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": {"arch": shape.arch, "params": shape.n_params(), **dataclasses.asdict(shape)},
+                    "device": dev.name,
+                    "gpus": gpus,
+                    "gpus_per_node": dev.gpus_per_node,
+                    "memory_gib": dev.memory_gib,
+                    "intra_node_gbps": dev.intra_node_gbps,
+                    "inter_node_gbps": inter,
+                    "seq_len": seq_len,
+                    "global_batch": global_batch,
+                    "dtype": dtype,
+                    "layouts": [e.as_dict() for e in estimates],
+                    "not_possible": refused,
+                },
+                indent=1,
+            )
+        )
         return 0
     from rich.console import Console
 
     from meshtrain.plan.report import render
 
-    title = (f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {gpus} x {dev.name} ({dev.gpus_per_node} per node, "
-             f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {inter:.1f} GB/s per GPU), seq {seq_len}, "
-             f"global batch {global_batch}, {dtype}")
+    title = (
+        f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {gpus} x {dev.name} ({dev.gpus_per_node} per node, "
+        f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {inter:.1f} GB/s per GPU), seq {seq_len}, "
+        f"global batch {global_batch}, {dtype}"
+    )
     render(title, estimates, refused, args.top, Console(width=None if sys.stdout.isatty() else 120))
     return 0
 
@@ -105,16 +149,24 @@ def _write_config(args, estimates, w: Workload, cfg: Config, model: ModelArgs) -
 
     fitting = [e for e in estimates if e.fits]
     if args.arch != "llama":
-        raise MeshtrainError("--write-config writes a meshtrain training config: meshtrain trains the Llama "
-                             "architecture (--arch llama)")
+        raise MeshtrainError(
+            "--write-config writes a meshtrain training config: meshtrain trains the Llama architecture (--arch llama)"
+        )
     if not fitting:
-        raise MeshtrainError("--write-config: no layout fits, nothing to write (more GPUs, a smaller model or "
-                             "batch, or --ac full)")
+        raise MeshtrainError(
+            "--write-config: no layout fits, nothing to write (more GPUs, a smaller model or batch, or --ac full)"
+        )
     if w.dtype == "fp16":
         raise MeshtrainError("--write-config: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
     best = to_config(fitting[0].layout, w, cfg)
-    best = dataclasses.replace(best, model=dataclasses.replace(best.model, **{
-        k: getattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}))
+    best = dataclasses.replace(
+        best,
+        model=dataclasses.replace(
+            best.model, **{k: getattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}
+        ),
+    )
     path = write_text(args.write_config, to_toml(best.validate()))  # what is written must train
-    print(f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "
-          f"{fitting[0].layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`")
+    print(
+        f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "
+        f"{fitting[0].layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`"
+    )

@@ -23,15 +23,18 @@ class Network:
     gbps_per_gpu: float
 
 
-NETWORKS = {n.name: n for n in (
-    Network("ib-edr", 100 / 8 * 0.8),       # 1 x 100 Gb/s EDR per GPU (DGX-1/DGX-2 era)
-    Network("ib-hdr", 200 / 8 * 0.8),       # 1 x 200 Gb/s HDR per GPU (DGX A100)
-    Network("ib-ndr", 400 / 8 * 0.8),       # 1 x 400 Gb/s NDR per GPU (DGX H100/H200/B200)
-    Network("efa-p4d", 400 / 8 / 8 * 0.8),  # AWS p4d: 4 x 100 Gb/s EFA for 8 GPUs
-    Network("efa-p5", 3200 / 8 / 8 * 0.8),  # AWS p5: 32 x 100 Gb/s EFA for 8 GPUs
-    Network("roce-100g", 100 / 8 / 8 * 0.8),  # one 100 GbE RoCE port for 8 GPUs
-    Network("ethernet-10g", 10 / 8 * 0.8),  # CPU clusters over TCP
-)}
+NETWORKS = {
+    n.name: n
+    for n in (
+        Network("ib-edr", 100 / 8 * 0.8),  # 1 x 100 Gb/s EDR per GPU (DGX-1/DGX-2 era)
+        Network("ib-hdr", 200 / 8 * 0.8),  # 1 x 200 Gb/s HDR per GPU (DGX A100)
+        Network("ib-ndr", 400 / 8 * 0.8),  # 1 x 400 Gb/s NDR per GPU (DGX H100/H200/B200)
+        Network("efa-p4d", 400 / 8 / 8 * 0.8),  # AWS p4d: 4 x 100 Gb/s EFA for 8 GPUs
+        Network("efa-p5", 3200 / 8 / 8 * 0.8),  # AWS p5: 32 x 100 Gb/s EFA for 8 GPUs
+        Network("roce-100g", 100 / 8 / 8 * 0.8),  # one 100 GbE RoCE port for 8 GPUs
+        Network("ethernet-10g", 10 / 8 * 0.8),  # CPU clusters over TCP
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,10 @@ class Device:
         value = self.peak_tflops.get(dtype, 0.0)
         if value <= 0:
             supported = ", ".join(k for k, v in self.peak_tflops.items() if v > 0)
-            raise MeshtrainError(f"{self.name} has no {dtype} arithmetic: use --dtype {supported.split(', ')[0]} "
-                                 f"(it supports {supported})")
+            raise MeshtrainError(
+                f"{self.name} has no {dtype} arithmetic: use --dtype {supported.split(', ')[0]} "
+                f"(it supports {supported})"
+            )
         return value
 
 
@@ -64,21 +69,33 @@ def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, bf16=Tru
     from meshtrain.hardware import GPU_PEAK_TFLOPS
 
     half, fp32 = next((b, f) for pattern, b, f in GPU_PEAK_TFLOPS if pattern == part)
-    return Device(name, memory_gib, {"bf16": half if bf16 else 0.0, "fp16": half, "fp32": fp32}, intra, link,
-                  network, hbm, efficiency, runtime_gib=1.0)
+    return Device(
+        name,
+        memory_gib,
+        {"bf16": half if bf16 else 0.0, "fp16": half, "fp32": fp32},
+        intra,
+        link,
+        network,
+        hbm,
+        efficiency,
+        runtime_gib=1.0,
+    )
 
 
 # Memory as the driver reports it (nvidia-smi); HBM bandwidth from NVIDIA's data sheets (SXM parts);
 # intra-node bus bandwidth as nccl-tests all_reduce_perf reaches on 8 GPUs of one node.
-CATALOG = {d.name: d for d in (
-    _gpu("v100-16gb", "V100", 15.78, 130.0, "NVLink 2", "ib-edr", 900.0, 0.50, bf16=False),
-    _gpu("v100-32gb", "V100", 31.75, 130.0, "NVLink 2", "ib-edr", 900.0, 0.50, bf16=False),
-    _gpu("a100-40gb", "A100", 39.39, 230.0, "NVLink 3", "ib-hdr", 1555.0, 0.60),
-    _gpu("a100-80gb", "A100", 79.15, 230.0, "NVLink 3", "ib-hdr", 2039.0, 0.60),
-    _gpu("h100-80gb", "H100", 79.11, 360.0, "NVLink 4", "ib-ndr", 3350.0, 0.55),
-    _gpu("h200-141gb", "H200", 139.8, 360.0, "NVLink 4", "ib-ndr", 4800.0, 0.58),
-    _gpu("b200-192gb", "B200", 179.1, 700.0, "NVLink 5", "ib-ndr", 8000.0, 0.55),
-)}
+CATALOG = {
+    d.name: d
+    for d in (
+        _gpu("v100-16gb", "V100", 15.78, 130.0, "NVLink 2", "ib-edr", 900.0, 0.50, bf16=False),
+        _gpu("v100-32gb", "V100", 31.75, 130.0, "NVLink 2", "ib-edr", 900.0, 0.50, bf16=False),
+        _gpu("a100-40gb", "A100", 39.39, 230.0, "NVLink 3", "ib-hdr", 1555.0, 0.60),
+        _gpu("a100-80gb", "A100", 79.15, 230.0, "NVLink 3", "ib-hdr", 2039.0, 0.60),
+        _gpu("h100-80gb", "H100", 79.11, 360.0, "NVLink 4", "ib-ndr", 3350.0, 0.55),
+        _gpu("h200-141gb", "H200", 139.8, 360.0, "NVLink 4", "ib-ndr", 4800.0, 0.58),
+        _gpu("b200-192gb", "B200", 179.1, 700.0, "NVLink 5", "ib-ndr", 8000.0, 0.55),
+    )
+}
 KINDS = (*CATALOG, "cpu")
 
 
@@ -97,15 +114,31 @@ def cpu_device(processes_per_node: int) -> Device:
     finally:
         torch.set_num_threads(threads)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    return Device("cpu", ram / processes_per_node, {"bf16": max(bf16, fp32), "fp16": 0.0, "fp32": fp32},
-                  intra_node_gbps=1.0, link="gloo over loopback", network="ethernet-10g", memory_gbs=10.0,
-                  matmul_efficiency=0.8, runtime_gib=0.0, gpus_per_node=processes_per_node)
+    return Device(
+        "cpu",
+        ram / processes_per_node,
+        {"bf16": max(bf16, fp32), "fp16": 0.0, "fp32": fp32},
+        intra_node_gbps=1.0,
+        link="gloo over loopback",
+        network="ethernet-10g",
+        memory_gbs=10.0,
+        matmul_efficiency=0.8,
+        runtime_gib=0.0,
+        gpus_per_node=processes_per_node,
+    )
 
 
-def device(kind: str, gpus_per_node: int | None = None, network: str | None = None,
-           intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
-           memory_gib: float | None = None, peak_tflops: float | None = None, efficiency: float | None = None,
-           comm_files: list[str] = ()) -> tuple[Device, float]:
+def device(
+    kind: str,
+    gpus_per_node: int | None = None,
+    network: str | None = None,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    memory_gib: float | None = None,
+    peak_tflops: float | None = None,
+    efficiency: float | None = None,
+    comm_files: list[str] = (),
+) -> tuple[Device, float]:
     """The device with the user's overrides, and the inter-node GB/s per GPU it will see."""
     if kind == "cpu":
         dev = cpu_device(gpus_per_node or 1)
@@ -122,8 +155,12 @@ def device(kind: str, gpus_per_node: int | None = None, network: str | None = No
         measured = read_comm(path)
         changes.update({"intra_node_gbps": measured["intra"]} if "intra" in measured else {})
         inter = measured.get("inter", inter)
-    for key, value in (("gpus_per_node", gpus_per_node), ("intra_node_gbps", intra_node_gbps),
-                       ("memory_gib", memory_gib), ("matmul_efficiency", efficiency)):
+    for key, value in (
+        ("gpus_per_node", gpus_per_node),
+        ("intra_node_gbps", intra_node_gbps),
+        ("memory_gib", memory_gib),
+        ("matmul_efficiency", efficiency),
+    ):
         if value is not None:
             if value <= 0:
                 raise MeshtrainError(f"--{key.replace('_', '-')} must be positive, got {value}")
@@ -146,8 +183,10 @@ def read_comm(path: str) -> dict[str, float]:
         large = [r for r in rows if r["bytes"] >= 64 * 2**20] or [max(rows, key=lambda r: r["bytes"])]
         return {scope: max(r["busbw_GBps"] for r in large)}
     except OSError as e:
-        raise MeshtrainError(f"--comm {path}: cannot read it ({e.strerror}); write one with "
-                             "`meshtrain bench comm --json FILE`") from None
+        raise MeshtrainError(
+            f"--comm {path}: cannot read it ({e.strerror}); write one with `meshtrain bench comm --json FILE`"
+        ) from None
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise MeshtrainError(f"--comm {path} is not what `meshtrain bench comm --json` writes (a list of rows "
-                             "with bytes and busbw_GBps)") from None
+        raise MeshtrainError(
+            f"--comm {path} is not what `meshtrain bench comm --json` writes (a list of rows with bytes and busbw_GBps)"
+        ) from None

@@ -77,10 +77,20 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Layout":
         p, t = cfg.parallel, cfg.training
-        return cls(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), dp_replicate=p.dp_replicate, zero=p.zero,
-                   micro_batch=t.micro_batch_size, ac=t.activation_checkpointing, ac_every=t.ac_every,
-                   pp_schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages,
-                   sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        return cls(
+            tp=p.tp,
+            pp=p.pp,
+            dp=world // (p.tp * p.pp),
+            dp_replicate=p.dp_replicate,
+            zero=p.zero,
+            micro_batch=t.micro_batch_size,
+            ac=t.activation_checkpointing,
+            ac_every=t.ac_every,
+            pp_schedule=p.pp_schedule,
+            virtual_stages=p.pp_virtual_stages,
+            sequence_parallel=p.sequence_parallel,
+            loss_parallel=p.loss_parallel,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,11 +113,25 @@ def to_config(layout: Layout, w: Workload, base: Config) -> Config:
     """`base` with this layout and workload in its [parallel] and [training] sections."""
     import dataclasses
 
-    p = dataclasses.replace(base.parallel, tp=layout.tp, pp=layout.pp, dp_replicate=layout.dp_replicate,
-                            zero=layout.zero, pp_schedule=layout.pp_schedule,
-                            pp_virtual_stages=layout.virtual_stages, sequence_parallel=layout.sequence_parallel,
-                            loss_parallel=layout.loss_parallel, pp_microbatches=0)
-    t = dataclasses.replace(base.training, micro_batch_size=layout.micro_batch, global_batch_size=w.global_batch,
-                            seq_len=w.seq_len, dtype="fp32" if w.dtype == "fp32" else "bf16",
-                            activation_checkpointing=layout.ac, ac_every=layout.ac_every)
+    p = dataclasses.replace(
+        base.parallel,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp_replicate=layout.dp_replicate,
+        zero=layout.zero,
+        pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.virtual_stages,
+        sequence_parallel=layout.sequence_parallel,
+        loss_parallel=layout.loss_parallel,
+        pp_microbatches=0,
+    )
+    t = dataclasses.replace(
+        base.training,
+        micro_batch_size=layout.micro_batch,
+        global_batch_size=w.global_batch,
+        seq_len=w.seq_len,
+        dtype="fp32" if w.dtype == "fp32" else "bf16",
+        activation_checkpointing=layout.ac,
+        ac_every=layout.ac_every,
+    )
     return dataclasses.replace(base, parallel=p, training=t)

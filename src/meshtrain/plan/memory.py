@@ -35,7 +35,9 @@ def local_numel(p: Param, layout: Layout, tp_rank: int, shard_rank: int) -> int:
 
 
 @functools.cache
-def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int, shards: int, shard_rank: int) -> int:
+def _local_numel(
+    shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int, shards: int, shard_rank: int
+) -> int:
     dims = list(shape)
     if tp > 1 and tp_dim is not None:
         dims[tp_dim] = _chunk(dims[tp_dim], tp, tp_rank)
@@ -45,8 +47,9 @@ def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: i
 
 def stage_params(shape: Shape, layout: Layout, pp_rank: int) -> tuple[Param, ...]:
     """The parameters of the stages a pipeline rank holds, in the order its optimizer sees them."""
-    return _stage_params(shape, Layout(pp=layout.pp, pp_schedule=layout.pp_schedule,
-                                       virtual_stages=layout.virtual_stages), pp_rank)
+    return _stage_params(
+        shape, Layout(pp=layout.pp, pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages), pp_rank
+    )
 
 
 @functools.cache
@@ -80,8 +83,15 @@ def model_state_bytes(shape: Shape, layout: Layout, rank: int = 0) -> dict[str, 
 
 def _sharding(layout: Layout) -> Layout:
     """The fields that decide who holds which parameter (a cache key)."""
-    return Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_replicate=layout.dp_replicate, zero=layout.zero,
-                  pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages)
+    return Layout(
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        dp_replicate=layout.dp_replicate,
+        zero=layout.zero,
+        pp_schedule=layout.pp_schedule,
+        virtual_stages=layout.virtual_stages,
+    )
 
 
 @dataclass(frozen=True)
@@ -96,8 +106,11 @@ class StageSums:
 
 
 def stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
-    return _stage_sums(shape, Layout(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule,
-                                     virtual_stages=layout.virtual_stages), pp_rank)
+    return _stage_sums(
+        shape,
+        Layout(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages),
+        pp_rank,
+    )
 
 
 @functools.cache
@@ -111,7 +124,8 @@ def _stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
         linear=sum(n for p, n in zip(params, local, strict=True) if len(p.shape) == 2 and p.owner != "embed"),
         blocks=tuple(sum(n for p, n in zip(params, local, strict=True) if p.owner == i) for i in owners),
         outer=sum(n for p, n in zip(params, local, strict=True) if not isinstance(p.owner, int)),
-        block_full=sum(p.numel for p in params if owners and p.owner == owners[0]))
+        block_full=sum(p.numel for p in params if owners and p.owner == owners[0]),
+    )
 
 
 @functools.cache
@@ -124,8 +138,11 @@ def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int
     grads = held
     if layout.tp > 1 and not layout.fsdp:  # DTensor's vocabulary-parallel embedding: its gradient comes back whole
         grads += sum(p.numel - n for p, (n, _) in zip(params, local, strict=True) if p.name == "tok_embeddings.weight")
-    return {"params": STATE_BYTES["params"] * held, "grads": STATE_BYTES["grads"] * grads,
-            "optimizer": STATE_BYTES["optimizer"] * moments}
+    return {
+        "params": STATE_BYTES["params"] * held,
+        "grads": STATE_BYTES["grads"] * grads,
+        "optimizer": STATE_BYTES["optimizer"] * moments,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,12 +180,22 @@ def llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float, int, st
     h, kv, f, heads = shape.dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
     saved = []
     for norm, consumers in (("attention_norm", 3), ("ffn_norm", 2)):
-        saved += [(f"{norm} input (fp32)", h, 4, "sp"), (f"{norm} 1/rms", 1, 4, "sp"),
-                  (f"{norm} normalised input", h, 4, "sp"),
-                  (f"{norm} output as the linears save it", h * (consumers if prec.per_linear_copies else 1),
-                   prec.linear_input, "full")]
-    saved += [("q, k after rotary; v", h + 2 * kv, prec.attention, "tp"), ("attention log-sum-exp", heads, 4, "tp"),
-              ("attention output", h, prec.attention, "tp")]
+        saved += [
+            (f"{norm} input (fp32)", h, 4, "sp"),
+            (f"{norm} 1/rms", 1, 4, "sp"),
+            (f"{norm} normalised input", h, 4, "sp"),
+            (
+                f"{norm} output as the linears save it",
+                h * (consumers if prec.per_linear_copies else 1),
+                prec.linear_input,
+                "full",
+            ),
+        ]
+    saved += [
+        ("q, k after rotary; v", h + 2 * kv, prec.attention, "tp"),
+        ("attention log-sum-exp", heads, 4, "tp"),
+        ("attention output", h, prec.attention, "tp"),
+    ]
     if prec.attention != prec.linear_input:  # fp32 arithmetic: wo saves its bf16 input besides the fp32 output
         saved.append(("wo input (bf16)", h, 2, "tp"))
     saved.append(("SwiGLU: w1 out, w3 out, silu, product", 4 * f, prec.mlp, "tp"))
@@ -181,12 +208,22 @@ def gpt_block(shape: Shape, w: Workload) -> list[tuple[str, float, int, str]]:
     attention keeps the log-sum-exp instead of the s x s scores."""
     h, f, a, s = shape.dim, shape.ffn_dim, shape.n_heads, w.seq_len
     b = 4 if w.dtype == "fp32" else 2
-    saved = [("LayerNorm inputs", 2 * h, b, "sp"), ("QKV input", h, b, "sp"), ("Q, K", 2 * h, b, "tp"),
-             ("V", h, b, "tp"), ("projection input", h, b, "tp"), ("dropout masks", 2 * h, 1, "sp"),
-             ("fc1 input", h, b, "sp"), ("GELU input, fc2 input", 2 * f, b, "tp")]
+    saved = [
+        ("LayerNorm inputs", 2 * h, b, "sp"),
+        ("QKV input", h, b, "sp"),
+        ("Q, K", 2 * h, b, "tp"),
+        ("V", h, b, "tp"),
+        ("projection input", h, b, "tp"),
+        ("dropout masks", 2 * h, 1, "sp"),
+        ("fc1 input", h, b, "sp"),
+        ("GELU input, fc2 input", 2 * f, b, "tp"),
+    ]
     if w.attention == "math":
-        saved += [("softmax output", a * s, b, "tp"), ("attention dropout mask", a * s, 1, "tp"),
-                  ("attention dropout output", a * s, b, "tp")]
+        saved += [
+            ("softmax output", a * s, b, "tp"),
+            ("attention dropout mask", a * s, 1, "tp"),
+            ("attention dropout output", a * s, b, "tp"),
+        ]
     else:
         saved.append(("attention log-sum-exp", a, 4, "tp"))
     return saved
@@ -258,7 +295,8 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str,
     first, last = layout.holds_first_stage(pp_rank), layout.holds_last_stage(pp_rank)
     per_micro_batch = tokens * (checkpointed * ckpt + (len(layers) - checkpointed) * full)
     saved = per_micro_batch * in_flight(layout, w.micro_batches(layout)) + tokens * ends_bytes_per_token(
-        w, layout, first, last)
+        w, layout, first, last
+    )
     recompute = tokens * full if checkpointed else 0.0
     vocab = w.shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
     logits = tokens * vocab * (4 + (4 if w.dtype == "fp32" else 2) * 2) if last else 0.0
@@ -269,8 +307,9 @@ def _half_bytes(w: Workload) -> int:
     return 4 if w.dtype == "fp32" else 2
 
 
-def other_bytes(w: Workload, layout: Layout, pp_rank: int, runtime_gib: float, fragmentation: float,
-                activations: float) -> float:
+def other_bytes(
+    w: Workload, layout: Layout, pp_rank: int, runtime_gib: float, fragmentation: float, activations: float
+) -> float:
     """Buffers besides model states and saved activations, on one rank: autocast's bf16 weight
     copies (kept for the step), FSDP's gathered parameters (ZeRO-3: the outer group and two blocks,
     the one computing and the one prefetched; ZeRO-2: the whole stage until backward ends) and one
@@ -294,8 +333,9 @@ def grads_resident(w: Workload, layout: Layout) -> bool:
     return w.micro_batches(layout) > 1 or (layout.dp > 1 and not layout.fsdp)
 
 
-def estimate_memory(w: Workload, layout: Layout, runtime_gib: float = 0.0, fragmentation: float = 0.0
-                    ) -> dict[str, float]:
+def estimate_memory(
+    w: Workload, layout: Layout, runtime_gib: float = 0.0, fragmentation: float = 0.0
+) -> dict[str, float]:
     """The busiest rank's bytes, itemised (params, grads, optimizer, activations, other) and its
     peak (total): parameters and optimizer states always, plus either the activations with their
     working set (and the gradients, where they are resident) or, at the end of backward, all the
@@ -305,12 +345,18 @@ def estimate_memory(w: Workload, layout: Layout, runtime_gib: float = 0.0, fragm
         rank = pp_rank * layout.dp * layout.tp  # tp, dp coordinates 0: the largest shards
         states = model_state_bytes(w.shape, layout, rank)
         act = activation_bytes(w, layout, pp_rank)
-        other = act["transient"] + other_bytes(w, layout, pp_rank, runtime_gib, fragmentation,
-                                               act["saved"] + act["transient"])
+        other = act["transient"] + other_bytes(
+            w, layout, pp_rank, runtime_gib, fragmentation, act["saved"] + act["transient"]
+        )
         resident = states["grads"] if grads_resident(w, layout) else 0
         recompute = act["transient"] if layout.ac != "none" else 0.0
-        peak = states["params"] + states["optimizer"] + other - act["transient"] + max(
-            act["saved"] + act["transient"] + resident, states["grads"] + recompute)
+        peak = (
+            states["params"]
+            + states["optimizer"]
+            + other
+            - act["transient"]
+            + max(act["saved"] + act["transient"] + resident, states["grads"] + recompute)
+        )
         item = {**states, "activations": act["saved"], "other": other, "total": peak}
         if item["total"] > worst.get("total", -1):
             worst = item

@@ -15,9 +15,16 @@ def render(title: str, estimates: list[Estimate], refused: dict[str, int], top: 
         table.add_column(column, justify="left" if column == "layout" else "right")
     for i, e in enumerate(estimates[:top], 1):
         s = e.speed
-        table.add_row(str(i), e.layout.describe(), f"{e.memory['total'] / GIB:.1f}", "yes" if e.fits else "[red]no",
-                      f"{s['tokens_per_s_per_gpu']:,.0f}", f"{s['tflops_per_gpu']:.3g}", f"{s['mfu']:.1%}",
-                      f"{s['step_time_s']:.3g}")
+        table.add_row(
+            str(i),
+            e.layout.describe(),
+            f"{e.memory['total'] / GIB:.1f}",
+            "yes" if e.fits else "[red]no",
+            f"{s['tokens_per_s_per_gpu']:,.0f}",
+            f"{s['tflops_per_gpu']:.3g}",
+            f"{s['mfu']:.1%}",
+            f"{s['step_time_s']:.3g}",
+        )
     console.print(table)
     if not estimates:
         console.print("no layout is possible: " + "; ".join(refused))
@@ -36,8 +43,13 @@ def render(title: str, estimates: list[Estimate], refused: dict[str, int], top: 
     console.print(breakdown)
     console.print(times)
     fitting = sum(e.fits for e in estimates)
-    console.print(f"{len(estimates)} layouts estimated, {fitting} fit"
-                  + (f"; smallest that does not: {next(e for e in estimates if not e.fits).why_not}"
-                     if fitting < len(estimates) else ""))
+    console.print(
+        f"{len(estimates)} layouts estimated, {fitting} fit"
+        + (
+            f"; smallest that does not: {next(e for e in estimates if not e.fits).why_not}"
+            if fitting < len(estimates)
+            else ""
+        )
+    )
     for reason, count in sorted(refused.items(), key=lambda kv: -kv[1])[:5]:
         console.print(f"  {count} not possible: {reason}")

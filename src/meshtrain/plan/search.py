@@ -26,15 +26,27 @@ class Estimate:
 
     def as_dict(self) -> dict:
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "dp_replicate": lay.dp_replicate, "zero": lay.zero,
-                "micro_batch": lay.micro_batch, "ac": lay.ac, "pp_schedule": lay.pp_schedule,
-                "virtual_stages": lay.virtual_stages, "fits": self.fits, "params": self.params,
-                "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
-                "tokens_per_s_per_gpu": round(self.speed["tokens_per_s_per_gpu"], 2),
-                "tflops_per_gpu": round(self.speed["tflops_per_gpu"], 3), "mfu": round(self.speed["mfu"], 4),
-                "step_time_s": round(self.speed["step_time_s"], 5),
-                "seconds": {k: round(v, 5) for k, v in self.speed["seconds"].items()},
-                **({"why_not": self.why_not} if self.why_not else {}), "layout": asdict(lay)}
+        return {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "dp_replicate": lay.dp_replicate,
+            "zero": lay.zero,
+            "micro_batch": lay.micro_batch,
+            "ac": lay.ac,
+            "pp_schedule": lay.pp_schedule,
+            "virtual_stages": lay.virtual_stages,
+            "fits": self.fits,
+            "params": self.params,
+            "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
+            "tokens_per_s_per_gpu": round(self.speed["tokens_per_s_per_gpu"], 2),
+            "tflops_per_gpu": round(self.speed["tflops_per_gpu"], 3),
+            "mfu": round(self.speed["mfu"], 4),
+            "step_time_s": round(self.speed["step_time_s"], 5),
+            "seconds": {k: round(v, 5) for k, v in self.speed["seconds"].items()},
+            **({"why_not": self.why_not} if self.why_not else {}),
+            "layout": asdict(lay),
+        }
 
 
 def evaluate(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> Estimate:
@@ -76,6 +88,7 @@ def _divisors(n: int) -> list[int]:
 def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[Layout]:
     """Every combination of the free knobs; `fixed` pins any of tp, pp, zero, dp_replicate,
     micro_batch, ac, pp_schedule, virtual_stages."""
+
     def options(name, values):
         return [fixed[name]] if fixed.get(name) is not None else values
 
@@ -85,23 +98,38 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
-            for zero, ac in itertools.product(options("zero", [0, 1, 2, 3] if dp > 1 else [0]),
-                                              options("ac", list(AC_MODES))):
-                replicate = [1] + [r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and
-                                   dp // r * tp == gpus_per_node]
+            for zero, ac in itertools.product(
+                options("zero", [0, 1, 2, 3] if dp > 1 else [0]), options("ac", list(AC_MODES))
+            ):
+                replicate = [1] + [
+                    r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and dp // r * tp == gpus_per_node
+                ]
                 micro = [b for b in (1, 2, 4, 8, 16, 32) if w.global_batch % (b * dp) == 0]
                 schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
                 if fixed.get("pp_schedule") is not None or fixed.get("virtual_stages") is not None:
                     schedules = [(fixed.get("pp_schedule") or "1f1b", fixed.get("virtual_stages") or 1)]
-                for r, mb, (schedule, v) in itertools.product(options("dp_replicate", replicate),
-                                                              options("micro_batch", micro), schedules):
-                    out.append(Layout(tp=tp, pp=pp, dp=dp, dp_replicate=r, zero=zero, micro_batch=mb, ac=ac,
-                                      pp_schedule=schedule, virtual_stages=v))
+                for r, mb, (schedule, v) in itertools.product(
+                    options("dp_replicate", replicate), options("micro_batch", micro), schedules
+                ):
+                    out.append(
+                        Layout(
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            dp_replicate=r,
+                            zero=zero,
+                            micro_batch=mb,
+                            ac=ac,
+                            pp_schedule=schedule,
+                            virtual_stages=v,
+                        )
+                    )
     return out
 
 
-def search(w: Workload, dev: Device, inter_gbps: float, gpus: int, fixed: dict, base: Config | None = None,
-           args=None) -> tuple[list[Estimate], dict[str, int]]:
+def search(
+    w: Workload, dev: Device, inter_gbps: float, gpus: int, fixed: dict, base: Config | None = None, args=None
+) -> tuple[list[Estimate], dict[str, int]]:
     """Estimates, those that fit best first (by tokens/s), then those that do not (smallest first);
     and how many layouts were dropped for each reason meshtrain would refuse them."""
     estimates, refused = [], {}

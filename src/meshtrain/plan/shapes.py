@@ -43,8 +43,17 @@ class Shape:
 
     @classmethod
     def from_args(cls, args: ModelArgs) -> "Shape":
-        return cls("llama", args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim,
-                   args.padded_vocab_size, args.max_seq_len, args.tie_embeddings)
+        return cls(
+            "llama",
+            args.dim,
+            args.n_layers,
+            args.n_heads,
+            args.n_kv_heads,
+            args.ffn_dim,
+            args.padded_vocab_size,
+            args.max_seq_len,
+            args.tie_embeddings,
+        )
 
     @classmethod
     def gpt(cls, dim: int, n_layers: int, n_heads: int, vocab_size: int, max_seq_len: int) -> "Shape":
@@ -66,17 +75,24 @@ class Shape:
         h, kv, f = self.dim, self.kv_dim, self.ffn_dim
 
         def p(name, shape, owner):
-            return Param(name, shape, owner, SHARDED_DIM.get(name.split(".", 2)[-1] if isinstance(owner, int) else name))
+            return Param(
+                name, shape, owner, SHARDED_DIM.get(name.split(".", 2)[-1] if isinstance(owner, int) else name)
+            )
 
         params = [p("tok_embeddings.weight", (self.vocab_size, h), "embed")]
         for i in range(self.n_layers):
             pre = f"layers.{i}."
-            params += [p(pre + "attention_norm.weight", (h,), i),
-                       p(pre + "attention.wq.weight", (h, h), i), p(pre + "attention.wk.weight", (kv, h), i),
-                       p(pre + "attention.wv.weight", (kv, h), i), p(pre + "attention.wo.weight", (h, h), i),
-                       p(pre + "ffn_norm.weight", (h,), i),
-                       p(pre + "feed_forward.w1.weight", (f, h), i), p(pre + "feed_forward.w2.weight", (h, f), i),
-                       p(pre + "feed_forward.w3.weight", (f, h), i)]
+            params += [
+                p(pre + "attention_norm.weight", (h,), i),
+                p(pre + "attention.wq.weight", (h, h), i),
+                p(pre + "attention.wk.weight", (kv, h), i),
+                p(pre + "attention.wv.weight", (kv, h), i),
+                p(pre + "attention.wo.weight", (h, h), i),
+                p(pre + "ffn_norm.weight", (h,), i),
+                p(pre + "feed_forward.w1.weight", (f, h), i),
+                p(pre + "feed_forward.w2.weight", (h, f), i),
+                p(pre + "feed_forward.w3.weight", (f, h), i),
+            ]
         params.append(p("norm.weight", (h,), "head"))
         if not self.tie_embeddings:
             params.append(p("output.weight", (self.vocab_size, h), "head"))
@@ -85,24 +101,34 @@ class Shape:
     def _gpt(self) -> list[Param]:
         """Megatron's GPT: fused QKV and fc1 split by columns (with their biases), proj and fc2 by rows."""
         h, f = self.dim, self.ffn_dim
-        params = [Param("wte.weight", (self.vocab_size, h), "embed", 0),
-                  Param("wpe.weight", (self.max_seq_len, h), "embed", None)]
+        params = [
+            Param("wte.weight", (self.vocab_size, h), "embed", 0),
+            Param("wpe.weight", (self.max_seq_len, h), "embed", None),
+        ]
         for i in range(self.n_layers):
             pre = f"h.{i}."
-            params += [Param(pre + "ln_1.weight", (h,), i, None), Param(pre + "ln_1.bias", (h,), i, None),
-                       Param(pre + "attn.c_attn.weight", (3 * h, h), i, 0), Param(pre + "attn.c_attn.bias", (3 * h,), i, 0),
-                       Param(pre + "attn.c_proj.weight", (h, h), i, 1), Param(pre + "attn.c_proj.bias", (h,), i, None),
-                       Param(pre + "ln_2.weight", (h,), i, None), Param(pre + "ln_2.bias", (h,), i, None),
-                       Param(pre + "mlp.c_fc.weight", (f, h), i, 0), Param(pre + "mlp.c_fc.bias", (f,), i, 0),
-                       Param(pre + "mlp.c_proj.weight", (h, f), i, 1), Param(pre + "mlp.c_proj.bias", (h,), i, None)]
+            params += [
+                Param(pre + "ln_1.weight", (h,), i, None),
+                Param(pre + "ln_1.bias", (h,), i, None),
+                Param(pre + "attn.c_attn.weight", (3 * h, h), i, 0),
+                Param(pre + "attn.c_attn.bias", (3 * h,), i, 0),
+                Param(pre + "attn.c_proj.weight", (h, h), i, 1),
+                Param(pre + "attn.c_proj.bias", (h,), i, None),
+                Param(pre + "ln_2.weight", (h,), i, None),
+                Param(pre + "ln_2.bias", (h,), i, None),
+                Param(pre + "mlp.c_fc.weight", (f, h), i, 0),
+                Param(pre + "mlp.c_fc.bias", (f,), i, 0),
+                Param(pre + "mlp.c_proj.weight", (h, f), i, 1),
+                Param(pre + "mlp.c_proj.bias", (h,), i, None),
+            ]
         params += [Param("ln_f.weight", (h,), "head", None), Param("ln_f.bias", (h,), "head", None)]
         return params
 
-    @functools.cache
+    @functools.cache  # noqa: B019 (a frozen value object: cached by its fields, few shapes per process)
     def n_params(self) -> int:
         return sum(p.numel for p in self.parameters())
 
-    @functools.cache
+    @functools.cache  # noqa: B019 (a frozen value object: cached by its fields, few shapes per process)
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of training one token: 6 x the parameters a token multiplies (no embedding
         lookup or positions) plus attention scores and weighted sum, 12 x layers x dim x seq (PaLM

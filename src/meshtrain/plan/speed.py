@@ -44,8 +44,13 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     if layout.pp > 1:  # activations forward, their gradients backward, to the next stage dp x tp ranks away
         span = layout.dp * t * 2
         p2p = 2 * tokens * h * act_bytes / t / (_bandwidth(span, dev, inter_gbps) * 1e9)
-    return {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm, "p2p": p2p,
-            "total": compute + memory_bound + tp_comm + p2p}
+    return {
+        "compute": compute,
+        "memory_bound": memory_bound,
+        "tp_comm": tp_comm,
+        "p2p": p2p,
+        "total": compute + memory_bound + tp_comm + p2p,
+    }
 
 
 def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> dict[str, float]:
@@ -84,8 +89,18 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
     step = pipeline + exposed + optimizer
     tokens_per_s = w.global_batch * w.seq_len / step / layout.world
     tflops = tokens_per_s * w.shape.flops_per_token(w.seq_len) / 1e12
-    return {"step_time_s": step, "tokens_per_s_per_gpu": tokens_per_s, "tflops_per_gpu": tflops,
-            "mfu": tflops / dev.peak("fp32" if w.dtype == "fp32" else w.dtype),
-            "seconds": {"compute": m * slowest["compute"], "memory_bound": m * slowest["memory_bound"],
-                        "tp_comm": m * slowest["tp_comm"], "pp_p2p": m * slowest["p2p"], "pp_bubble": bubble,
-                        "dp_comm_exposed": exposed, "optimizer": optimizer}}
+    return {
+        "step_time_s": step,
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / dev.peak("fp32" if w.dtype == "fp32" else w.dtype),
+        "seconds": {
+            "compute": m * slowest["compute"],
+            "memory_bound": m * slowest["memory_bound"],
+            "tp_comm": m * slowest["tp_comm"],
+            "pp_p2p": m * slowest["p2p"],
+            "pp_bubble": bubble,
+            "dp_comm_exposed": exposed,
+            "optimizer": optimizer,
+        },
+    }

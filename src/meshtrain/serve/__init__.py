@@ -12,12 +12,22 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.serve.engine import Engine, Request, SamplingParams
 from meshtrain.serve.loading import ServedModel, load_served_model
 
-__all__ = ["Engine", "Request", "SamplingParams", "ServedModel", "generate_to_terminal", "load_engine",
-           "load_served_model", "sample_text", "serve"]
+__all__ = [
+    "Engine",
+    "Request",
+    "SamplingParams",
+    "ServedModel",
+    "generate_to_terminal",
+    "load_engine",
+    "load_served_model",
+    "sample_text",
+    "serve",
+]
 
 
-def load_engine(source: str, max_batch: int = 16, max_context: int | None = None, device: str = "auto",
-                dtype: str = "auto") -> tuple[ServedModel, Engine]:
+def load_engine(
+    source: str, max_batch: int = 16, max_context: int | None = None, device: str = "auto", dtype: str = "auto"
+) -> tuple[ServedModel, Engine]:
     if max_batch < 1:
         raise MeshtrainError(f"--max-batch {max_batch} must be at least 1")
     if device == "cuda" and not torch.cuda.is_available():
@@ -33,15 +43,26 @@ def load_engine(source: str, max_batch: int = 16, max_context: int | None = None
     return served, Engine(served.model, served.tokenizer, served.eos_id, max_batch, max_context or limit)
 
 
-def serve(source: str, host: str, port: int, api_key: str | None, max_batch: int, max_context: int | None,
-          device: str, dtype: str) -> int:
+def serve(
+    source: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_batch: int,
+    max_context: int | None,
+    device: str,
+    dtype: str,
+) -> int:
     import uvicorn
 
     from meshtrain.serve.app import create_app
 
     served, engine = load_engine(source, max_batch, max_context, device, dtype)
-    print(f"serving {served.name} at http://{host}:{port}/v1 (max batch {max_batch}, context {engine.max_context} "
-          f"tokens{', API key required' if api_key else ''})", flush=True)
+    print(
+        f"serving {served.name} at http://{host}:{port}/v1 (max batch {max_batch}, context {engine.max_context} "
+        f"tokens{', API key required' if api_key else ''})",
+        flush=True,
+    )
     uvicorn.run(create_app(served, engine, api_key), host=host, port=port, log_level="warning")
     engine.close()
     return 0
@@ -83,10 +104,12 @@ def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: st
     model = Llama(args)
     model.load_state_dict(state, strict=False)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    ids = tokenizer.encode(prompt).ids[-(args.max_seq_len - 1):]
+    ids = tokenizer.encode(prompt).ids[-(args.max_seq_len - 1) :]
     engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, args.max_seq_len)
     try:
-        text, _ = engine.complete(ids, SamplingParams(min(max_tokens, args.max_seq_len - len(ids)), 0.8, 1.0, 50, [], 0))
+        text, _ = engine.complete(
+            ids, SamplingParams(min(max_tokens, args.max_seq_len - len(ids)), 0.8, 1.0, 50, [], 0)
+        )
     finally:
         engine.close()
     return prompt + text

@@ -63,22 +63,30 @@ class ChatRequest(Sampling):
 def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
     """Prometheus metrics of this app: requests by path and status, tokens, queue, time to first token."""
     registry = CollectorRegistry()
-    requests_total = Counter("meshtrain_requests", "HTTP requests by path and status", ["path", "status"],
-                             registry=registry)
+    requests_total = Counter(
+        "meshtrain_requests", "HTTP requests by path and status", ["path", "status"], registry=registry
+    )
     tokens = Counter("meshtrain_generated_tokens", "tokens generated", registry=registry)
-    Gauge("meshtrain_queue_length", "requests waiting for a batch slot", registry=registry) \
-        .set_function(lambda: engine.waiting.qsize())
-    Gauge("meshtrain_running_requests", "requests in the running batch", registry=registry) \
-        .set_function(lambda: len(engine.running))
-    ttft = Histogram("meshtrain_time_to_first_token_seconds", "time from arrival to first token", registry=registry,
-                     buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+    Gauge("meshtrain_queue_length", "requests waiting for a batch slot", registry=registry).set_function(
+        lambda: engine.waiting.qsize()
+    )
+    Gauge("meshtrain_running_requests", "requests in the running batch", registry=registry).set_function(
+        lambda: len(engine.running)
+    )
+    ttft = Histogram(
+        "meshtrain_time_to_first_token_seconds",
+        "time from arrival to first token",
+        registry=registry,
+        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    )
     engine.on_first_token, engine.on_tokens = ttft.observe, tokens.inc
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
-        requests_total.labels(request.url.path if request.url.path.startswith("/v1/") else "other",
-                              str(response.status_code)).inc()
+        requests_total.labels(
+            request.url.path if request.url.path.startswith("/v1/") else "other", str(response.status_code)
+        ).inc()
         return response
 
     return registry
@@ -129,8 +137,10 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                            "owned_by": "meshtrain"}]}
+        return {
+            "object": "list",
+            "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "meshtrain"}],
+        }
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest):
@@ -155,8 +165,9 @@ def _single(prompts: list[str]) -> str:
 
 def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list[int]) -> SamplingParams:
     if body.model != served.name:
-        raise APIError(404, f"model {body.model!r} does not exist: this server serves {served.name!r}", "model",
-                       "model_not_found")
+        raise APIError(
+            404, f"model {body.model!r} does not exist: this server serves {served.name!r}", "model", "model_not_found"
+        )
     if body.n != 1:
         raise APIError(400, "n: only n = 1 is supported", "n")
     if not prompt_ids:
@@ -164,9 +175,14 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     room = engine.max_context - len(prompt_ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else max(1, min(16, room))
     if room < 1 or max_tokens > room:
-        raise APIError(400, f"this model's maximum context length is {engine.max_context} tokens; the prompt has "
-                            f"{len(prompt_ids)} and max_tokens asks for {max_tokens}: shorten the prompt or lower "
-                            "max_tokens", "max_tokens", "context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's maximum context length is {engine.max_context} tokens; the prompt has "
+            f"{len(prompt_ids)} and max_tokens asks for {max_tokens}: shorten the prompt or lower "
+            "max_tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
@@ -179,8 +195,11 @@ async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     generation = Generation(prompt_ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
     engine.submit(generation)
-    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": served.name}
+    meta = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": served.name,
+    }
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(_stream(generation, events, meta, chat, include_usage), media_type="text/event-stream")
@@ -198,10 +217,20 @@ async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt:
         generation.cancel()  # a client that went away frees its slot
     usage = _usage(generation)
     if chat:
-        return {**meta, "object": "chat.completion", "usage": usage, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}]}
-    return {**meta, "object": "text_completion", "usage": usage, "choices": [
-        {"index": 0, "text": "".join(text), "finish_reason": finish, "logprobs": None}]}
+        return {
+            **meta,
+            "object": "chat.completion",
+            "usage": usage,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
+            ],
+        }
+    return {
+        **meta,
+        "object": "text_completion",
+        "usage": usage,
+        "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish, "logprobs": None}],
+    }
 
 
 def _usage(generation: Generation) -> dict:

@@ -52,8 +52,16 @@ class Request:
 
 
 class Engine:
-    def __init__(self, model: Llama, tokenizer, eos_id: int | None, max_batch: int, max_context: int,
-                 on_first_token: Callable[[float], None] | None = None, on_tokens: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer,
+        eos_id: int | None,
+        max_batch: int,
+        max_context: int,
+        on_first_token: Callable[[float], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+    ):
         self.model, self.tokenizer, self.eos_id = model.eval(), tokenizer, eos_id
         self.max_batch, self.max_context = max_batch, max_context
         self.device = model.tok_embeddings.weight.device
@@ -121,8 +129,13 @@ class Engine:
             request.generator = torch.Generator(device=self.device).manual_seed(seed)
             try:
                 tokens = torch.tensor([request.prompt], device=self.device)
-                logits = forward_cached(self.model, self.cache, tokens, torch.tensor([request.slot], device=self.device),
-                                        torch.arange(len(request.prompt), device=self.device)[None])
+                logits = forward_cached(
+                    self.model,
+                    self.cache,
+                    tokens,
+                    torch.tensor([request.slot], device=self.device),
+                    torch.arange(len(request.prompt), device=self.device)[None],
+                )
                 self.on_first_token(time.perf_counter() - request.submitted)
                 self.running.append(request)
                 self._accept(request, self._sample(logits[0], request))
@@ -167,8 +180,10 @@ class Engine:
         if stop_at >= 0:
             self._emit_text(request, text[:stop_at])
             return self._finish(request, ("done", "stop"))
-        if len(request.generated) >= request.params.max_tokens or \
-                len(request.prompt) + len(request.generated) >= self.max_context:
+        if (
+            len(request.generated) >= request.params.max_tokens
+            or len(request.prompt) + len(request.generated) >= self.max_context
+        ):
             self._emit_text(request, text)
             return self._finish(request, ("done", "length"))
         # Hold back an incomplete UTF-8 character and what could still become a stop string.
@@ -178,7 +193,7 @@ class Engine:
 
     def _emit_text(self, request: Request, text: str) -> None:
         if len(text) > len(request.text) and text.startswith(request.text):
-            request.emit(("text", text[len(request.text):]))
+            request.emit(("text", text[len(request.text) :]))
             request.text = text
 
     def _finish(self, request: Request, event: tuple) -> None:

@@ -11,9 +11,8 @@ from pathlib import Path
 import torch
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.model import Llama
-
 from meshtrain.interop.hf import DEFAULT_CHAT_TEMPLATE
+from meshtrain.model import Llama
 
 
 @dataclass
@@ -29,8 +28,9 @@ class ServedModel:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                          bos_token="", eos_token=self.eos_token or "")
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token="", eos_token=self.eos_token or ""
+        )
 
 
 def _chat_template(directory: Path) -> str:
@@ -52,8 +52,9 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
 
     path = Path(source)
     if not path.exists():
-        raise MeshtrainError(f"{path} does not exist: serve a run directory, a checkpoint or an exported Hugging "
-                             "Face directory")
+        raise MeshtrainError(
+            f"{path} does not exist: serve a run directory, a checkpoint or an exported Hugging Face directory"
+        )
     if (path / "config.json").is_file():  # a Hugging Face directory
         args = hf_model_args(path)
         model = Llama(args)

@@ -4,5 +4,14 @@ from meshtrain.train.build import TrainState, build, check_training, ensure_data
 from meshtrain.train.loop import train
 from meshtrain.train.step import cross_entropy, evaluate, train_step
 
-__all__ = ["TrainState", "build", "check_training", "cross_entropy", "ensure_dataset", "evaluate", "model_args",
-           "train", "train_step"]
+__all__ = [
+    "TrainState",
+    "build",
+    "check_training",
+    "cross_entropy",
+    "ensure_dataset",
+    "evaluate",
+    "model_args",
+    "train",
+    "train_step",
+]

@@ -79,8 +79,9 @@ class TrainState:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor):
         """One optimizer step (see train.step.train_step); the LR schedule is stepped by the caller."""
-        return train_step(self.model, self.optimizer, inputs, targets, self.cfg.training, self.device, self.context,
-                          self.pp_group)
+        return train_step(
+            self.model, self.optimizer, inputs, targets, self.cfg.training, self.device, self.context, self.pp_group
+        )
 
     @property
     def accumulation(self) -> int:
@@ -115,12 +116,16 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     optimizer, scheduler = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
     state = TrainState(cfg, env, device, dims, args, num_params(full_model), model, optimizer, scheduler, dataset)
     if dataset is not None:
-        state.loader = DistributedLoader(dataset.train, t.global_batch_size, dims.dp_rank, dims.dp, t.seed,
-                                         pin_memory=device.type == "cuda")
+        state.loader = DistributedLoader(
+            dataset.train, t.global_batch_size, dims.dp_rank, dims.dp, t.seed, pin_memory=device.type == "cuda"
+        )
         if len(dataset.val):  # few and fixed: copied to the device once
-            state.val = [(x.to(device), y.to(device)) for x, y in
-                         validation_batches(dataset.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)]
+            state.val = [
+                (x.to(device), y.to(device))
+                for x, y in validation_batches(dataset.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)
+            ]
         root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
-        state.checkpointer = Checkpointer(root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_,
-                                          env.rank)
+        state.checkpointer = Checkpointer(
+            root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank
+        )
     return state

@@ -16,10 +16,10 @@ from meshtrain.checkpoint import Checkpointer, committed_checkpoints, find_resum
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_text
+from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.launch import detect
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.logs import log, setup_logging
-from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.parallel import arithmetic_dtype
 from meshtrain.parallel.memory import format_memory, gather_memory_report
@@ -52,9 +52,13 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
     """(preempted, out of time, async save finished everywhere), agreed over all ranks with one
     small all-reduce per step, of a CPU tensor (gloo), so the device is never waited on. Out of
     time: the next step and a save (estimated as two steps) would not fit before the deadline."""
-    flags = torch.tensor([float(signals.received != 0),
-                          float(deadline > 0 and time.monotonic() + 3 * step_time > deadline),
-                          float(ckpt.pending is not None and not ckpt.pending[0].done())])
+    flags = torch.tensor(
+        [
+            float(signals.received != 0),
+            float(deadline > 0 and time.monotonic() + 3 * step_time > deadline),
+            float(ckpt.pending is not None and not ckpt.pending[0].done()),
+        ]
+    )
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
@@ -64,10 +68,12 @@ def announce(s: TrainState, precision: str) -> None:
     t, run_dir = s.cfg.training, Path(s.cfg.run.dir)
     write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
     copy_file(s.dataset.tokenizer_path, run_dir / "tokenizer.json")
-    log.info(f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
-             f"({s.dims.describe()}) | {s.device.type} {precision} | global batch {t.global_batch_size} x "
-             f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.accumulation}"
-             f"{' pipeline micro-batches' if s.dims.pp > 1 else ' accumulation'}) | {t.steps} steps")
+    log.info(
+        f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
+        f"({s.dims.describe()}) | {s.device.type} {precision} | global batch {t.global_batch_size} x "
+        f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.accumulation}"
+        f"{' pipeline micro-batches' if s.dims.pp > 1 else ' accumulation'}) | {t.steps} steps"
+    )
     for line in s.dims.describe_groups():
         log.info("  " + line)
     warn_pointless_settings(s)
@@ -79,14 +85,18 @@ def warn_pointless_settings(s: TrainState) -> None:
     if not s.val:
         log.warning(f"{s.dataset.val.path} holds less than one sequence; no validation loss")
     if t.warmup_steps >= t.steps:
-        log.warning(f"training.warmup_steps ({t.warmup_steps}) >= training.steps ({t.steps}): the learning rate "
-                    "never reaches training.lr")
+        log.warning(
+            f"training.warmup_steps ({t.warmup_steps}) >= training.steps ({t.steps}): the learning rate "
+            "never reaches training.lr"
+        )
     if c.every > t.steps:
         log.warning(f"checkpoint.every ({c.every}) > training.steps ({t.steps}): only the last step is checkpointed")
     epochs = t.steps * t.global_batch_size / len(s.dataset.train)
     if epochs > 1:
-        log.warning(f"the schedule reads the training data {epochs:.1f} times ({len(s.dataset.train)} sequences of "
-                    f"{t.seq_len} tokens): expect overfitting; add data or lower training.steps")
+        log.warning(
+            f"the schedule reads the training data {epochs:.1f} times ({len(s.dataset.train)} sequences of "
+            f"{t.seq_len} tokens): expect overfitting; add data or lower training.steps"
+        )
 
 
 def resume(s: TrainState) -> tuple[int, int]:
@@ -111,17 +121,34 @@ def resume(s: TrainState) -> tuple[int, int]:
 
 def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None:
     d = s.dims
-    layout = {"world_size": s.env.world_size, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate,
-              "dp_shard": d.dp_shard, "zero": d.zero}
-    s.checkpointer.save(step, {"step": step, "skipped_steps": skipped, "loader": s.loader.state_dict(),
-                               "scheduler": s.scheduler.state_dict(), "layout": layout,
-                               "model": dataclasses.asdict(s.args)}, blocking=blocking)
+    layout = {
+        "world_size": s.env.world_size,
+        "tp": d.tp,
+        "pp": d.pp,
+        "dp_replicate": d.dp_replicate,
+        "dp_shard": d.dp_shard,
+        "zero": d.zero,
+    }
+    s.checkpointer.save(
+        step,
+        {
+            "step": step,
+            "skipped_steps": skipped,
+            "loader": s.loader.state_dict(),
+            "scheduler": s.scheduler.state_dict(),
+            "layout": layout,
+            "model": dataclasses.asdict(s.args),
+        },
+        blocking=blocking,
+    )
 
 
 def warn_skips(step: int, skipped: int, reported: int) -> int:
     if skipped > reported:
-        log.warning(f"step {step}: {skipped - reported} step(s) skipped since the last log (non-finite gradient "
-                    f"norm; {skipped} in all)")
+        log.warning(
+            f"step {step}: {skipped - reported} step(s) skipped since the last log (non-finite gradient "
+            f"norm; {skipped} in all)"
+        )
     return skipped
 
 
@@ -150,8 +177,10 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
         if run.save_model:
             if not s.cfg.checkpoint.every:  # else the loop saved this step already
                 save(s, step, skipped, blocking=True)
-            log.info(f"the model is above run.save_model_max_gb = {run.save_model_max_gb}: its weights are the "
-                     f"checkpoint in {s.checkpointer.root}; `meshtrain export {run.dir} --out DIR` writes them out")
+            log.info(
+                f"the model is above run.save_model_max_gb = {run.save_model_max_gb}: its weights are the "
+                f"checkpoint in {s.checkpointer.root}; `meshtrain export {run.dir} --out DIR` writes them out"
+            )
         return
     state = full_state_dict(s.model, s.dims)
     if s.env.rank != 0:
@@ -162,12 +191,16 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
             ensure_room(run.dir, model_bytes(s.n_params), "the trained weights")
             log.info(f"saved the trained weights to {save_model(state, s.args, Path(run.dir))}")
         except MeshtrainError as e:
-            kept = f"; the checkpoint {committed[-1]} holds them: `meshtrain export` writes them out" if committed else ""
+            kept = (
+                f"; the checkpoint {committed[-1]} holds them: `meshtrain export` writes them out" if committed else ""
+            )
             raise MeshtrainError(f"{e}{kept}") from None
     if run.sample_prompt:
         from meshtrain.serve import sample_text
 
-        log.info("sample:\n" + sample_text(state, s.args, s.dataset.tokenizer_path, run.sample_prompt, run.sample_tokens))
+        log.info(
+            "sample:\n" + sample_text(state, s.args, s.dataset.tokenizer_path, run.sample_prompt, run.sample_tokens)
+        )
 
 
 def train(cfg: Config) -> dict:
@@ -181,10 +214,14 @@ def train(cfg: Config) -> dict:
     if env.rank == 0:
         announce(s, f"{t.dtype}{' (fp32 arithmetic)' if t.dtype == 'bf16' and compute_dtype == torch.float32 else ''}")
     start_step, skipped = resume(s)
-    metrics = MetricsLogger(Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress,
-                            start_step)
-    meter = Throughput(Shape.from_args(s.args).flops_per_token(t.seq_len), mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
-                       env.world_size)
+    metrics = MetricsLogger(
+        Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress, start_step
+    )
+    meter = Throughput(
+        Shape.from_args(s.args).flops_per_token(t.seq_len),
+        mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
+        env.world_size,
+    )
     arithmetic = "bf16" if compute_dtype == torch.bfloat16 else "fp32"
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
     last_step = t.stop_at_step or t.steps
@@ -197,8 +234,10 @@ def train(cfg: Config) -> dict:
         loss, grad_norm, skipped_now = s.step(*s.loader.next_batch())
         skipped_total += skipped_now
         if t.on_nonfinite == "stop" and skipped_now.item():  # the one mode that syncs every step
-            raise MeshtrainError(f"step {step}: the loss or gradient norm is not finite ({grad_norm.item()}); "
-                                 "lower training.lr, check the data, or set training.on_nonfinite = skip")
+            raise MeshtrainError(
+                f"step {step}: the loss or gradient norm is not finite ({grad_norm.item()}); "
+                "lower training.lr, check the data, or set training.on_nonfinite = skip"
+            )
         if step == start_step + 1:  # gradients and optimizer states exist now
             report_memory(s, metrics)
         s.scheduler.step()
@@ -207,8 +246,14 @@ def train(cfg: Config) -> dict:
 
         record = {}
         if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
-            record = {"loss": reduce_loss(loss, s.dims), "lr": lr, "grad_norm": grad_norm.item(),
-                      "skipped_steps": int(skipped_total.item()), **meter.report(), "arithmetic": arithmetic}
+            record = {
+                "loss": reduce_loss(loss, s.dims),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "skipped_steps": int(skipped_total.item()),
+                **meter.report(),
+                "arithmetic": arithmetic,
+            }
             reported_skips = warn_skips(step, record["skipped_steps"], reported_skips)
         if s.val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             record["val_loss"] = evaluate(s.model, s.val, t.micro_batch_size, s.device, s.dims, s.context)

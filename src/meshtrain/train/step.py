@@ -1,9 +1,9 @@
 """One training step and one validation pass, for every layout, with no host-device sync.
 
-  inputs, targets (this DP rank's slice)  -> the device, once per step
-  no PP: micro-batches of training.micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
-  PP:    the schedule drives the micro-batches through the stages
-  global grad norm -> fused AdamW (clips and skips inside its kernel) -> the LR schedule steps outside
+inputs, targets (this DP rank's slice)  -> the device, once per step
+no PP: micro-batches of training.micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
+PP:    the schedule drives the micro-batches through the stages
+global grad norm -> fused AdamW (clips and skips inside its kernel) -> the LR schedule steps outside
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int,
-                     device: torch.device) -> torch.Tensor:
+def forward_backward(
+    model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int, device: torch.device
+) -> torch.Tensor:
     """Gradients of this rank's local batch; returns its mean loss (a tensor: no host sync)."""
     if model.schedule is not None:
         loss = pipeline_loss(model, inputs, targets, device, train=True)
@@ -71,8 +72,16 @@ def forward_backward(model: ParallelModel, inputs: torch.Tensor, targets: torch.
     return total
 
 
-def train_step(model: ParallelModel, optimizer, inputs: torch.Tensor, targets: torch.Tensor, t: TrainingConfig,
-               device: torch.device, context, pp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def train_step(
+    model: ParallelModel,
+    optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    t: TrainingConfig,
+    device: torch.device,
+    context,
+    pp_group=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """forward/backward -> global grad norm -> AdamW, with no host-device sync.
 
     Clipping and skipping are folded into the fused AdamW kernel through the hooks GradScaler
@@ -132,8 +141,9 @@ def reduce_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: ParallelModel, batches, micro_batch: int, device: torch.device, dims: ParallelDims,
-             context) -> float:
+def evaluate(
+    model: ParallelModel, batches, micro_batch: int, device: torch.device, dims: ParallelDims, context
+) -> float:
     """The mean validation loss over `batches`, averaged over DP."""
     for part in model.parts:
         part.eval()
