@@ -137,3 +137,16 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are dead
     except OSError:
         return False
+
+
+def greedy_by_recomputation(model, prompt: list[int], n: int) -> list[int]:
+    """The test oracle for every cached decoder: n greedy tokens, each from a full forward over the
+    whole sequence (no KV cache, no stop token)."""
+    import torch
+
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens]))[0, -1, : model.args.vocab_size]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]

@@ -6,11 +6,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_user_error, read_metrics, run_cli, train_args
+from conftest import assert_user_error, greedy_by_recomputation, read_metrics, run_cli, train_args
 from meshtrain.interop import export_hf, hf_model_args, load_hf_weights
 from meshtrain.interop.hf import load_full_model
 from meshtrain.model import Llama
-from meshtrain.model.generate import generate
 
 # GQA (4 query heads, 2 KV heads) and a vocabulary padded from 512 to 576 rows.
 MODEL = ["--model.n_layers", "2", "--model.vocab_multiple", "96"]
@@ -57,7 +56,7 @@ def test_transformers_gives_the_same_logits_and_greedy_tokens(trained):
     assert (mine - theirs).abs().max().item() <= 1e-4
 
     prompt = tokens[0, :8].tolist()
-    greedy = generate(ours, prompt, 12, temperature=0)
+    greedy = greedy_by_recomputation(ours.eval(), prompt, 12)
     with torch.no_grad():
         hf_out = hf.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0

@@ -13,9 +13,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import run_cli, train_args
+from conftest import greedy_by_recomputation, run_cli, train_args
 from meshtrain.model import Llama, ModelArgs
-from meshtrain.model.generate import generate
 from meshtrain.serve import Engine, Request, SamplingParams
 
 KEY = "test-key"
@@ -121,7 +120,7 @@ def test_kv_cache_decoding_equals_full_recomputation():
     model = Llama(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, max_seq_len=64))
     model.init_weights(3)
     prompts = [torch.randint(0, 97, (n,)).tolist() for n in (1, 5, 9, 17)]
-    expected = [generate(model, p, 20, temperature=0) for p in prompts]
+    expected = [greedy_by_recomputation(model.eval(), p, 20) for p in prompts]
 
     class Chars:  # a tokenizer stand-in: one character per id
         def decode(self, ids):

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from meshtrain.errors import CheckpointError
 from meshtrain.files import FIXES, ensure_room, write_json
+from meshtrain.launch.distributed import agreed
 from meshtrain.optim import local_optimizer
 
 # One process saves and loads without a process group on purpose; DCP warns about it every time.
@@ -110,15 +111,6 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _agreed(obj):
-    """Rank 0's value of `obj` on every rank."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _agreed_problem(path: Path) -> str | None:
     """What is wrong with a checkpoint, verified by all ranks together (each a share of its files);
     every rank gets the same answer."""
@@ -148,6 +140,23 @@ def retire(path: Path) -> None:
     path.rename(target)
 
 
+def checkpoint_root(cfg) -> Path:
+    """checkpoint.dir, by default <run.dir>/checkpoints."""
+    return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+
+
+def refuse_another_lineage(resume: str, root: Path) -> None:
+    """A fresh start (resume = "none") where another run's checkpoints are: its first save would be
+    pruned at once as the oldest, and the next start would resume the other run. Refused before
+    anything is written."""
+    committed = committed_checkpoints(root)
+    if resume == "none" and committed:
+        raise CheckpointError(
+            f"checkpoint.resume = none, but {root} holds checkpoints of an earlier run (newest {committed[-1].name}): "
+            "use a new run.dir (or checkpoint.dir), move them away, or continue them with checkpoint.resume = auto"
+        )
+
+
 def find_resume(resume: str, root: Path, warn, retire_skipped: bool = False) -> Path | None:
     """The checkpoint to resume from: for "auto" the newest complete one (newer uncommitted or
     damaged ones are skipped with a warning, and with retire_skipped taken out of the lineage), for
@@ -160,13 +169,13 @@ def find_resume(resume: str, root: Path, warn, retire_skipped: bool = False) -> 
         path = Path(resume)
         if not (path / MARKER).is_file() and committed_checkpoints(path):
             path = committed_checkpoints(path)[-1]  # a checkpoint root or run dir
-        path = _agreed(path)
+        path = agreed(path)
         problem = _agreed_problem(path)
         if problem:
             raise CheckpointError(problem)
         return path
     chosen = None
-    for path in _agreed(step_dirs(root)[::-1]):
+    for path in agreed(step_dirs(root)[::-1]):
         problem = _agreed_problem(path)
         if problem is None:
             chosen = path

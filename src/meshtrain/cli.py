@@ -380,24 +380,35 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.node_rank is not None and args.node_rank >= (args.nnodes or 1):
         raise MeshtrainError(f"--node-rank {args.node_rank} must be below --nnodes ({args.nnodes or 1})")
     if args.nproc is not None and not in_worker:
+        from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage
         from meshtrain.launch.local import launch_workers
+        from meshtrain.lock import TOKEN_VARIABLE, RunLock
         from meshtrain.train import check_training, ensure_dataset
 
         setup_logging(0, cfg.run.log_level)
+        refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
         dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
-        check_training(
-            cfg, args.nproc * (args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))), dataset.vocab_size
-        )
-        worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
-        return launch_workers(
-            args.nproc,
-            worker_argv,
-            args.max_restarts or 0,
-            args.nnodes,
-            args.node_rank,
-            args.master_addr,
-            args.master_port,
-        )
+        nodes = args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))
+        check_training(cfg, args.nproc * nodes, dataset.vocab_size)
+        # The launcher holds the run directory for the whole job, across its workers' restarts (on
+        # a multi-node job started by hand: node 0's launcher).
+        lock = RunLock(cfg.run.dir)
+        if not args.node_rank:
+            lock.acquire()
+            os.environ[TOKEN_VARIABLE] = lock.token  # the workers it starts belong to this job
+        try:
+            worker_argv = ["train", *(["--config", args.config] if args.config else []), *overrides]
+            return launch_workers(
+                args.nproc,
+                worker_argv,
+                args.max_restarts or 0,
+                args.nnodes,
+                args.node_rank,
+                args.master_addr,
+                args.master_port,
+            )
+        finally:
+            lock.release()
 
     from meshtrain.train import train
 

@@ -44,6 +44,22 @@ def writing(path: Path | str) -> Iterator[None]:
         raise write_error(path, e) from None
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()  # read once, at import (before any thread could create files meanwhile)
+
+
+def _user_mode(path: Path) -> None:
+    """The permissions the user's umask gives a new file: libraries that write through a private
+    temporary file (safetensors, huggingface_hub) leave it 0600, and a server running as another
+    user could not read the weights."""
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~UMASK)
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -63,6 +79,7 @@ def atomic_write(path: Path | str, write: Callable[[Path], None]) -> Path:
             write(tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
+            _user_mode(tmp)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -94,7 +111,8 @@ def atomic_directory(out: Path | str) -> Iterator[Path]:
     try:
         with writing(out):
             yield tmp
-            for f in tmp.rglob("*"):
+            for f in [tmp, *tmp.rglob("*")]:
+                _user_mode(f)
                 if f.is_file():
                     with open(f, "rb+") as handle:
                         os.fsync(handle.fileno())
@@ -108,6 +126,29 @@ def atomic_directory(out: Path | str) -> Iterator[Path]:
             _fsync_dir(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output_dir(out: Path | str, inputs: list[Path | str], marker: str, command: str) -> Path:
+    """Refuse, before any work, an output directory whose replacement would destroy what the user
+    has: one that is or contains an input, a file, or a non-empty directory that `command` did not
+    write (its own earlier output, recognised by `marker`, is replaced atomically)."""
+    out = Path(out).resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if out == source or out in source.parents:
+            what = "is" if out == source else "contains"
+            raise WriteError(
+                f"--out {out} {what} the input {source}: replacing it would delete the input; "
+                "choose another output directory"
+            )
+    if out.exists() and not out.is_dir():
+        raise WriteError(f"--out {out} is a file: choose a directory (new, empty, or an earlier output of `{command}`)")
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+        raise WriteError(
+            f"--out {out} holds files that `{command}` did not write (no {marker}): choose a new or "
+            "empty directory; nothing was changed"
+        )
+    return out
 
 
 def ensure_room(directory: Path | str, need_bytes: float, what: str) -> None:

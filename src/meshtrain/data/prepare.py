@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.errors import DataError
-from meshtrain.files import atomic_directory
+from meshtrain.files import atomic_directory, check_output_dir
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
@@ -163,6 +163,7 @@ def prepare(
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    check_output_dir(out, [*inputs, *([tokenizer] if tokenizer else [])], "manifest.json", "meshtrain data prepare")
     files = expand_inputs(inputs)
     docs = [d for path in files for d in read_documents(path) if d.text]
     if not docs:

@@ -18,7 +18,7 @@ import torch
 
 from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, verify
 from meshtrain.errors import MeshtrainError
-from meshtrain.files import atomic_directory
+from meshtrain.files import atomic_directory, check_output_dir
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
 
 # The chat format of models meshtrain trains, written into exported tokenizers (so vLLM and TGI
@@ -169,6 +169,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
     from huggingface_hub import save_torch_state_dict
     from transformers import PreTrainedTokenizerFast
 
+    check_output_dir(out, [source], "meshtrain.json", "meshtrain export")
     model, args, run_dir = load_full_model(Path(source))
     tokenizer_file = run_dir / "tokenizer.json"
     if not tokenizer_file.is_file():

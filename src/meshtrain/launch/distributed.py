@@ -57,3 +57,13 @@ def init_distributed(env: LaunchEnv, choice: str = "auto") -> torch.device:
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     return device
+
+
+def agreed(obj):
+    """Rank 0's value of a small picklable object on every rank (itself without a process group):
+    for decisions that must not differ between ranks even when the file system changes under them."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

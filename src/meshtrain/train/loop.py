@@ -12,13 +12,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint import Checkpointer, committed_checkpoints, find_resume
+from meshtrain.checkpoint import (
+    Checkpointer,
+    checkpoint_root,
+    committed_checkpoints,
+    find_resume,
+    refuse_another_lineage,
+)
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_text
 from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.launch import detect
+from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from meshtrain.lock import RunLock
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.parallel import arithmetic_dtype
@@ -203,12 +211,39 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
         )
 
 
+def hold_run_dir(cfg: Config, rank: int) -> RunLock:
+    """Before anything is written: the run directory's lock (rank 0 takes it, or finds it held by
+    the launcher of this job) and a fresh start that would mix lineages refused; every rank raises
+    the same one-line error."""
+    lock = RunLock(cfg.run.dir)
+    error = None
+    if rank == 0:
+        try:
+            lock.acquire()
+            refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
+        except MeshtrainError as e:
+            lock.release()
+            error = e
+    error = agreed(error)
+    if error is not None:
+        raise error
+    return lock
+
+
 def train(cfg: Config) -> dict:
     """Returns {"history": logged metrics, "exit_code": 0, PREEMPTED_EXIT_CODE or INTERRUPTED_EXIT_CODE}."""
     start_time, signals = time.monotonic(), StopSignals()
     env = detect(launcher=cfg.launch.env)
     setup_logging(env.rank, cfg.run.log_level)
     s = build(cfg, env)
+    lock = hold_run_dir(cfg, env.rank)
+    try:
+        return _train(s, cfg, env, start_time, signals)
+    finally:
+        lock.release()
+
+
+def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSignals) -> dict:
     t, ckpt = cfg.training, s.checkpointer
     compute_dtype = arithmetic_dtype(t, s.device)
     if env.rank == 0:

@@ -1,0 +1,123 @@
+"""One job per run directory: `<run.dir>/.meshtrain.lock`, taken before anything is written.
+
+Two jobs on one run directory delete each other's in-flight checkpoints, interleave metrics and
+resume from each other's live state. The lock names its holder (host, pid, the process's start time,
+the job it belongs to). A second job is refused in one line naming the holder. The same job coming
+back keeps working: a torch elastic restart (the launcher holds the lock, its workers carry its
+token), a requeued Slurm job (same job id), or any start after the holder died: a lock whose holder
+is gone on this host (no such pid, or the pid now belongs to a younger process) is stale and taken
+over. A holder on another host cannot be checked from here: the error says how to remove its lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.files import writing
+
+LOCK_NAME = ".meshtrain.lock"
+TOKEN_VARIABLE = "MESHTRAIN_RUN_LOCK"  # set by the holder for the processes it starts
+
+
+class RunDirLocked(MeshtrainError):
+    """Another job holds the run directory."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (a reused pid has a later one)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def job_token() -> str:
+    """What identifies this job across restarts of its processes: the token a holder passed down,
+    else the scheduler's job id (a requeued job keeps it), else this process."""
+    if os.environ.get(TOKEN_VARIABLE):
+        return os.environ[TOKEN_VARIABLE]
+    for key in ("SLURM_JOB_ID", "JOB_ID", "PBS_JOBID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(key) not in (None, "", "none"):  # torchrun's default rendezvous id is "none"
+            return f"{key}={os.environ[key]}"
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+
+
+def _holder_alive(holder: dict) -> bool:
+    if holder.get("host") != socket.gethostname():
+        return True  # not ours to check
+    started = _start_time(int(holder.get("pid", -1)))
+    return started is not None and started == holder.get("started")
+
+
+class RunLock:
+    def __init__(self, run_dir: Path | str):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.token = job_token()
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        """Take the lock, or raise RunDirLocked naming the holder. Idempotent for the same job."""
+        with writing(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _start_time(os.getpid()),
+            "job": self.token,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        for _ in range(10):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                holder = self._read()
+                if holder is None:
+                    time.sleep(0.05)  # being written by its taker
+                    holder = self._read()
+                if holder is not None and holder.get("job") == self.token:
+                    return self  # this job's own lock (an elastic restart, a requeued job)
+                if holder is not None and _holder_alive(holder):
+                    raise RunDirLocked(
+                        f"{self.path.parent} is in use by another job (host {holder.get('host')}, pid "
+                        f"{holder.get('pid')}, job {holder.get('job')}, since {holder.get('since')}): use another "
+                        f"run.dir, or delete {self.path} if that job is gone"
+                    ) from None
+                self._set_aside()  # stale: its holder died
+                continue
+            except OSError as e:
+                from meshtrain.files import write_error
+
+                raise write_error(self.path, e) from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise RunDirLocked(f"could not take {self.path}: other processes keep replacing it")
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _set_aside(self) -> None:
+        """Move a stale lock out of the way; of several processes doing this at once one succeeds,
+        the others find it gone. Then each tries to create the lock anew (O_EXCL: one wins)."""
+        stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
+        try:
+            os.rename(self.path, stale)
+            stale.unlink()
+        except FileNotFoundError:
+            pass
+
+    def release(self) -> None:
+        if self.held:
+            holder = self._read()
+            if holder is not None and holder.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+            self.held = False

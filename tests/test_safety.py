@@ -1,0 +1,117 @@
+"""Never destroy what the user has: outputs that would replace inputs or foreign files are refused,
+a fresh start never mixes with another run's checkpoints, one job per run directory, and files get
+the permissions of the user's umask."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import assert_user_error, faulty, read_metrics, run_cli, train_args
+from meshtrain.files import UMASK
+from meshtrain.lock import LOCK_NAME
+
+
+@pytest.fixture(scope="module")
+def run(corpus, cli_env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("safety-run")
+    result = run_cli(train_args(corpus, run_dir, "--checkpoint.every", "5"), cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+def snapshot(directory):
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+def test_export_never_deletes_what_it_did_not_write(run, cli_env, tmp_path):
+    before = snapshot(run)
+    assert_user_error(run_cli(["export", str(run), "--out", str(run)], cli_env), "is the input")
+    assert_user_error(run_cli(["export", str(run / "checkpoints"), "--out", str(run)], cli_env), "contains the input")
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert_user_error(run_cli(["export", str(run), "--out", str(foreign)], cli_env), "did not write")
+    afile = tmp_path / "a-file"
+    afile.write_text("keep me too")
+    assert_user_error(run_cli(["export", str(run), "--out", str(afile)], cli_env), "is a file")
+    assert snapshot(run) == before and (foreign / "notes.txt").read_text() == "keep me"
+    assert afile.read_text() == "keep me too"
+
+    out = tmp_path / "hf"
+    for _ in range(2):  # its own earlier output is replaced
+        result = run_cli(["export", str(run), "--out", str(out)], cli_env)
+        assert result.returncode == 0, result.stderr
+    for path in [out / "model.safetensors", out / "config.json", run / "model.safetensors"]:
+        assert path.stat().st_mode & 0o777 == 0o666 & ~UMASK, path  # readable by a server of another user
+
+
+def test_prepare_never_deletes_what_it_did_not_write(cli_env, tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("def f(x):\n    return x\n" * 50)
+    args = ["data", "prepare", "--vocab-size", "300"]
+    assert_user_error(run_cli([*args, "--input", str(texts), "--out", str(texts)], cli_env), "is the input")
+    assert_user_error(
+        run_cli([*args, "--input", str(texts / "a.txt"), "--out", str(tmp_path)], cli_env), "contains the input"
+    )
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.bin").write_bytes(b"1234")
+    assert_user_error(run_cli([*args, "--input", str(texts), "--out", str(other)], cli_env), "did not write")
+    assert (texts / "a.txt").is_file() and (other / "x.bin").read_bytes() == b"1234"
+    out = tmp_path / "data"
+    for _ in range(2):
+        result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)
+        assert result.returncode == 0, result.stderr
+    assert (out / "manifest.json").is_file()
+
+
+def test_a_fresh_start_never_mixes_with_another_runs_checkpoints(run, corpus, cli_env, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run, run_dir)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    for launcher in ([], ["--nproc", "2"]):
+        result = run_cli(
+            [
+                *train_args(
+                    corpus, run_dir, "--training.steps", "4", "--checkpoint.resume", "none", "--checkpoint.every", "2"
+                ),
+                *launcher,
+            ],
+            cli_env,
+        )
+        assert_user_error(result, "checkpoint.resume = none", "step_00000010")
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+@pytest.mark.multiproc
+def test_one_job_per_run_directory(corpus, cli_env, tmp_path):
+    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, "--nproc", "2")]
+    first = subprocess.Popen(
+        args, env=faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.4"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lock = tmp_path / LOCK_NAME
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.1)
+    holder = json.loads(lock.read_text())
+    for second in (train_args(corpus, tmp_path), [*train_args(corpus, tmp_path), "--nproc", "2"]):
+        assert_user_error(run_cli(second, cli_env), "is in use by another job", f"pid {holder['pid']}")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 11))
+    assert not lock.exists()  # released at the end
+
+    # A lock left by a job that died (SIGKILL, a node reboot) is taken over.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead.stdout), "started": "1", "job": "old"}))
+    result = run_cli([*train_args(corpus, tmp_path), "--training.steps", "12"], cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not lock.exists()
