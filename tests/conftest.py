@@ -98,6 +98,55 @@ def train_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+# One tolerance policy. The same layout stopped and resumed, or restarted after a crash, is bitwise
+# equal to the uninterrupted run (exact=True). Different layouts, launchers or world sizes sum in
+# another order: per-step loss, gradient norm and validation loss within RTOL relative, weights
+# within RTOL relative + ATOL absolute (fp32).
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def assert_same_run(run_dir: Path, reference: Path, exact: bool = False) -> None:
+    """Every logged step, the validation loss and the final weights of run_dir against reference."""
+    import torch
+    from safetensors.torch import load_file
+
+    got, want = read_metrics(run_dir), read_metrics(reference)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in w:
+                close = g[key] == w[key] if exact else abs(g[key] - w[key]) <= RTOL * abs(w[key])
+                assert close, (key, g["step"], w[key], g[key])
+    if (reference / "model.safetensors").exists():
+        a, b = load_file(run_dir / "model.safetensors"), load_file(reference / "model.safetensors")
+        assert a.keys() == b.keys()
+        for key in b:
+            if exact:
+                assert torch.equal(a[key], b[key]), key
+            else:
+                torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=ATOL, msg=key)
+
+
+@pytest.fixture(scope="session")
+def reference_run(corpus, cli_env, tmp_path_factory):
+    """`reference_run(*train_overrides, nproc=None)`: the run dir of that run, trained once per session
+    and shared by every test file that compares with it. Each rank draws from its own generator every
+    step (MESHTRAIN_RNG_PROBE) so that resumed runs can be checked to restore each rank's."""
+    runs: dict[tuple, Path] = {}
+
+    def get(*extra: str, nproc: int | None = None) -> Path:
+        key = (nproc, *extra)
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("reference")
+            args = train_args(corpus, run_dir, *extra, *(["--nproc", str(nproc)] if nproc else []))
+            result = run_cli(args, faulty(cli_env, MESHTRAIN_RNG_PROBE="1"))
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+            runs[key] = run_dir
+        return runs[key]
+
+    return get
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import faulty, read_metrics, run_cli, train_args
+from conftest import assert_same_run, faulty, train_args
 
 ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe"] if os.geteuid() == 0 else ["--oversubscribe"]
 LAUNCHERS = {
@@ -25,27 +25,9 @@ def need(binary: str) -> None:
         pytest.skip(f"{binary} not installed (scripts/install-cluster-deps.sh installs it as root)")
 
 
-@pytest.fixture(scope="module")
-def reference(corpus, cli_env, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("launch-reference")
-    result = run_cli(train_args(corpus, run_dir), cli_env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return read_metrics(run_dir)
-
-
-def same_run(reference, run_dir):
-    got = read_metrics(run_dir)
-    assert len(got) == len(reference)
-    for r, g in zip(reference, got, strict=True):
-        assert (
-            abs(g["loss"] - r["loss"]) <= 1e-5 * r["loss"]
-            and abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * r["grad_norm"]
-        )
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(LAUNCHERS))
-def test_mpi_launchers_train_like_one_process(name, reference, corpus, cli_env, tmp_path):
+def test_mpi_launchers_train_like_one_process(name, reference_run, corpus, cli_env, tmp_path):
     need(LAUNCHERS[name][0])
     env = {**cli_env, **MPI_ENV}
     cmd = [*LAUNCHERS[name], sys.executable, "-m", "meshtrain"]
@@ -64,11 +46,11 @@ def test_mpi_launchers_train_like_one_process(name, reference, corpus, cli_env, 
     result = subprocess.run([*cmd, *train_args(corpus, tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "world 2" in result.stdout
-    same_run(reference, tmp_path)
+    assert_same_run(tmp_path, reference_run())
 
 
 @pytest.mark.multiproc
-def test_two_nodes_simulated_with_two_agents(reference, corpus, cli_env, tmp_path):
+def test_two_nodes_simulated_with_two_agents(reference_run, corpus, cli_env, tmp_path):
     """Two `meshtrain train --nnodes 2 --node-rank K` agents on 127.0.0.1, 2 workers each: world 4."""
     port = "29611"
     args = [
@@ -97,4 +79,4 @@ def test_two_nodes_simulated_with_two_agents(reference, corpus, cli_env, tmp_pat
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-2000:] + err[-3000:]
     assert "world 4" in outs[0][0]
-    same_run(reference, tmp_path)
+    assert_same_run(tmp_path, reference_run())

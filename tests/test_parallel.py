@@ -2,10 +2,9 @@
 single-process per-step loss and gradient norm (fp32, rel. diff <= 1e-4) and the same final weights."""
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from conftest import read_metrics, run_cli, train_args
+from conftest import assert_same_run, read_metrics, run_cli, train_args
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.train import check_training
@@ -69,10 +68,8 @@ def launch(corpus, cli_env, run_dir, nproc, extra):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, cli_env, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("reference")
-    launch(corpus, cli_env, run_dir, None, [])
-    return run_dir
+def reference(reference_run):
+    return reference_run(*LAYOUT_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -94,16 +91,8 @@ def layout_run(corpus, cli_env, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, layout_run):
     run_dir, _ = layout_run(name)
-    ref, got = read_metrics(reference), read_metrics(run_dir)
-    assert [m["step"] for m in got] == list(range(1, 11))
-    for r, g in zip(ref, got, strict=True):
-        assert rel(g["loss"], r["loss"]) <= 1e-4, (g["step"], r["loss"], g["loss"])
-        assert rel(g["grad_norm"], r["grad_norm"]) <= 1e-4, (g["step"], r["grad_norm"], g["grad_norm"])
-    assert rel(got[-1]["val_loss"], ref[-1]["val_loss"]) <= 1e-4
-    w_ref, w_got = load_file(reference / "model.safetensors"), load_file(run_dir / "model.safetensors")
-    assert w_ref.keys() == w_got.keys()
-    for key in w_ref:
-        torch.testing.assert_close(w_got[key], w_ref[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 11))
+    assert_same_run(run_dir, reference)
 
 
 @pytest.mark.multiproc

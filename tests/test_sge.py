@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import local_cluster, read_metrics, run_cli, train_args
+from conftest import assert_same_run, local_cluster, run_cli, train_args
 
 ROOT = Path(__file__).parents[1]
 VENV = Path(sys.executable).parent.parent
@@ -19,9 +19,7 @@ def sge():
 
 
 @pytest.mark.multiproc
-def test_qsub_pe_mpi_2_runs_the_generated_script(sge, corpus, cli_env, tmp_path):
-    reference = tmp_path / "reference"
-    assert run_cli(train_args(corpus, reference, "--nproc", "2"), cli_env).returncode == 0
+def test_qsub_pe_mpi_2_runs_the_generated_script(sge, reference_run, corpus, cli_env, tmp_path):
     script, run_dir = tmp_path / "job.sge", tmp_path / "run"
     args = [
         "jobscript",
@@ -59,6 +57,4 @@ def test_qsub_pe_mpi_2_runs_the_generated_script(sge, corpus, cli_env, tmp_path)
         time.sleep(0.5)
     log = (tmp_path / "logs" / "meshtrain.log").read_text()
     assert "world 2" in log, log[-3000:]
-    assert [round(m["loss"], 5) for m in read_metrics(run_dir)] == [
-        round(m["loss"], 5) for m in read_metrics(reference)
-    ]
+    assert_same_run(run_dir, reference_run())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import local_cluster, read_metrics, run_cli, train_args
+from conftest import assert_same_run, local_cluster, run_cli, train_args
 
 ROOT = Path(__file__).parents[1]
 VENV = Path(sys.executable).parent.parent
@@ -17,13 +17,6 @@ VENV = Path(sys.executable).parent.parent
 @pytest.fixture(scope="module")
 def slurm():
     yield from local_cluster("local-slurm.sh")
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, cli_env, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("slurm-reference")
-    assert run_cli(train_args(corpus, run_dir, "--nproc", "2"), cli_env).returncode == 0
-    return read_metrics(run_dir)
 
 
 def submit(script: Path, workdir: Path, env: dict, timeout: float = 300) -> str:
@@ -81,12 +74,11 @@ def jobscript(cli_env, tmp_path, mode, corpus, run_dir, *extra) -> Path:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("mode", ["task-per-rank", "agent-per-node"])
-def test_sbatch_generated_script_trains_like_a_local_run(mode, slurm, reference, corpus, cli_env, tmp_path):
+def test_sbatch_generated_script_trains_like_a_local_run(mode, slurm, reference_run, corpus, cli_env, tmp_path):
     run_dir = tmp_path / "run"
     log = submit(jobscript(cli_env, tmp_path, mode, corpus, run_dir), tmp_path, cli_env)
     assert "world 2" in log
-    got = read_metrics(run_dir)
-    assert [round(m["loss"], 5) for m in got] == [round(m["loss"], 5) for m in reference]
+    assert_same_run(run_dir, reference_run())
 
 
 @pytest.mark.multiproc
