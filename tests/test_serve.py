@@ -313,3 +313,171 @@ def test_generate_streams_to_the_terminal(exported, cli_env, hf_greedy):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 12)
+
+
+def hf_logprobs(exported, ids: list[int]) -> torch.Tensor:
+    """log-softmax over the vocabulary at every position, from transformers on the exported model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_logprobs_echo_penalties_and_content_parts(server, client, exported):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(exported / "tokenizer.json"))
+    prompt = "def add(a, b):\n    return a + b\n"
+    ids = tok.encode(prompt).ids
+    auth = {"Authorization": f"Bearer {KEY}"}
+    scored = httpx.post(
+        server + "/v1/completions",
+        json={"model": "hf-served", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2},
+        headers=auth,
+        timeout=60,
+    ).json()["choices"][0]
+    assert scored["text"] == prompt
+    reference = hf_logprobs(exported, ids)
+    lp = scored["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    for i, got in enumerate(lp["token_logprobs"][1:]):  # what lm-evaluation-harness sums
+        assert abs(got - reference[i, ids[i + 1]].item()) <= 1e-3
+    assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+
+    answer = client.completions.create(model="hf-served", prompt="def ", max_tokens=6, temperature=0, logprobs=3)
+    lp = answer.choices[0].logprobs
+    assert len(lp.token_logprobs) == answer.usage.completion_tokens
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and abs(chosen - max(top.values())) < 1e-6  # greedy: the likeliest
+
+    chat = client.chat.completions.create(
+        model="hf-served",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    parts = client.chat.completions.create(
+        model="hf-served",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
+        max_tokens=5,
+        temperature=0,
+    )
+    assert parts.choices[0].message.content == chat.choices[0].message.content
+
+    def most_repeated(**penalty) -> int:
+        text = client.completions.create(model="hf-served", prompt="x = [", max_tokens=40, temperature=0, **penalty)
+        ids = tok.encode(text.choices[0].text).ids
+        return max(ids.count(t) for t in set(ids))
+
+    assert most_repeated(frequency_penalty=2.0) < most_repeated()
+    unbounded = client.chat.completions.create(
+        model="hf-served", messages=[{"role": "user", "content": "def "}], temperature=0
+    )  # no max_tokens: to the end of the context, not OpenAI completions' 16
+    assert unbounded.choices[0].finish_reason == "stop" or unbounded.usage.completion_tokens > 16
+
+
+def hostile_requests(rng) -> list[tuple[str, bytes]]:
+    """300+ malformed or hostile bodies: wrong types, out-of-range and huge numbers, bad encodings,
+    nested JSON, unknown and unsupported fields, oversized prompts."""
+    weird = [None, True, -1, 0, 2**64, 10**100, -(2**63), 1.5e308, "x", "", [], {}, [1, [2, [3]]], {"a": {"b": {}}}]
+    fields = [
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "seed",
+        "n",
+        "stream",
+        "logprobs",
+        "echo",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "stream_options",
+        "best_of",
+        "suffix",
+        "user",
+    ]
+    requests = []
+    for field in fields:
+        for value in weird:
+            body = {"model": "hf-served", "prompt": "def ", "max_tokens": 4, field: value}
+            requests.append(("/v1/completions", json.dumps(body).encode()))
+    chat_extras = [
+        {"tools": [{"type": "function"}]},
+        {"response_format": {"type": "json_object"}},
+        {"tool_choice": "auto"},
+        {"top_logprobs": 3},
+        {"logprobs": "yes"},
+        {"functions": []},
+    ]
+    for extra in chat_extras:
+        body = {"model": "hf-served", "messages": [{"role": "user", "content": "hi"}], **extra}
+        requests.append(("/v1/chat/completions", json.dumps(body).encode()))
+    messages = [
+        [{"role": "robot", "content": "x"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+        ["hi"],
+        [[]],
+    ]
+    for m in messages:
+        requests.append(("/v1/chat/completions", json.dumps({"model": "hf-served", "messages": m}).encode()))
+    raw = [
+        b'{"model": "hf-served", "prompt": "\\ud800"}',
+        b'{"model": "hf-served", "prompt": "a\\udfffb"}',
+        b'{"model": "hf-served", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+        b"\xff\xfe\x00",
+        b"[" * 5000 + b"]" * 5000,
+        b'{"model": "hf-served", "prompt": "' + b"y " * 5000 + b'"}',
+        b"null",
+        b"1e999",
+        b'{"model": "hf-served", "prompt": "x", "max_tokens": 1e400}',
+    ]
+    requests += [("/v1/completions", body) for body in raw]
+    while len(requests) < 320:  # random mixes of the above
+        field, value = rng.choice(fields), rng.choice(weird)
+        body = {"model": rng.choice(["hf-served", "other", 7]), "prompt": rng.choice(["", 3, ["a", "b"], {"x": 1}])}
+        requests.append(("/v1/completions", json.dumps({**body, field: value}).encode()))
+    return requests
+
+
+def test_fuzzed_requests_never_fail_or_hang_the_server(server, client):
+    import random
+    import re
+
+    reference = dict(model="hf-served", prompt="import os\n", max_tokens=12, temperature=0)
+    before_text = client.completions.create(**reference).choices[0].text
+
+    def counts() -> dict[str, float]:
+        """Requests counted per status, over every path."""
+        total: dict[str, float] = {}
+        for status, n in re.findall(
+            r'meshtrain_requests_total\{path="/v1[^"]*",status="(\d+)"\} (\S+)', httpx.get(server + "/metrics").text
+        ):
+            total[status] = total.get(status, 0) + float(n)
+        return total
+
+    start = counts()
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    seen: dict[str, int] = {}
+    with httpx.Client(base_url=server, timeout=30) as http:  # a hang fails on the timeout
+        for path, body in hostile_requests(random.Random(0)):
+            response = http.post(path, content=body, headers=auth)
+            assert response.status_code < 500, (body[:200], response.text[:500])
+            assert response.status_code in (200, 400, 404, 422), (body[:200], response.text[:300])
+            if response.status_code != 200:
+                assert response.json()["error"]["message"]
+            seen[str(response.status_code)] = seen.get(str(response.status_code), 0) + 1
+    assert sum(seen.values()) >= 300 and seen.get("400") and seen.get("422")
+    end = counts()
+    for status, n in seen.items():  # every answer counted, with its status
+        assert end.get(status, 0) - start.get(status, 0) == n, (status, n, start, end)
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    assert client.completions.create(**reference).choices[0].text == before_text

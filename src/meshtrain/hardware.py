@@ -42,6 +42,12 @@ GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
 ]
 
 
+def _probe_generator() -> torch.Generator:
+    """Probes draw from their own generator: one run measures, another reads the cache, and the
+    training's random state (restored from a checkpoint on resume) must not depend on which."""
+    return torch.Generator().manual_seed(0)
+
+
 def _cache_file() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshtrain" / "cpu_peak.json"
 
@@ -52,7 +58,7 @@ def measure_cpu_peak_tflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3)
     bf16 about 100x slower than fp32: the probe stays within a second or two there too)."""
     size = 256
     while True:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a, b = (torch.randn(size, size, dtype=dtype, generator=_probe_generator()) for _ in range(2))
         start = time.perf_counter()
         torch.matmul(a, b)  # warm up, and see how long one takes
         if size >= n or time.perf_counter() - start > 0.2:
@@ -163,8 +169,10 @@ def _bf16_time_ratio(repeats: int = 3) -> float:
         return min(times)
 
     def work(dtype: torch.dtype) -> float:
-        a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
-        q, k, v = (torch.randn(2, 4, 128, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+        a, b = (torch.randn(512, 512, dtype=dtype, generator=_probe_generator()) for _ in range(2))
+        q, k, v = (
+            torch.randn(2, 4, 128, 64, dtype=dtype, generator=_probe_generator(), requires_grad=True) for _ in range(3)
+        )
 
         def attention():
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()

@@ -56,13 +56,19 @@ def _attention(
 
 @torch.inference_mode()
 def forward_cached(
-    model: Llama, cache: KVCache, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+    model: Llama,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    every_position: bool = False,
 ) -> torch.Tensor:
     """tokens and positions (batch, seq) of the sequences in cache `slots` (batch,) -> logits of the
-    last token of each row (batch, vocab), padding rows of the vocabulary dropped."""
+    last token of each row (batch, vocab), or with every_position of every token (batch, seq, vocab);
+    padding rows of the vocabulary dropped."""
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     h = model.tok_embeddings(tokens)
     for i, layer in enumerate(model.layers.values()):
         h = h + _attention(layer.attention, layer.attention_norm(h), cos, sin, cache.k[i], cache.v[i], slots, positions)
         h = h + layer.feed_forward(layer.ffn_norm(h))
-    return model.output(model.norm(h[:, -1]))[:, : model.args.vocab_size]
+    return model.output(model.norm(h if every_position else h[:, -1]))[..., : model.args.vocab_size]

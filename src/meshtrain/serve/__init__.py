@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import torch
 
@@ -57,20 +58,49 @@ def serve(
 
     from meshtrain.serve.app import create_app
 
+    _check_can_listen(host, port)
     served, engine = load_engine(source, max_batch, max_context, device, dtype)
+    config = uvicorn.Config(
+        create_app(served, engine, api_key), host=host, port=port, log_level="warning", timeout_graceful_shutdown=10
+    )
+    server = uvicorn.Server(config)
+
+    def stop_when_the_engine_fails() -> None:
+        while not server.should_exit:
+            if engine.failure is not None:
+                print(f"error: the generation engine stopped ({engine.failure}); shutting down", file=sys.stderr)
+                server.should_exit = True
+            time.sleep(0.5)
+
+    threading.Thread(target=stop_when_the_engine_fails, daemon=True).start()
     print(
         f"serving {served.name} at http://{host}:{port}/v1 (max batch {max_batch}, context {engine.max_context} "
         f"tokens{', API key required' if api_key else ''})",
         flush=True,
     )
-    uvicorn.run(create_app(served, engine, api_key), host=host, port=port, log_level="warning")
+    server.run()
     engine.close()
-    return 0
+    return 1 if engine.failure is not None else 0
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """A port in use or an address not on this machine: one line before the model is loaded."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as e:
+        raise MeshtrainError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port or --host"
+        ) from None
 
 
 def generate_to_terminal(source: str, prompt: str, params: SamplingParams, device: str = "auto") -> int:
     served, engine = load_engine(source, max_batch=1, device=device)
-    done = threading.Event()
+    done, failed = threading.Event(), []
 
     def emit(event: tuple) -> None:
         if event[0] == "text":
@@ -79,6 +109,7 @@ def generate_to_terminal(source: str, prompt: str, params: SamplingParams, devic
         else:
             if event[0] == "error":
                 print(f"\nerror: {event[1]}", file=sys.stderr)
+                failed.append(event[1])
             done.set()
 
     ids = served.tokenizer.encode(prompt).ids
@@ -90,7 +121,7 @@ def generate_to_terminal(source: str, prompt: str, params: SamplingParams, devic
     done.wait()
     print()
     engine.close()
-    return 0
+    return 1 if failed else 0
 
 
 def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: str, max_tokens: int) -> str:
@@ -107,7 +138,7 @@ def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: st
     ids = tokenizer.encode(prompt).ids[-(args.max_seq_len - 1) :]
     engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, args.max_seq_len)
     try:
-        text, _ = engine.complete(
+        text, _, _ = engine.complete(
             ids, SamplingParams(min(max_tokens, args.max_seq_len - len(ids)), 0.8, 1.0, 50, [], 0)
         )
     finally:

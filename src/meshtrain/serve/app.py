@@ -31,33 +31,63 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+
+
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The generation fields both endpoints take. Unknown fields are refused (400), never ignored;
+    `user` is accepted as OpenAI's end-user id and has no effect on the answer."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int = Field(1, ge=1, le=1)
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
 
 def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
@@ -83,7 +113,10 @@ def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as e:  # what no handler caught still gets OpenAI's body, and is counted
+            response = JSONResponse(error_body(f"internal error: {e}", "server_error"), 500)
         requests_total.labels(
             request.url.path if request.url.path.startswith("/v1/") else "other", str(response.status_code)
         ).inc()
@@ -107,6 +140,9 @@ def _error_handlers(app: FastAPI) -> None:
             return JSONResponse(error_body("the request body is not valid JSON", "invalid_request_error"), 400)
         first = errors[0]
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "extra_forbidden":
+            message = f"{param}: this server does not support this parameter; leave it out"
+            return JSONResponse(error_body(message, "invalid_request_error", param, "unsupported_parameter"), 400)
         return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", "invalid_request_error", param), 422)
 
     @app.exception_handler(StarletteHTTPException)
@@ -129,6 +165,8 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
 
     @app.get("/health")
     async def health():
+        if engine.failure is not None:
+            return JSONResponse({"status": "failed", "model": served.name, "error": engine.failure}, 503)
         return {"status": "ok", "model": served.name}
 
     @app.get("/metrics")
@@ -145,14 +183,26 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest):
         prompt = body.prompt if isinstance(body.prompt, str) else _single(body.prompt)
+        if body.suffix:
+            raise APIError(400, "suffix: inserting text is not supported (a decoder-only model)", "suffix")
         return await _generate(served, engine, body, prompt, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatRequest):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        prompt = served.render_chat([m.model_dump() for m in body.messages])
-        return await _generate(served, engine, body, prompt, chat=True)
+        if body.tools or body.tool_choice not in (None, "none"):
+            raise APIError(400, "tools: tool calls are not supported by this server; leave tools out", "tools")
+        if body.response_format not in (None, {"type": "text"}):
+            raise APIError(
+                400,
+                'response_format: only {"type": "text"}; constrained (JSON) output is not supported',
+                "response_format",
+            )
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return await _generate(served, engine, body, served.render_chat(messages), chat=True)
 
     return app
 
@@ -163,18 +213,27 @@ def _single(prompts: list[str]) -> str:
     return prompts[0]
 
 
-def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list[int]) -> SamplingParams:
+def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list[int], chat: bool) -> SamplingParams:
     if body.model != served.name:
         raise APIError(
             404, f"model {body.model!r} does not exist: this server serves {served.name!r}", "model", "model_not_found"
         )
     if body.n != 1:
         raise APIError(400, "n: only n = 1 is supported", "n")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server; leave it out", "logit_bias")
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", "prompt")
+    echo = getattr(body, "echo", False)
+    logprobs = (body.top_logprobs or 0) if chat and body.logprobs else None if chat else body.logprobs
+    if body.stream and (echo or logprobs is not None):
+        raise APIError(400, "logprobs and echo are returned with stream: false only", "stream")
     room = engine.max_context - len(prompt_ids)
-    max_tokens = body.max_tokens if body.max_tokens is not None else max(1, min(16, room))
-    if room < 1 or max_tokens > room:
+    default = room if chat else min(16, room)  # OpenAI: chat to the end of the context, completions 16
+    max_tokens = body.max_tokens if body.max_tokens is not None else max(1, default)
+    if max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens: 0 only with echo (scoring the prompt)", "max_tokens")
+    if room < 0 or (room < 1 and max_tokens) or max_tokens > room:
         raise APIError(
             400,
             f"this model's maximum context length is {engine.max_context} tokens; the prompt has "
@@ -186,12 +245,66 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
-    return SamplingParams(max_tokens, body.temperature, body.top_p, max(0, body.top_k), stop, body.seed)
+    return SamplingParams(
+        max_tokens,
+        body.temperature,
+        body.top_p,
+        max(0, body.top_k),
+        stop,
+        body.seed,
+        body.presence_penalty,
+        body.frequency_penalty,
+        logprobs,
+        echo,
+    )
+
+
+def _encode(served: ServedModel, text: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the text is not valid Unicode ({e.reason} at {e.start}): send UTF-8 text") from None
+    return served.tokenizer.encode(text).ids
+
+
+def _token_text(served: ServedModel, token: int) -> str:
+    return served.tokenizer.decode([token])
+
+
+def _completion_logprobs(served: ServedModel, generation: Generation, prompt_text: str, echo: bool) -> dict:
+    """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    entries = (generation.prompt_logprobs if echo else []) + generation.logprobs
+    tokens = [_token_text(served, e.token) for e in entries]
+    offsets, at = [], 0 if echo else len(prompt_text)  # offsets into the prompt + the answer
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [
+            None if e.logprob is None else {_token_text(served, t): lp for t, lp in e.top.items()} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(served: ServedModel, generation: Generation) -> dict:
+    def entry(token: int, logprob: float) -> dict:
+        text = _token_text(served, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {
+        "content": [
+            {**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top.items()]}
+            for e in generation.logprobs
+        ]
+    }
 
 
 async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt: str, chat: bool):
-    prompt_ids = served.tokenizer.encode(prompt).ids
-    params = _check(served, engine, body, prompt_ids)
+    prompt_ids = _encode(served, prompt)
+    params = _check(served, engine, body, prompt_ids, chat)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     generation = Generation(prompt_ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
     engine.submit(generation)
@@ -217,19 +330,22 @@ async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt:
         generation.cancel()  # a client that went away frees its slot
     usage = _usage(generation)
     if chat:
+        message = {"role": "assistant", "content": "".join(text)}
+        logprobs = _chat_logprobs(served, generation) if params.logprobs is not None else None
         return {
             **meta,
             "object": "chat.completion",
             "usage": usage,
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
-            ],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
         }
+    answer = (prompt if params.echo else "") + "".join(text)
+    scored = params.echo or params.logprobs is not None
+    logprobs = _completion_logprobs(served, generation, prompt, params.echo) if scored else None
     return {
         **meta,
         "object": "text_completion",
         "usage": usage,
-        "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": answer, "finish_reason": finish, "logprobs": logprobs}],
     }
 
 

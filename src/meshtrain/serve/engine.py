@@ -24,12 +24,26 @@ from meshtrain.model.kv_cache import KVCache, forward_cached
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0 only with echo: score the prompt, generate nothing
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # ... times the number of times it was generated
+    logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k likeliest
+    echo: bool = False  # also the prompt tokens' log-probabilities (what log-likelihood scoring reads)
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of its logits, before temperature,
+    penalties or truncation: what scoring needs) and the `top` likeliest tokens at that position."""
+
+    token: int
+    logprob: float | None  # None for the first prompt token: nothing predicts it
+    top: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +60,9 @@ class Request:
     slot: int = -1
     submitted: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with echo
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with logprobs, one per generated token
+    counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (penalties)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -71,15 +88,17 @@ class Engine:
         self.free = list(range(max_batch))
         self.on_first_token = on_first_token or (lambda seconds: None)
         self.on_tokens = on_tokens or (lambda n: None)
+        self.failure: str | None = None  # why the engine thread stopped, if it did (the server is then unhealthy)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="meshtrain-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="meshtrain-engine", daemon=True)
         self._thread.start()
 
     def submit(self, request: Request) -> None:
         self.waiting.put(request)
 
-    def complete(self, prompt: list[int], params: SamplingParams) -> tuple[str, str]:
-        """Generate to the end, blocking: (text, finish reason "stop" or "length")."""
+    def complete(self, prompt: list[int], params: SamplingParams) -> tuple[str, str, Request]:
+        """Generate to the end, blocking: (text, finish reason "stop" or "length", the request with
+        its tokens and log-probabilities)."""
         done, parts, finish = threading.Event(), [], []
 
         def emit(event: tuple) -> None:
@@ -89,11 +108,14 @@ class Engine:
                 finish.append(event)
                 done.set()
 
-        self.submit(Request(prompt, params, emit))
-        done.wait()
+        request = Request(prompt, params, emit)
+        self.submit(request)
+        while not done.wait(timeout=1.0):
+            if self.failure is not None:
+                raise RuntimeError(f"the generation engine stopped: {self.failure}")
         if finish[0][0] == "error":
             raise RuntimeError(finish[0][1])
-        return "".join(parts), finish[0][1]
+        return "".join(parts), finish[0][1], request
 
     def close(self) -> None:
         self._stop.set()
@@ -101,6 +123,24 @@ class Engine:
         self._thread.join(timeout=10)
 
     # --- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The thread: a failure the loop could not contain (it should not happen) ends every
+        request with an error and marks the engine failed, so that health checks and waiting
+        clients see it instead of hanging."""
+        try:
+            self._loop()
+        except BaseException as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            for r in self.running:
+                self._finish(r, ("error", f"the generation engine stopped: {self.failure}"))
+            while True:
+                try:
+                    request = self.waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if request is not None:
+                    request.emit(("error", f"the generation engine stopped: {self.failure}"))
 
     @torch.inference_mode()
     def _loop(self) -> None:
@@ -121,27 +161,40 @@ class Engine:
                 request = self.waiting.get(block=block, timeout=None if block else 0)
             except queue.Empty:
                 return
+            block = False
             if request is None or request.cancelled:
-                block = False
                 continue
             request.slot = self.free.pop()
-            seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
-            request.generator = torch.Generator(device=self.device).manual_seed(seed)
             try:
-                tokens = torch.tensor([request.prompt], device=self.device)
-                logits = forward_cached(
-                    self.model,
-                    self.cache,
-                    tokens,
-                    torch.tensor([request.slot], device=self.device),
-                    torch.arange(len(request.prompt), device=self.device)[None],
-                )
-                self.on_first_token(time.perf_counter() - request.submitted)
-                self.running.append(request)
-                self._accept(request, self._sample(logits[0], request))
-            except Exception as e:
+                seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
+                request.generator = torch.Generator(device=self.device).manual_seed(seed)
+                self._prefill(request)
+            except Exception as e:  # this request fails; its slot goes back
                 self._finish(request, ("error", f"generation failed: {e}"))
-            block = False
+                self._finished_or_cancelled(request)
+
+    def _prefill(self, request: Request) -> None:
+        """One forward over the prompt: fills its cache slot, scores the prompt (echo), samples the
+        first token."""
+        p = request.params
+        logits = forward_cached(
+            self.model,
+            self.cache,
+            torch.tensor([request.prompt], device=self.device),
+            torch.tensor([request.slot], device=self.device),
+            torch.arange(len(request.prompt), device=self.device)[None],
+            every_position=p.echo,
+        )
+        if p.echo:  # position i predicts prompt token i + 1
+            request.prompt_logprobs = [TokenLogprob(request.prompt[0], None)] + [
+                self._logprob(logits[0, i], token, p.logprobs or 0) for i, token in enumerate(request.prompt[1:])
+            ]
+            logits = logits[:, -1]
+        self.on_first_token(time.perf_counter() - request.submitted)
+        if p.max_tokens == 0:
+            return self._finish(request, ("done", "length"))
+        self.running.append(request)
+        self._accept(request, self._choose(logits[0], request))
 
     def _decode(self) -> None:
         batch = self.running
@@ -149,16 +202,35 @@ class Engine:
         positions = torch.tensor([[len(r.prompt) + len(r.generated) - 1] for r in batch], device=self.device)
         slots = torch.tensor([r.slot for r in batch], device=self.device)
         logits = forward_cached(self.model, self.cache, tokens, slots, positions)
-        greedy = logits.argmax(-1).tolist()  # one op for every temperature-0 request
+        greedy = logits.argmax(-1).tolist()  # one op for every plain temperature-0 request
         for i, request in enumerate(batch):
-            token = greedy[i] if request.params.temperature <= 0 else self._sample(logits[i], request)
-            self._accept(request, token)
+            p = request.params
+            plain = p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty) and p.logprobs is None
+            self._accept(request, greedy[i] if plain else self._choose(logits[i], request))
+
+    def _choose(self, logits: torch.Tensor, request: Request) -> int:
+        """The next token: penalties applied, then greedy or sampled; its log-probability recorded."""
+        p = request.params
+        adjusted = logits.float()
+        if request.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(request.counts), device=logits.device)
+            counts = torch.tensor(list(request.counts.values()), device=logits.device, dtype=adjusted.dtype)
+            adjusted = adjusted.index_put((ids,), -(p.presence_penalty + p.frequency_penalty * counts), accumulate=True)
+        token = int(adjusted.argmax()) if p.temperature <= 0 else self._sample(adjusted, request)
+        if p.logprobs is not None:
+            request.logprobs.append(self._logprob(logits, token, p.logprobs))
+        return token
+
+    @staticmethod
+    def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        logprobs = torch.log_softmax(logits.float(), -1)
+        best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
+        alternatives = dict(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else {}
+        return TokenLogprob(token, float(logprobs[token]), alternatives)
 
     def _sample(self, logits: torch.Tensor, request: Request) -> int:
         p = request.params
-        if p.temperature <= 0:
-            return int(logits.argmax())
-        logits = logits.float() / p.temperature
+        logits = logits / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -172,8 +244,11 @@ class Engine:
     def _accept(self, request: Request, token: int) -> None:
         """Add a sampled token, stream the new text, and finish on EOS, a stop string or a limit."""
         if token == self.eos_id:
+            if request.params.logprobs is not None:
+                request.logprobs.pop()  # the end of text is not part of the answer
             return self._finish(request, ("done", "stop"))
         request.generated.append(token)
+        request.counts[token] = request.counts.get(token, 0) + 1
         self.on_tokens(1)
         text = self.tokenizer.decode(request.generated)
         stop_at = min((i for i in (text.find(s) for s in request.params.stop) if i >= 0), default=-1)
