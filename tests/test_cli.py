@@ -95,6 +95,7 @@ def test_flags_with_one_meaning_everywhere():
         (["train", "--nproc", "0"], "--nproc: 0 must be at least 1"),
         (["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "2"], "below --nnodes"),
         (["jobscript", "slurm", "--config", "configs/tiny.toml", "--nodes", "0"], "--nodes: 0"),
+        (["jobscript", "slurm", "--config", "configs/tiny.toml", "--nodes", "3"], "the job's 3 ranks could not train"),
         (["export", "runs/x", "--out", "o", "--max-shard-size", "5XB"], "is not a size"),
         (["bench", "comm", "--max-bytes", "0"], "must be positive"),
         (["serve", "runs/x", "--port", "99999"], "--port: 99999 must be between 1 and 65535"),

@@ -150,3 +150,17 @@ def test_broken_hf_directories_are_clear_errors(trained, corpus, cli_env, tmp_pa
     assert_user_error(result, "model.init_from", "model.layers.1.mlp.up_proj.weight")
     result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", "hf:/nonexistent"), cli_env)
     assert_user_error(result, "model.init_from")
+
+
+def test_init_from_refuses_data_tokenized_with_another_tokenizer(trained, cli_env, tmp_path):
+    from meshtrain.data import prepare
+
+    _, out = trained
+    texts = tmp_path / "a.txt"
+    texts.write_text("fine-tuning text that another tokenizer cut up\n" * 200)
+    other = tmp_path / "other-data"
+    prepare([texts], other, vocab_size=300, val_fraction=0.0, progress=False)
+    for launcher in ([], ["--nproc", "2"]):
+        result = run_cli([*train_args(other, tmp_path / "run", "--model.init_from", f"hf:{out}"), *launcher], cli_env)
+        assert_user_error(result, "another tokenizer", "--tokenizer")
+    assert not (tmp_path / "run").exists()

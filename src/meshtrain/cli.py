@@ -383,11 +383,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage
         from meshtrain.launch.local import launch_workers
         from meshtrain.lock import TOKEN_VARIABLE, RunLock
-        from meshtrain.train import check_training, ensure_dataset
+        from meshtrain.train import check_init_tokenizer, check_training, ensure_dataset
 
         setup_logging(0, cfg.run.log_level)
         refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
         dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
+        check_init_tokenizer(cfg, dataset)
         nodes = args.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))
         check_training(cfg, args.nproc * nodes, dataset.vocab_size)
         # The launcher holds the run directory for the whole job, across its workers' restarts (on
@@ -439,8 +440,8 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
         train_args=train_args,
     )
     files = render(args.kind, spec)
-    load_config(args.config, train_args)  # the job must not fail later on its own config
     parse_duration(args.time, "--time")
+    _check_job(load_config(args.config, train_args), spec.world)
     for suffix, text in files.items():
         if args.out:
             from meshtrain.files import write_text
@@ -456,6 +457,24 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
         else:
             print(text, end="")
     return 0
+
+
+def _check_job(cfg, world: int) -> None:
+    """The start-up checks the job will run, at the job's world size (batch and layout divisibility,
+    the model's shape; the data's vocabulary where the data is here too), so that a script that
+    cannot train is never submitted to wait in the queue."""
+    from meshtrain.data import read_manifest
+    from meshtrain.errors import DataError
+    from meshtrain.train import check_training
+
+    try:
+        vocab = read_manifest(cfg.data.path)["vocab_size"]
+    except DataError:
+        vocab = None  # prepared on the cluster, or by the job itself
+    try:
+        check_training(cfg, world, vocab)
+    except MeshtrainError as e:
+        raise MeshtrainError(f"the job's {world} ranks could not train this config: {e}") from None
 
 
 def _bench_comm(args: argparse.Namespace, argv: list[str]) -> int:

@@ -197,6 +197,7 @@ def prepare(
             "eos_id": eos_id,
             "tokenizer": "tokenizer.json",
             "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tmp / "tokenizer.json"),
             "train_tokens": counts["train"],
             "val_tokens": counts["val"],
             "documents": {"train": len(train_docs), "val": len(val_docs)},
@@ -227,6 +228,20 @@ def _write_tokens(
                         counts[split] += len(ids)
                     bar.advance(task, sum(len(d.text) for d in chunk))
     return counts
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """What decides which id a text becomes: the model (vocabulary, merges), the added tokens, the
+    normalizer and pre-tokenizer of a tokenizer.json, hashed in a canonical form (the same tokenizer
+    saved by `tokenizers` or by transformers' save_pretrained has the same fingerprint)."""
+    spec = json.loads(Path(path).read_text())
+    canonical = {
+        "model": spec.get("model"),
+        "added_tokens": sorted((t["id"], t["content"]) for t in spec.get("added_tokens") or []),
+        "normalizer": spec.get("normalizer"),
+        "pre_tokenizer": spec.get("pre_tokenizer"),
+    }
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
 
 
 def read_manifest(path: str | Path) -> dict:

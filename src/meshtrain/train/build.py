@@ -14,6 +14,7 @@ import torch.distributed as dist
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.config import Config, check_model_args, micro_batches
 from meshtrain.data import Dataset, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
+from meshtrain.errors import DataError
 from meshtrain.launch import LaunchEnv, detect
 from meshtrain.launch.distributed import init_distributed
 from meshtrain.logs import log
@@ -38,6 +39,25 @@ def check_training(cfg: Config, world_size: int, data_vocab_size: int | None = N
     check_model_args(args, cfg, data_vocab_size)
     ParallelDims.from_config(cfg.parallel, world_size).validate(args, cfg)
     return args
+
+
+def check_init_tokenizer(cfg: Config, dataset: Dataset) -> None:
+    """model.init_from: the data must be tokenized with the pretrained model's tokenizer, or every
+    id means another token than the one the weights learned (a silent, wrong fine-tune)."""
+    if not cfg.model.init_from:
+        return
+    from meshtrain.data.prepare import tokenizer_fingerprint
+
+    model_dir = Path(cfg.model.init_from.removeprefix("hf:"))
+    theirs = model_dir / "tokenizer.json"
+    if not theirs.is_file():
+        log.warning(f"{model_dir} has no tokenizer.json: cannot check that {cfg.data.path} was tokenized with it")
+        return
+    if tokenizer_fingerprint(theirs) != tokenizer_fingerprint(dataset.tokenizer_path):
+        raise DataError(
+            f"{cfg.data.path} was tokenized with another tokenizer than model.init_from ({theirs}): prepare the data "
+            f"with it, `meshtrain data prepare --tokenizer {theirs} ...`"
+        )
 
 
 def ensure_dataset(cfg: Config) -> Dataset:
@@ -101,6 +121,7 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
         if dist.is_initialized():
             dist.barrier()
         dataset = Dataset(cfg.data.path, cfg.training.seq_len)
+        check_init_tokenizer(cfg, dataset)
     args = check_training(cfg, env.world_size, dataset.vocab_size if dataset else None)
     t = cfg.training
     torch.manual_seed(t.seed)
