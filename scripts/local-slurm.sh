@@ -35,6 +35,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
+# A requeued job may start once its old credential has expired (default 120 s): short for the tests.
+AuthInfo=cred_expire=10
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=/var/spool/slurmctld

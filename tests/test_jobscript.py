@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_user_error, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"
+FITS = ["--training.micro_batch_size", "1"]  # tiny.toml's batch of 16 on the 16 ranks of 2 x 8 GPUs
 COMMON = ["--config", "configs/tiny.toml", "--nodes", "2", "--time", "02:00:00", "--account", "proj42"]
 CASES = {
     "slurm": ["slurm", *COMMON, "--gpus-per-node", "8", "--partition", "gpu", "--module", "cuda/12.4"],
@@ -41,7 +42,17 @@ CASES = {
 def test_jobscript_matches_golden_and_lints(case, cli_env, tmp_path):
     out = tmp_path / "job"
     result = run_cli(
-        ["jobscript", *CASES[case], "--out", str(out), "--", "--training.steps", "5"],
+        [
+            "jobscript",
+            *CASES[case],
+            "--out",
+            str(out),
+            "--",
+            "--training.steps",
+            "5",
+            "--training.micro_batch_size",
+            "1",
+        ],
         cli_env,
         cwd=Path(__file__).parents[1],
     )
@@ -68,7 +79,7 @@ def test_jobscript_matches_golden_and_lints(case, cli_env, tmp_path):
 
 
 def test_slurm_script_has_the_preemption_and_rank_settings(cli_env):
-    text = run_cli(["jobscript", *CASES["slurm"]], cli_env).stdout
+    text = run_cli(["jobscript", *CASES["slurm"], "--", *FITS], cli_env).stdout
     for line in (
         "#SBATCH --signal=USR1@90",
         "#SBATCH --requeue",
@@ -78,7 +89,7 @@ def test_slurm_script_has_the_preemption_and_rank_settings(cli_env):
         "srun --kill-on-bad-exit=1",
     ):
         assert line in text
-    agent = run_cli(["jobscript", *CASES["slurm-agent-container"]], cli_env).stdout
+    agent = run_cli(["jobscript", *CASES["slurm-agent-container"], "--", *FITS], cli_env).stdout
     assert "--ntasks-per-node=1" in agent and "--nproc 8" in agent and "--container-image=" in agent
 
 

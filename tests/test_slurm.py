@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_run, local_cluster, run_cli, train_args
+from conftest import assert_same_run, faulty, local_cluster, run_cli, train_args
 
 ROOT = Path(__file__).parents[1]
 VENV = Path(sys.executable).parent.parent
@@ -109,3 +109,56 @@ def test_env_under_srun_reports_each_task(slurm, cli_env):
     envs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted((e["rank"], e["local_rank"]) for e in envs) == [(0, 0), (1, 1)], out.stderr
     assert {e["launcher"] for e in envs} == {"slurm"} and {e["master_addr"] for e in envs} == {"localhost"}
+
+
+@pytest.mark.multiproc
+def test_a_job_that_reaches_its_time_limit_requeues_itself_and_resumes(slurm, reference_run, corpus, cli_env, tmp_path):
+    """--time 1 minute, about 70 s of training: USR1 45 s in, a checkpoint and exit 75, the script
+    requeues its job, the next run resumes; every step logged once, weights bitwise equal to an
+    uninterrupted run of the same layout. (A requeued job starts again once its old credential
+    has expired: scripts/local-slurm.sh sets 10 s instead of the default 120.)"""
+    run_dir, steps = tmp_path / "run", ["--training.steps", "20"]
+    out = tmp_path / "job.sbatch"
+    args = [
+        "jobscript",
+        "slurm",
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--procs-per-node",
+        "2",
+        "--time",
+        "00:01:00",
+        "--venv",
+        str(VENV),
+        "--out",
+        str(out),
+        "--",
+        *train_args(corpus, run_dir)[1:],
+        *steps,
+    ]
+    assert run_cli(args, cli_env).returncode == 0
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    env = faulty(cli_env, MESHTRAIN_STEP_SLEEP="3")
+    job = (
+        subprocess.run(
+            ["sbatch", "--parsable", f"--chdir={tmp_path}", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
+    deadline = time.monotonic() + 420
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > deadline:
+            state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} did not finish in 420 s:\n{state}")
+        time.sleep(1)
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    log = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert "JobState=COMPLETED" in state and "Restarts=0" not in state, state + log[-3000:]
+    assert "requeueing job" in log and "resumed from" in log, log[-3000:]
+    assert_same_run(run_dir, reference_run(*steps, nproc=2), exact=True)

@@ -37,6 +37,14 @@ class JobSpec:
     def world(self) -> int:
         return self.nodes * self.per_node
 
+    @property
+    def signal_lead_s(self) -> int:
+        """Seconds before the time limit at which the job is told to checkpoint: 90, or a quarter
+        of a short job's limit (a 1-minute test job still trains for 45 s)."""
+        from meshtrain.config import parse_duration
+
+        return int(min(90, max(5, parse_duration(self.time, "--time") // 4)))
+
     def train_command(self, nproc: int | None = None) -> str:
         args = [f"{self.venv}/bin/meshtrain", "train", "--config", self.config]
         if nproc:
@@ -81,7 +89,9 @@ def slurm(spec: JobSpec) -> str:
         f"#SBATCH --cpus-per-task={cpus}        # data loading and host work per task",
         f"#SBATCH --time={spec.time}            # wall-clock limit",
         "#SBATCH --output=logs/%x.%j.log      # %x = job name, %j = job id",
-        "#SBATCH --signal=USR1@90             # 90 s before the limit: meshtrain checkpoints and exits 75",
+        "#SBATCH --open-mode=append           # a requeued job's runs all go into its one log",
+        f"#SBATCH --signal=USR1@{spec.signal_lead_s}             # {spec.signal_lead_s} s before the limit: "
+        "meshtrain checkpoints and exits 75",
         "#SBATCH --requeue                    # a preempted job goes back into the queue and resumes",
     ]
     if spec.partition:
@@ -101,14 +111,30 @@ def slurm(spec: JobSpec) -> str:
         lines += [
             "# Every task is one rank; meshtrain reads SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS",
             "# and takes the first host of SLURM_JOB_NODELIST as the rendezvous address.",
-            " ".join(srun) + " " + spec.train_command(),
+            "status=0",
+            " ".join(srun) + " " + spec.train_command() + " || status=$?",
         ]
     else:
         lines += [
             "# One task per node runs torch elastic's agent with --nproc ranks; the agents meet in a c10d",
             "# rendezvous on the first host (port derived from the job id).",
-            " ".join(srun) + " " + spec.train_command(spec.per_node),
+            "status=0",
+            " ".join(srun) + " " + spec.train_command(spec.per_node) + " || status=$?",
         ]
+    lines += [
+        "",
+        "# Exit 75: a checkpoint was saved at the USR1 before the time limit (or at preemption). Slurm",
+        "# requeues preempted jobs (--requeue) but not one that reaches its time limit: the job puts",
+        "# itself back in the queue, at most MESHTRAIN_MAX_REQUEUES times, and its next run resumes.",
+        'MAX_REQUEUES="${MESHTRAIN_MAX_REQUEUES:-50}"',
+        'if [ "$status" -eq 75 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; then',
+        '    echo "meshtrain: checkpointed before the limit; requeueing job $SLURM_JOB_ID '
+        '(restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most $MAX_REQUEUES)"',
+        '    scontrol requeue "$SLURM_JOB_ID" || true   # already requeued when Slurm preempted it',
+        "    exit 0",
+        "fi",
+        'exit "$status"',
+    ]
     return "\n".join(lines) + "\n"
 
 
