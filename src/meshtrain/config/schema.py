@@ -115,7 +115,8 @@ class TrainingConfig:
     stop_at_step: int = 0
     """Checkpoint and exit 0 after this step (a long schedule as a chain of jobs); 0: run to the end."""
     time_limit: str = ""
-    """Wall-clock budget, "HH:MM:SS" or seconds (Slurm --time, ABCI h_rt): checkpoint and exit 0 before it."""
+    """Wall-clock budget, "HH:MM:SS" or seconds (Slurm --time, ABCI h_rt): checkpoint and exit 75 (not done:
+    run again; the generated SGE/Slurm scripts requeue) before it."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A NaN/Inf loss or gradient norm: skip the update, or stop with an error."""
 

@@ -45,10 +45,16 @@ class JobSpec:
 
         return int(min(90, max(5, parse_duration(self.time, "--time") // 4)))
 
-    def train_command(self, nproc: int | None = None) -> str:
+    def train_command(self, nproc: int | None = None, time_limited: bool = False) -> str:
+        """`meshtrain train` for the job; time_limited (schedulers that send no signal before the
+        limit): training.time_limit = the job's limit less the lead, unless the arguments set one."""
+        from meshtrain.config import parse_duration
+
         args = [f"{self.venv}/bin/meshtrain", "train", "--config", self.config]
         if nproc:
             args += ["--nproc", str(nproc)]
+        if time_limited and not any(a.startswith("--training.time_limit") for a in self.train_args):
+            args += ["--training.time_limit", str(int(parse_duration(self.time, "--time")) - self.signal_lead_s)]
         return shlex.join(args + self.train_args)
 
 
@@ -150,6 +156,7 @@ def sge(spec: JobSpec) -> str:
         "#$ -cwd                         # run in the submission directory",
         "#$ -j y                         # stdout and stderr into one log",
         f"#$ -o logs/{spec.job_name}.log",
+        "#$ -r y                         # may run again (after exit 99: checkpointed before h_rt)",
     ]
     if spec.account:
         lines.append(f"#$ -g {spec.account}                  # ABCI group to charge")
@@ -170,8 +177,22 @@ def sge(spec: JobSpec) -> str:
         '    awk \'{print $1}\' "$PE_HOSTFILE" > "$HOSTFILE"',
         "fi",
         "",
-        "# Ranks come from MPI (OMPI_COMM_WORLD_*); the first host is the rendezvous address.",
-        f'mpirun -npernode {spec.per_node} -np {spec.world} --hostfile "$HOSTFILE" {spec.train_command()}',
+        "# Ranks come from MPI (OMPI_COMM_WORLD_*); the first host is the rendezvous address. SGE gives",
+        f"# no warning before h_rt: training checkpoints and exits 75 {spec.signal_lead_s} s before it.",
+        "status=0",
+        f'mpirun -npernode {spec.per_node} -np {spec.world} --hostfile "$HOSTFILE" '
+        f"{spec.train_command(time_limited=True)} || status=$?",
+        "",
+        "# Exit 75 (checkpointed before h_rt, or preempted): exit 99 makes SGE run the job again, and the",
+        "# next run resumes; at most MESHTRAIN_MAX_REQUEUES times (counted beside the log).",
+        'COUNT="logs/.${JOB_NAME:-meshtrain}.${JOB_ID:-0}.requeues"',
+        'RUNS=$(( $(cat "$COUNT" 2>/dev/null || echo 0) + 1 ))',
+        'if [ "$status" -eq 75 ] && [ "$RUNS" -le "${MESHTRAIN_MAX_REQUEUES:-50}" ]; then',
+        '    echo "$RUNS" > "$COUNT"',
+        '    echo "meshtrain: checkpointed before the limit; rescheduling job ${JOB_ID:-} (run $(( RUNS + 1 )))"',
+        "    exit 99",
+        "fi",
+        'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
 
@@ -198,7 +219,9 @@ def pbs(spec: JobSpec) -> str:
         "",
         NCCL_KNOBS,
         "# PBS_NODEFILE lists each host once per MPI process; the first is the rendezvous address.",
-        f'mpirun -np {spec.world} --hostfile "$PBS_NODEFILE" {spec.train_command()}',
+        f"# PBS gives no warning before walltime: training checkpoints and exits 75 {spec.signal_lead_s} s before",
+        "# it; submit the same script again to continue (PBS has no self-requeue for unprivileged users).",
+        f'mpirun -np {spec.world} --hostfile "$PBS_NODEFILE" {spec.train_command(time_limited=True)}',
     ]
     return "\n".join(lines) + "\n"
 

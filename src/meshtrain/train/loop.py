@@ -305,7 +305,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
             stopped = "interrupted" if signals.exit_code == INTERRUPTED_EXIT_CODE else "preempted"
             reason = stopped if preempted else "time limit reached" if out_of_time else "training.stop_at_step"
             log.info(f"{reason}: checkpoint of step {step} saved in {ckpt.root}; run again to continue")
-            exit_code = signals.exit_code if preempted else 0
+            exit_code = signals.exit_code if preempted else PREEMPTED_EXIT_CODE if out_of_time else 0
             break
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             save(s, step, int(skipped_total.item()))
