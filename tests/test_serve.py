@@ -481,3 +481,95 @@ def test_fuzzed_requests_never_fail_or_hang_the_server(server, client):
         assert end.get(status, 0) - start.get(status, 0) == n, (status, n, start, end)
     assert httpx.get(server + "/health").json()["status"] == "ok"
     assert client.completions.create(**reference).choices[0].text == before_text
+
+
+MC_TASK = """\
+task: meshtrain_local_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+MC_ROWS = [
+    {"question": "def add(a, b):\n    return a", "choices": [" + b", " - b", " * b"], "answer": 0},
+    {"question": "import", "choices": [" os", " the", " 123"], "answer": 0},
+    {"question": "for i in range(", "choices": ["10):", "x]", " while"], "answer": 0},
+    {"question": "class Foo", "choices": ["(object):", " = 3", ";;"], "answer": 0},
+]
+
+
+def test_lm_evaluation_harness_scores_a_task_through_the_server(server, exported, cli_env, tmp_path):
+    """lm-evaluation-harness's OpenAI-compatible completions model scores a local multiple-choice task
+    against `meshtrain serve` (echo + logprobs over token-id prompts); its log-likelihoods equal
+    transformers' on the exported model. Offline: the task and its data are files here."""
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in MC_ROWS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "meshtrain_local_mc.yaml").write_text(MC_TASK.format(data=data))
+    env = {
+        **cli_env,
+        "OPENAI_API_KEY": KEY,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    model_args = (
+        f"model=hf-served,base_url={server}/v1/completions,tokenizer_backend=huggingface,"
+        f"tokenizer={exported},num_concurrent=1,max_retries=1"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            model_args,
+            "--tasks",
+            "meshtrain_local_mc",
+            "--include_path",
+            str(tasks),
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    samples = [
+        json.loads(line)
+        for f in (tmp_path / "out").rglob("samples_meshtrain_local_mc_*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
+    assert len(samples) == len(MC_ROWS)
+
+    tok = AutoTokenizer.from_pretrained(exported)
+    scored = 0
+    for sample in samples:
+        for pair, response in zip(sample["arguments"].values(), sample["resps"], strict=True):
+            context, continuation, logprob = pair["arg_0"], pair["arg_1"], float(response[0][0])
+            spaces = len(context) - len(context.rstrip())  # lm-evaluation-harness's split of the pair
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
+            n_context = len(tok(context, add_special_tokens=False)["input_ids"])
+            logprobs = hf_logprobs(exported, whole)
+            expected = sum(logprobs[i - 1, whole[i]].item() for i in range(n_context, len(whole)))
+            assert abs(logprob - expected) <= 1e-3, (context, continuation, logprob, expected)
+            scored += 1
+    assert scored == sum(len(row["choices"]) for row in MC_ROWS)

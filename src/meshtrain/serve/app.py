@@ -57,7 +57,7 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (what lm-evaluation-harness sends)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int = Field(1, ge=1, le=1)
@@ -183,6 +183,8 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest):
         prompt = body.prompt if isinstance(body.prompt, str) else _single(body.prompt)
+        if not isinstance(prompt, str):  # token ids
+            prompt = _token_ids(served, prompt)
         if body.suffix:
             raise APIError(400, "suffix: inserting text is not supported (a decoder-only model)", "suffix")
         return await _generate(served, engine, body, prompt, chat=False)
@@ -207,7 +209,17 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
     return app
 
 
-def _single(prompts: list[str]) -> str:
+def _token_ids(served: ServedModel, ids: list[int]) -> list[int]:
+    vocab = served.model.args.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise APIError(400, f"prompt: token ids must be between 0 and {vocab - 1}", "prompt")
+    return ids
+
+
+def _single(prompts: list) -> str | list[int]:
+    """One prompt: a string, a list of one string, token ids, or a list of one list of token ids."""
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return prompts
     if len(prompts) != 1:
         raise APIError(400, "prompt: send one prompt per request (a list of one string is accepted)", "prompt")
     return prompts[0]
@@ -302,8 +314,9 @@ def _chat_logprobs(served: ServedModel, generation: Generation) -> dict:
     }
 
 
-async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt: str, chat: bool):
-    prompt_ids = _encode(served, prompt)
+async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt: str | list[int], chat: bool):
+    prompt_ids = _encode(served, prompt) if isinstance(prompt, str) else prompt
+    prompt = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
     params = _check(served, engine, body, prompt_ids, chat)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     generation = Generation(prompt_ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
