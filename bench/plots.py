@@ -33,7 +33,7 @@ def main(_=None) -> list[str]:
             sizes = []
             for r in mine:
                 with torch.device("meta"):
-                    model = Llama(load_config(None, ["--model.preset", r["preset"]]).model_args())
+                    model = Llama(load_config(overrides={"model.preset": r["preset"]}).model_args())
                 sizes.append(num_params(model) / 1e6)
             for i, name in enumerate(VARIANTS):  # one colour per variant in every panel
                 if f"{name}_tokens_per_s" in mine[0]:

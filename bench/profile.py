@@ -98,7 +98,7 @@ def main(a) -> list[dict]:
     rows = []
     for preset in a.presets.split(","):
         for dtype in a.dtypes.split(","):
-            args = load_config(None, ["--model.preset", preset]).model_args()
+            args = load_config(overrides={"model.preset": preset}).model_args()
             tokens = torch.randint(
                 0, args.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0)
             )

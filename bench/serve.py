@@ -28,9 +28,11 @@ from meshtrain.train import ensure_dataset
 PROMPTS = ["def ", "import os\n", "class Foo", "    return ", "for i in range(", "# ", "if x ==", "print("]
 
 
-def exported_model(preset: str, data_overrides: list[str], out: Path) -> Path:
-    """A freshly initialised `preset` with the default corpus's tokenizer, exported for Hugging Face."""
-    cfg = load_config(None, ["--model.preset", preset, *data_overrides])
+def exported_model(preset: str, data_path: str, out: Path) -> Path:
+    """A freshly initialised `preset` with the tokenizer of `data_path` (default: the default
+    corpus's), exported for Hugging Face."""
+    data = {"data.path": data_path, "data.corpus": ""} if data_path else {}
+    cfg = load_config(overrides={"model.preset": preset, **data})
     dataset = ensure_dataset(cfg)
     args = cfg.model_args(dataset.vocab_size)
     model = Llama(args)
@@ -131,8 +133,7 @@ def measure(name: str, cmd: list[str], port: int, model: str, levels: list[int],
 def main(a) -> list[dict]:
     levels = [1, 4, 16]
     with tempfile.TemporaryDirectory() as tmp:
-        data = ["--data.path", a.data_path, "--data.corpus", ""] if a.data_path else []
-        hf = exported_model(a.serve_preset, data, Path(tmp))
+        hf = exported_model(a.serve_preset, a.data_path, Path(tmp))
         dtype = "bf16" if torch.cuda.is_available() else "fp32"
         mesh = measure(
             "meshtrain serve",

@@ -53,25 +53,16 @@ def bf16_kernel_slowdown(dtype: str, dev: torch.device) -> float:
 def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
     inputs, _ = batch
     return load_config(
-        None,
-        [
-            "--model.preset",
-            preset,
-            "--training.dtype",
-            dtype,
-            "--training.compile",
-            str(compile).lower(),
-            "--training.bf16_compute",
-            bf16_compute,
-            "--training.seq_len",
-            str(inputs.shape[1]),
-            "--training.global_batch_size",
-            str(len(inputs)),
-            "--training.micro_batch_size",
-            str(len(inputs)),
-            "--training.lr",
-            "3e-4",
-        ],
+        overrides={
+            "model.preset": preset,
+            "training.dtype": dtype,
+            "training.compile": compile,
+            "training.bf16_compute": bf16_compute,
+            "training.seq_len": inputs.shape[1],
+            "training.global_batch_size": len(inputs),
+            "training.micro_batch_size": len(inputs),
+            "training.lr": 3e-4,
+        }
     )
 
 
@@ -108,7 +99,7 @@ def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device, comp
 
 def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, rounds: int) -> dict:
     dev = device()
-    args = load_config(None, ["--model.preset", preset]).model_args()
+    args = load_config(overrides={"model.preset": preset}).model_args()
     tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
     configs = {
