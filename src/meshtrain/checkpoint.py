@@ -126,12 +126,17 @@ def _agreed_problem(path: Path) -> str | None:
     return next((p for p in problems if p is not None), None)
 
 
+SAVE_FILES = re.compile(r"(\.metadata|__\d+_\d+\.distcp|rng-rank\d+\.json|train_state\.json|\..*\.tmp-\d+)$")
+
+
 def retire(path: Path) -> None:
-    """Take a checkpoint out of the run's lineage: an interrupted save is deleted; a damaged one is
-    renamed damaged_step_N (kept to inspect, never resumed). A start that skips a checkpoint then
-    logs over its steps: were it resumed later (a repaired file, a save that completes late), the
-    metrics of the steps in between would be gone."""
-    if not (path / MARKER).is_file():
+    """Take a checkpoint out of the run's lineage: an interrupted save (a directory holding only
+    files a save writes) is deleted; a damaged one, or anything else, is renamed damaged_step_N
+    (kept to inspect, never resumed). A start that skips a checkpoint then logs over its steps:
+    were it resumed later (a repaired file, a save that completes late), the metrics of the steps
+    in between would be gone."""
+    ours = all(SAVE_FILES.fullmatch(f.name) and f.is_file() for f in path.iterdir())
+    if not (path / MARKER).is_file() and ours:
         shutil.rmtree(path, ignore_errors=True)
         return
     target, n = path.with_name(f"damaged_{path.name}"), 1
@@ -292,7 +297,7 @@ class Checkpointer:
             for p in self.root.iterdir():
                 m = STEP_DIR.match(p.name)
                 if m and int(m.group(1)) < newest and not (p / MARKER).is_file():
-                    shutil.rmtree(p, ignore_errors=True)
+                    retire(p)  # deleted when it holds only what a save writes
 
     def load(self, path: Path, model_shape: dict) -> dict:
         """Load model and optimizer into the current layout; returns the train state."""
