@@ -63,6 +63,11 @@ CASES = {
     # [data], [checkpoint], [launch], [run]
     "corpus": (["--data.corpus", "wikipedia"], "data.corpus"),
     "missing data": ([], "/nonexistent/meshtrain-data"),
+    "blend weight zero": (["--data.path", "data/web:0,data/code:1"], "weight of data/web is 0"),
+    "blend weight negative": (["--data.path=data/web:0.7,data/code:-0.3"], "weights must be above 0"),
+    "blend weight missing": (["--data.path", "data/web:0.7,data/code"], "'data/code' has no weight"),
+    "blend source twice": (["--data.path", "data/web:1,data/web:2"], "names a directory twice"),
+    "blend missing source": (["--data.path", "/nonexistent/web:1,/nonexistent/code:1"], "/nonexistent/web"),
     "checkpoint every negative": (["--checkpoint.every", "-1"], "checkpoint.every"),
     "checkpoint keep zero": (["--checkpoint.keep", "0"], "checkpoint.keep"),
     "resume missing": (["--checkpoint.resume", "/nonexistent/ckpt"], "checkpoint.resume"),
@@ -125,6 +130,12 @@ OTHER = {
     "bench ops": (["bench", "comm", "--ops", "all_to_all"], "all_to_all"),
     "bench iters": (["bench", "comm", "--iters", "0"], "--iters"),
     "prepare input": (["data", "prepare", "--input", "/nonexistent/texts", "--out", "/tmp/x"], "/nonexistent/texts"),
+    "prepare glob": (["data", "prepare", "--input", "/nonexistent/*.jsonl", "--out", "/tmp/x"], "matches no files"),
+    "prepare workers": (["data", "prepare", "--input", CONFIG, "--out", "/tmp/x", "--workers", "0"], "--workers"),
+    "prepare sample with a tokenizer": (
+        ["data", "prepare", "--input", CONFIG, "--out", "/tmp/x", "--tokenizer", CONFIG, "--tokenizer-sample", "1M"],
+        "--tokenizer-sample",
+    ),
     "prepare fraction": (
         ["data", "prepare", "--input", CONFIG, "--out", "/tmp/x", "--val-fraction", "2"],
         "--val-fraction",

@@ -1,4 +1,9 @@
+import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -7,25 +12,73 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from conftest import assert_user_error, run_cli
-from meshtrain.data import Dataset, DistributedLoader, TokenWindows, prepare
-from meshtrain.errors import DataError
+from conftest import assert_user_error, faulty, run_cli
+from meshtrain.data import Blend, Dataset, DistributedLoader, TokenWindows, prepare, stdlib_sources
+from meshtrain.errors import ConfigError, DataError
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 20
 
 
-def test_prepare_reads_txt_jsonl_parquet_and_round_trips(tmp_path):
-    (tmp_path / "a.txt").write_text(TEXT)
-    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"line {i}: " + TEXT[:80]}) for i in range(5)))
-    pq.write_table(pa.table({"text": ["parquet doc " + TEXT[:100], "another one"]}), tmp_path / "c.parquet")
-    manifest = prepare([tmp_path], tmp_path / "out", vocab_size=300, val_fraction=0, progress=False)
-    assert manifest["documents"] == {"train": 1 + 5 + 2, "val": 0}
+def split_tokens(out, split="train") -> np.ndarray:
+    """A prepared split as one token stream (its segments in order)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    return np.concatenate(
+        [np.fromfile(out / f, dtype=manifest["dtype"])[a : a + n] for f, a, n in manifest["splits"][split]]
+    )
+
+
+def documents(out, split="train") -> list[str]:
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos = json.loads((out / "manifest.json").read_text())["eos_id"]
+    tokens, docs, start = split_tokens(out, split).tolist(), [], 0
+    for i, t in enumerate(tokens):
+        if t == eos:
+            docs.append(tok.decode(tokens[start:i]))
+            start = i + 1
+    return docs
+
+
+def tree(out) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_every_input_format_gives_the_same_documents_in_the_documented_order(tmp_path):
+    """.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet (two row groups), a datasets save_to_disk
+    directory, and a glob: documents in input order, sorted within a directory, lossless."""
+    import datasets
+    import zstandard
+
+    docs = [f"document {i}: " + TEXT[: 40 + 7 * i] for i in range(24)]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(docs[0])
+    (src / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[1:6]))
+    with gzip.open(src / "c.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[6:10])
+    (src / "d.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress("".join(json.dumps({"text": d}) + "\n" for d in docs[10:14]).encode())
+    )
+    pq.write_table(pa.table({"text": docs[14:18]}), src / "e.parquet", row_group_size=2)
+    datasets.Dataset.from_dict({"text": docs[18:21]}).save_to_disk(str(tmp_path / "hf"))
+    (tmp_path / "x1.jsonl").write_text(json.dumps({"text": docs[21]}) + "\n")
+    (tmp_path / "x2.jsonl").write_text(json.dumps({"text": docs[22]}) + "\n\n" + json.dumps({"text": docs[23]}))
+    manifest = prepare(
+        [src, tmp_path / "hf", str(tmp_path / "x*.jsonl")],
+        tmp_path / "out",
+        vocab_size=300,
+        val_fraction=0,
+        progress=False,
+    )
+    assert manifest["documents"] == {"train": 24, "val": 0} and manifest["input_files"] == 8
     assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == 300
-    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
-    assert len(tokens) == manifest["train_tokens"]
-    tok = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
-    first_doc = tokens[: list(tokens).index(manifest["eos_id"])]
-    assert tok.decode(first_doc.tolist()) == TEXT  # byte-level BPE is lossless
+    assert documents(tmp_path / "out") == docs  # byte-level BPE is lossless
+
+
+def test_text_field_names_the_json_key_or_column(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"content": "from jsonl " + TEXT, "text": 1}) + "\n")
+    pq.write_table(pa.table({"content": ["from parquet " + TEXT]}), tmp_path / "b.parquet")
+    prepare([tmp_path], tmp_path / "out", vocab_size=300, val_fraction=0, text_field="content", progress=False)
+    assert documents(tmp_path / "out") == ["from jsonl " + TEXT, "from parquet " + TEXT]
 
 
 def test_split_is_by_document_and_deterministic(tmp_path):
@@ -50,7 +103,10 @@ def test_prepare_with_an_existing_tokenizer_and_uint32(tmp_path):
         progress=False,
     )
     assert m["tokenizer_sha256"] == json.loads((tmp_path / "first" / "manifest.json").read_text())["tokenizer_sha256"]
-    assert (tmp_path / "second" / "train.bin").stat().st_size == 4 * m["train_tokens"]
+    assert sum((tmp_path / "second" / s["file"]).stat().st_size for s in m["shards"]) == 4 * (
+        m["train_tokens"] + m["val_tokens"]
+    )
+    assert split_tokens(tmp_path / "second").tolist() == split_tokens(tmp_path / "first").tolist()
 
 
 def test_replacing_a_dataset_keeps_the_old_one_until_the_new_one_is_complete(tmp_path):
@@ -70,6 +126,11 @@ def test_replacing_a_dataset_keeps_the_old_one_until_the_new_one_is_complete(tmp
         ("binary", ["bad.txt", "not valid UTF-8", "byte offset 6"]),
         ("jsonl", ["x.jsonl:2", '"text"']),
         ("vocab", ["70000 tokens", "uint16", "uint32"]),
+        ("field", ["p.parquet", 'no "text" column', "body", "--text-field"]),
+        ("parquet", ["bad.parquet", "not a readable Parquet file"]),
+        ("gzip", ["bad.jsonl.gz", "corrupt"]),
+        ("zstd", ["bad.jsonl.zst", "corrupt"]),
+        ("unreadable", ["cannot read"]),
     ],
 )
 def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
@@ -85,6 +146,26 @@ def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
     elif case == "jsonl":
         (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
         args += ["--input", str(tmp_path / "x.jsonl")]
+    elif case == "field":
+        pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "p.parquet")
+        args += ["--input", str(tmp_path / "p.parquet")]
+    elif case == "parquet":
+        (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
+        args += ["--input", str(tmp_path / "bad.parquet")]
+    elif case == "gzip":
+        good = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 50}).encode() + b"\n" for i in range(200)))
+        (tmp_path / "bad.jsonl.gz").write_bytes(good[: len(good) // 2] + bytes(64))
+        args += ["--input", str(tmp_path / "bad.jsonl.gz")]
+    elif case == "zstd":
+        (tmp_path / "bad.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage, not a zstd frame")
+        args += ["--input", str(tmp_path / "bad.jsonl.zst")]
+    elif case == "unreadable":
+        if os.geteuid() == 0:  # root reads any file: take one whose read fails for everyone
+            args += ["--input", "/proc/self/mem"]
+        else:
+            (tmp_path / "secret.txt").write_text("text")
+            (tmp_path / "secret.txt").chmod(0)
+            args += ["--input", str(tmp_path / "secret.txt")]
     else:
         from tokenizers import Tokenizer as T
         from tokenizers.models import WordLevel
@@ -100,7 +181,7 @@ def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
             "uint16",
         ]
     assert_user_error(run_cli(args, cli_env), *fragments)
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
 
 def test_fewer_tokens_than_one_sequence(tmp_path):
@@ -113,12 +194,12 @@ def test_fewer_tokens_than_one_sequence(tmp_path):
 def test_truncated_token_file_is_reported(tmp_path):
     (tmp_path / "t.bin").write_bytes(b"\x01\x00\x02")
     with pytest.raises(DataError, match="truncated"):
-        TokenWindows(tmp_path / "t.bin", "uint16", 1)
+        TokenWindows.from_file(tmp_path / "t.bin", "uint16", 1)
 
 
-def _windows(tmp_path, n_tokens=1000, seq_len=8):
-    np.arange(n_tokens, dtype=np.uint16).tofile(tmp_path / "t.bin")
-    return TokenWindows(tmp_path / "t.bin", "uint16", seq_len)
+def _windows(tmp_path, n_tokens=1000, seq_len=8, name="t.bin"):
+    np.arange(n_tokens, dtype=np.uint16).tofile(tmp_path / name)
+    return TokenWindows.from_file(tmp_path / name, "uint16", seq_len)
 
 
 def test_dp_ranks_read_disjoint_slices_that_make_the_global_batch(tmp_path):
@@ -161,3 +242,149 @@ def test_resume_continues_exactly_even_on_another_dp_degree(tmp_path):
     other = DistributedLoader(_windows(tmp_path / "..", 2000), 8, 0, 1, seed=5)
     with pytest.raises(DataError, match="data or training.seq_len changed"):
         other.load_state_dict(state)
+
+
+def _stdlib_jsonl(path, n_bytes: int) -> None:
+    """Standard-library sources as JSON lines, about n_bytes of them."""
+    with path.open("w") as f:
+        written = 0
+        for source in stdlib_sources():
+            if written >= n_bytes:
+                break
+            written += f.write(json.dumps({"text": source.read_text(errors="replace")}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def three_units(tmp_path_factory):
+    """About 3 MiB of JSON lines (three work units) and a tokenizer for them."""
+    root = tmp_path_factory.mktemp("units")
+    _stdlib_jsonl(root / "docs.jsonl", 3 << 20)
+    (root / "tok").mkdir()
+    prepare(stdlib_sources()[:20], root / "tok", vocab_size=400, val_fraction=0, progress=False)
+    return root
+
+
+def test_workers_and_a_killed_prepare_give_the_same_bytes(three_units, cli_env, tmp_path):
+    """--workers 2 writes what --workers 1 writes; a prepare killed halfway through its second unit,
+    then started again, keeps the first unit and ends with the same bytes as one never killed."""
+    args = ["data", "prepare", "--input", str(three_units / "docs.jsonl"), "--val-fraction", "0.05"]
+    args += ["--tokenizer", str(three_units / "tok" / "tokenizer.json")]
+    for name, workers, env in (
+        ("one", 1, cli_env),
+        ("two", 2, cli_env),
+        ("killed", 1, faulty(cli_env, MESHTRAIN_KILL_IN_UNIT="1")),
+    ):
+        result = run_cli([*args, "--out", str(tmp_path / name), "--workers", str(workers)], env)
+        assert result.returncode == (-signal.SIGKILL if name == "killed" else 0), result.stderr
+    assert len(json.loads((tmp_path / "one" / "manifest.json").read_text())["shards"]) >= 6  # 3 units x 2 splits
+    assert tree(tmp_path / "two") == tree(tmp_path / "one")
+    partial = tmp_path / ".killed.partial"
+    assert not (tmp_path / "killed").exists() and (partial / "unit-00000.json").is_file()
+    assert not (partial / "unit-00001.json").exists() and list(partial.glob(".train-00001.bin.tmp-*"))
+    first_unit = (partial / "train-00000.bin").stat().st_mtime_ns
+    result = run_cli([*args, "--out", str(tmp_path / "killed"), "--workers", "1"], cli_env)
+    assert result.returncode == 0, result.stderr
+    assert "resuming" in result.stdout and not partial.exists()
+    assert (tmp_path / "killed" / "train-00000.bin").stat().st_mtime_ns == first_unit  # kept, not redone
+    assert tree(tmp_path / "killed") == tree(tmp_path / "one")
+
+
+def _peak_rss_mb(cli_env, args) -> float:
+    """The peak RSS of a `meshtrain` run, measured from a fresh parent (RUSAGE_CHILDREN is a maximum
+    over every child a process ever waited for)."""
+    probe = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, sys.executable, "-m", "meshtrain", *args],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.split()[-1]) / 1024
+
+
+def test_memory_does_not_grow_with_the_input(three_units, cli_env, tmp_path):
+    """Streaming: 4x the input, the same peak memory (the same text repeated, read and tokenized in
+    bounded batches; before, every document was held at once)."""
+    small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
+    _stdlib_jsonl(small, 2 << 20)
+    large.write_text(small.read_text() * 4)
+    peaks = [
+        _peak_rss_mb(
+            cli_env,
+            ["data", "prepare", "--input", str(path), "--out", str(tmp_path / path.stem), "--workers", "1"]
+            + ["--tokenizer", str(three_units / "tok" / "tokenizer.json")],
+        )
+        for path in (small, large)
+    ]
+    assert peaks[1] < 1.15 * peaks[0], peaks
+
+
+def _blend_loaders(tmp_path, dp: int, weights=(0.7, 0.3), seed=3):
+    web = _windows(tmp_path, 1000, name="web.bin")
+    code = TokenWindows.from_file(tmp_path / "code.bin", "uint16", 8) if (tmp_path / "code.bin").exists() else None
+    if code is None:
+        (np.arange(600, dtype=np.uint16) + 5000).tofile(tmp_path / "code.bin")  # tokens >= 5000: "code"
+        code = TokenWindows.from_file(tmp_path / "code.bin", "uint16", 8)
+    return [DistributedLoader([web, code], 8, r, dp, seed, weights=list(weights)) for r in range(dp)]
+
+
+def test_a_blend_keeps_its_weights_resumes_exactly_and_ignores_the_dp_degree(tmp_path):
+    (single,) = _blend_loaders(tmp_path, 1)
+    four = _blend_loaders(tmp_path, 4)
+    from_code, batches = 0, []
+    for step in range(1000):  # 8,000 samples: both sources wrap around several epochs
+        x, _ = single.next_batch()
+        assert torch.equal(x, torch.cat([loader.next_batch()[0] for loader in four]))
+        from_code += int((x[:, 0] >= 5000).sum())
+        if step < 40:
+            batches.append(x)
+        if step + 1 in (10, 100, 1000):
+            assert abs(from_code / (8 * (step + 1)) - 0.3) < 0.01
+            assert single.mix() == pytest.approx([1 - from_code / (8 * (step + 1)), from_code / (8 * (step + 1))])
+    (first,) = _blend_loaders(tmp_path, 1)
+    for _ in range(17):
+        first.next_batch()
+    resumed = _blend_loaders(tmp_path, 2, seed=0)
+    for loader in resumed:
+        loader.load_state_dict(first.state_dict())
+    for step in range(17, 40):
+        assert torch.equal(torch.cat([loader.next_batch()[0] for loader in resumed]), batches[step])
+    (other,) = _blend_loaders(tmp_path, 1, weights=(0.5, 0.5))
+    with pytest.raises(DataError, match="same blend"):
+        other.load_state_dict(first.state_dict())
+
+
+def test_a_blend_needs_one_tokenizer_and_positive_weights(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT)
+    prepare([tmp_path / "a.txt"], tmp_path / "web", vocab_size=300, val_fraction=0, progress=False)
+    prepare([tmp_path / "a.txt"], tmp_path / "code", vocab_size=280, val_fraction=0, progress=False)
+    with pytest.raises(DataError, match="different tokenizers"):
+        Blend(f"{tmp_path / 'web'}:0.7,{tmp_path / 'code'}:0.3", seq_len=16)
+    with pytest.raises(ConfigError, match="above 0"):
+        Blend(f"{tmp_path / 'web'}:0.7,{tmp_path / 'code'}:0", seq_len=16)
+
+
+def test_damaged_shards_are_found_before_training(tmp_path):
+    from meshtrain.train.build import verify_data
+
+    for i in range(8):
+        (tmp_path / f"{i}.txt").write_text(f"document {i}\n" + TEXT)
+    prepare([tmp_path], tmp_path / "out", vocab_size=300, val_fraction=0.3, progress=False)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    verify_data(Blend(str(tmp_path / "out"), 16), 0, 1)
+    shard = tmp_path / "out" / manifest["shards"][-1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 1
+    shard.write_bytes(data)
+    blend = Blend(str(tmp_path / "out"), 16)
+    assert len(manifest["shards"]) == 2
+    assert sorted(len(blend.sources[0].verify((k, 2))) for k in range(2)) == [0, 1]  # each rank reads its share
+    with pytest.raises(DataError, match=f"{shard.name} does not match its checksum"):
+        verify_data(blend, 0, 1)
+    shard.write_bytes(data[:-2])
+    with pytest.raises(DataError, match="truncated or replaced"):
+        Blend(str(tmp_path / "out"), 16)

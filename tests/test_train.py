@@ -125,3 +125,24 @@ def test_external_torchrun_runs_the_same_training(single_run, corpus, cli_env, t
     result = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path, single_run[0])
+
+
+def test_a_blended_run_reports_its_mix_and_each_source_s_validation_loss(corpus, cli_env, tmp_path):
+    """data.path = "A:0.75,B:0.25": every record says which share of the tokens came from each
+    source (exactly the weights: 12 of 16 sequences a step from A), and the validation loss of each."""
+    from meshtrain.data import prepare, stdlib_sources
+
+    other = tmp_path / "other"
+    prepare(stdlib_sources()[200:230], other, tokenizer=corpus / "tokenizer.json", val_fraction=0.1, progress=False)
+    args = train_args(corpus, tmp_path / "run", "--training.steps", "6", "--training.eval_every", "3")
+    args[args.index("--data.path") + 1] = f"{corpus}:0.75,{other}:0.25"
+    result = run_cli(args, cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics if "val_loss" in m] == [3, 6]
+    for m in metrics:
+        assert m["data_mix"] == {str(corpus): 0.75, str(other): 0.25}
+        if "val_loss" in m:
+            by_source = m["val_loss_by_source"]
+            assert by_source.keys() == {str(corpus), str(other)} and by_source[str(corpus)] != by_source[str(other)]
+            assert m["val_loss"] == pytest.approx(0.75 * by_source[str(corpus)] + 0.25 * by_source[str(other)])

@@ -89,9 +89,26 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="prepare training data")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
-    prep = dsub.add_parser("prepare", help="tokenize text/jsonl/parquet into token files + manifest")
-    prep.add_argument("--input", nargs="+", required=True, help="files or directories (.txt, .jsonl, .parquet)")
+    prep = dsub.add_parser(
+        "prepare",
+        help="tokenize text/jsonl/parquet into token shards + manifest (streamed, on every core; each rank of "
+        "srun/mpirun/torchrun takes a share)",
+    )
+    prep.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, directories or globs (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet) or a Hugging Face "
+        "datasets save_to_disk directory",
+    )
     prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument("--text-field", default="text", help='the JSON field or column holding text (default "text")')
+    prep.add_argument("--workers", type=COUNT, help="tokenizing processes on this machine (default: every core)")
+    prep.add_argument(
+        "--tokenizer-sample",
+        type=_size,
+        help="text read to train the BPE, spread over the input (default 256M; not with --tokenizer)",
+    )
     group = prep.add_mutually_exclusive_group()
     group.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to use")
     group.add_argument(
@@ -459,16 +476,55 @@ def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:
     return 0
 
 
+def _prepare(args) -> int:
+    """`data prepare`, alone or as one rank of a job (srun, mpirun, torchrun, SGE): the ranks join
+    one gloo group (waiting on each other for as long as the slowest share takes) and split the work."""
+    from datetime import timedelta
+
+    from meshtrain.data import prepare
+    from meshtrain.launch import detect
+    from meshtrain.launch.distributed import init_distributed
+
+    if args.tokenizer and args.tokenizer_sample is not None:
+        raise MeshtrainError("--tokenizer-sample sizes the text a new BPE is trained on: not with --tokenizer")
+    from meshtrain.logs import setup_logging
+
+    env = detect()
+    setup_logging(env.rank)
+    if env.distributed:
+        init_distributed(env, "cpu", timeout=timedelta(days=7))
+    manifest = prepare(
+        args.input,
+        args.out,
+        args.tokenizer,
+        args.vocab_size,
+        args.val_fraction,
+        args.token_dtype,
+        progress=sys.stderr.isatty() and env.rank == 0,
+        text_field=args.text_field,
+        workers=args.workers,
+        sample_bytes=args.tokenizer_sample or 256 << 20,
+        distributed=env.distributed,
+    )
+    if env.rank == 0:
+        print(
+            f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} validation tokens "
+            f"in {len(manifest['shards'])} shards, vocabulary {manifest['vocab_size']} ({manifest['dtype']})"
+        )
+    return 0
+
+
 def _check_job(cfg, world: int) -> None:
     """The start-up checks the job will run, at the job's world size (batch and layout divisibility,
     the model's shape; the data's vocabulary where the data is here too), so that a script that
     cannot train is never submitted to wait in the queue."""
+    from meshtrain.config import parse_data_path
     from meshtrain.data import read_manifest
     from meshtrain.errors import DataError
     from meshtrain.train import check_training
 
     try:
-        vocab = read_manifest(cfg.data.path)["vocab_size"]
+        vocab = read_manifest(parse_data_path(cfg.data.path)[0][0])["vocab_size"]
     except DataError:
         vocab = None  # prepared on the cluster, or by the job itself
     try:
@@ -551,22 +607,7 @@ def main(argv: list[str] | None = None) -> None:
             if extra:
                 raise MeshtrainError(f"unexpected arguments: {' '.join(extra)}")
             if args.command == "data":
-                from meshtrain.data import prepare
-
-                manifest = prepare(
-                    args.input,
-                    args.out,
-                    args.tokenizer,
-                    args.vocab_size,
-                    args.val_fraction,
-                    args.token_dtype,
-                    progress=sys.stderr.isatty(),
-                )
-                print(
-                    f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} "
-                    f"validation tokens, vocabulary {manifest['vocab_size']} ({manifest['dtype']})"
-                )
-                code = 0
+                code = _prepare(args)
             elif args.command == "serve":
                 from meshtrain.serve import serve
 

@@ -111,21 +111,28 @@ def atomic_directory(out: Path | str) -> Iterator[Path]:
     try:
         with writing(out):
             yield tmp
-            for f in [tmp, *tmp.rglob("*")]:
-                _user_mode(f)
-                if f.is_file():
-                    with open(f, "rb+") as handle:
-                        os.fsync(handle.fileno())
-            if out.exists():
-                old = out.parent / f".{out.name}.old-{os.getpid()}"
-                out.rename(old)
-                tmp.rename(out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(out)
-            _fsync_dir(out.parent)
+        replace_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_directory(tmp: Path, out: Path) -> None:
+    """Make the finished directory `tmp` the directory `out`: its files synced and given the user's
+    permissions, then renamed into place (an existing `out`, a finished one, is replaced only now)."""
+    with writing(out):
+        for f in [tmp, *tmp.rglob("*")]:
+            _user_mode(f)
+            if f.is_file():
+                with open(f, "rb+") as handle:
+                    os.fsync(handle.fileno())
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+        _fsync_dir(out.parent)
 
 
 def check_output_dir(out: Path | str, inputs: list[Path | str], marker: str, command: str) -> Path:

@@ -95,6 +95,9 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
+                elif isinstance(value, dict):  # data_mix, val_loss_by_source: one curve per source
+                    for name, v in value.items():
+                        self.tb.add_scalar(f"{key}/{name}", v, step)
         parts = [f"step {step:>5}"]
         for key, fmt in (
             ("loss", "{:.4f}"),

@@ -11,6 +11,8 @@ carries no test hooks. Set in the run's environment:
   MESHTRAIN_RNG_PROBE=1             every step draws rank + 1 numbers from torch's generator (as dropout
                                     would); at the end each rank writes its generator's CRC to
                                     <run.dir>/rng-rank<R>.txt
+  MESHTRAIN_KILL_IN_UNIT=N          `data prepare` SIGKILLs itself halfway through work unit N (after
+                                    the unit's first document is written)
   MESHTRAIN_JITTER=SEED[:MAX_S]     a seeded random pause (0 to MAX_S, default 0.05 s) before every
                                     write, truncation, rename and deletion of run files (`make stress`):
                                     changes the relative speed of processes to shake out races
@@ -43,8 +45,12 @@ def _install() -> None:
         "MESHTRAIN_STDOUT_PAUSE",
         "MESHTRAIN_RNG_PROBE",
         "MESHTRAIN_JITTER",
+        "MESHTRAIN_KILL_IN_UNIT",
     )
     if not any(os.environ.get(n) for n in names):
+        return
+    if os.environ.get("MESHTRAIN_KILL_IN_UNIT"):
+        _kill_in_unit(int(os.environ["MESHTRAIN_KILL_IN_UNIT"]))
         return
     if os.environ.get("MESHTRAIN_STDOUT_PAUSE"):
         _pause_after_stdout_writes(float(os.environ["MESHTRAIN_STDOUT_PAUSE"]))
@@ -108,6 +114,22 @@ def _pause_after_stdout_writes(seconds: float) -> None:
     import sys
 
     sys.stdout = _PausingStdout(sys.stdout, seconds)
+
+
+def _kill_in_unit(unit: int) -> None:
+    import signal
+
+    from meshtrain.data.prepare import _Shard
+
+    add = _Shard.add
+
+    def add_then_die(self, ids):
+        add(self, ids)
+        if self.path.name.endswith(f"-{unit:05d}.bin"):
+            self.file.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _Shard.add = add_then_die
 
 
 def _write_rng_at_the_end() -> None:

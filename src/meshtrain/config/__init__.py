@@ -1,7 +1,7 @@
 """One typed config tree: the schema (documented dataclasses), reading (TOML + dotted overrides) and
 value checks. Every failure is one line naming the key, the value and what is allowed."""
 
-from meshtrain.config.checks import check_model_args, parse_duration, parse_size, validate
+from meshtrain.config.checks import check_model_args, parse_data_path, parse_duration, parse_size, validate
 from meshtrain.config.loading import describe_type, load_config, parse_overrides, set_dotted, set_value
 from meshtrain.config.schema import (
     LAUNCHERS,
@@ -37,6 +37,7 @@ __all__ = [
     "RunConfig",
     "TrainingConfig",
     "check_model_args",
+    "parse_data_path",
     "config_keys",
     "describe_type",
     "field_docs",

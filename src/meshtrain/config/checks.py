@@ -69,6 +69,7 @@ def validate(cfg: Config) -> None:
     if t.stop_at_step > t.steps:
         raise ConfigError(f"training.stop_at_step = {t.stop_at_step} must be between 0 and training.steps ({t.steps})")
     parse_duration(t.time_limit, "training.time_limit")
+    parse_data_path(cfg.data.path)
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f"checkpoint.resume = {c.resume!r}: no such checkpoint (use auto, none or a path)")
     if not m.init_from:
@@ -99,6 +100,33 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
 
 
 SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
+
+
+def parse_data_path(text: str) -> list[tuple[str, float]]:
+    """data.path: one prepared directory, or a blend "DIR:WEIGHT,DIR:WEIGHT,..." -> [(dir, share)]
+    with the shares summing to 1."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise ConfigError(f"data.path = {text!r} has an empty entry: use DIR or DIR:WEIGHT,DIR:WEIGHT")
+    sources = []
+    for item in items:
+        path, _, weight = item.rpartition(":")
+        try:
+            value = float(weight) if path else None
+        except ValueError:
+            value = None
+        if value is None:
+            if len(items) > 1:
+                raise ConfigError(f"data.path = {text!r}: {item!r} has no weight; give every source one, DIR:WEIGHT")
+            return [(item, 1.0)]
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"data.path = {text!r}: the weight of {path} is {weight}; weights must be above 0")
+        sources.append((path, value))
+    paths = [p for p, _ in sources]
+    if len(set(paths)) < len(paths):
+        raise ConfigError(f"data.path = {text!r} names a directory twice: give each source once")
+    total = sum(w for _, w in sources)
+    return [(p, w / total) for p, w in sources]
 
 
 def parse_size(text: str) -> int:

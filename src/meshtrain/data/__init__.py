@@ -1,7 +1,11 @@
-from meshtrain.data.loader import Dataset, DistributedLoader, TokenWindows, validation_batches
+"""Data: `prepare` (inputs -> token shards + manifest, streamed, parallel) and the loader (a
+deterministic, resumable order over one prepared directory or a weighted blend)."""
+
+from meshtrain.data.loader import Blend, Dataset, DistributedLoader, TokenWindows, validation_batches
 from meshtrain.data.prepare import prepare, read_manifest, stdlib_sources
 
 __all__ = [
+    "Blend",
     "Dataset",
     "DistributedLoader",
     "TokenWindows",

@@ -1,101 +1,173 @@
-"""A deterministic, resumable loader over fixed-length windows of a memory-mapped token file.
+"""A deterministic, resumable loader over fixed-length windows of prepared token shards, one source
+or a weighted blend of several.
 
 The sample order is defined for the whole job, independently of how many data-parallel ranks read
-it: global sample g of epoch e = g // n is window perm_e[g % n], with perm_e a seeded permutation.
-Step s uses global samples [s*B, (s+1)*B); DP rank r reads the contiguous r-th slice of that batch.
-So the state is one number (samples consumed), and a run resumed on another DP degree continues
-the same sample sequence, with nothing repeated or skipped.
+it. Global sample g comes from the source that is furthest behind its weight (weight * (g + 1) -
+taken so far, the greedy mix Megatron's blended dataset uses: every prefix of the run holds each
+source's share within one sample). A source's k-th sample is window perm_e[k % n] of that source,
+with e = k // n its epoch and perm_e a seeded permutation. Step s uses global samples
+[s*B, (s+1)*B); DP rank r reads the contiguous r-th slice of that batch. So the state is a few
+numbers (samples consumed, per source), and a run resumed on another DP degree continues the same
+sample sequence, with nothing repeated or skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from meshtrain.data.prepare import DTYPES, read_manifest
+from meshtrain.config import parse_data_path
+from meshtrain.data.prepare import DTYPES, read_manifest, tokenizer_fingerprint
 from meshtrain.errors import DataError
 
 
 class TokenWindows:
-    """Windows of seq_len + 1 tokens (inputs and shifted targets), stride seq_len, over one file."""
+    """Windows of seq_len + 1 tokens (inputs and shifted targets), stride seq_len, over a split:
+    segments (file, first token, tokens) of token files read as one stream."""
 
-    def __init__(self, path: Path, dtype: str, seq_len: int):
-        self.path, self.seq_len = path, seq_len
+    OPEN_FILES = 256  # memory maps kept open (each holds a file descriptor; a corpus has thousands)
+
+    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, name: str = ""):
+        self.seq_len, self.name, self.dtype = seq_len, name, DTYPES[dtype]
+        self.segments = segments
+        self.starts = np.cumsum([0] + [n for _, _, n in segments])
+        self.n_windows = max(0, (int(self.starts[-1]) - 1) // seq_len)
+        self._open: dict[int, np.ndarray] = {}
+
+    def _part(self, i: int) -> np.ndarray:
+        if i not in self._open:
+            if len(self._open) >= self.OPEN_FILES:
+                del self._open[next(iter(self._open))]
+            path, first, n = self.segments[i]
+            self._open[i] = np.memmap(path, dtype=self.dtype, mode="r")[first : first + n]
+        return self._open[i]
+
+    @classmethod
+    def from_file(cls, path: Path, dtype: str, seq_len: int) -> TokenWindows:
+        """One whole token file (checked to hold whole tokens)."""
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
         if not path.is_file():
             raise DataError(f"{path} is missing; prepare the data again")
-        itemsize = np.dtype(DTYPES[dtype]).itemsize
         if path.stat().st_size % itemsize:
             raise DataError(f"{path} is truncated (size not a multiple of {itemsize} bytes); prepare it again")
-        n_tokens = path.stat().st_size // itemsize
-        self.tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r") if n_tokens else np.zeros(0, np.uint16)
-        self.n_windows = max(0, (n_tokens - 1) // seq_len)
+        n = path.stat().st_size // itemsize
+        return cls([(path, 0, n)] if n else [], dtype, seq_len, str(path))
 
     def __len__(self) -> int:
         return self.n_windows
 
-    def gather(self, windows: np.ndarray, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets): two views of one int64 tensor, in page-locked memory with `pin_memory`
-        (one pinned buffer per batch, so its copy to the GPU is asynchronous)."""
-        rows = np.stack([self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1] for w in windows])
-        batch = torch.from_numpy(rows.astype(np.int64))
-        if pin_memory:
-            batch = batch.pin_memory()
-        return batch[:, :-1], batch[:, 1:]
+    def window(self, w: int) -> np.ndarray:
+        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            take = min(stop, int(self.starts[i + 1])) - start
+            offset = start - int(self.starts[i])
+            pieces.append(self._part(i)[offset : offset + take])
+            start += take
+            i += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def gather(self, windows, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_batch([self.window(int(w)) for w in windows], pin_memory)
+
+
+def to_batch(rows: list[np.ndarray], pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): two views of one int64 tensor, in page-locked memory with `pin_memory`
+    (one pinned buffer per batch, so its copy to the GPU is asynchronous)."""
+    batch = torch.from_numpy(np.stack(rows).astype(np.int64))
+    if pin_memory:
+        batch = batch.pin_memory()
+    return batch[:, :-1], batch[:, 1:]
 
 
 class DistributedLoader:
-    """Yields this DP rank's slice of each global batch, in the seeded global order."""
+    """Yields this DP rank's slice of each global batch, in the seeded global order (see the module
+    docstring). `sources`: one TokenWindows, or several with their `weights`."""
 
     def __init__(
-        self, windows: TokenWindows, global_batch: int, dp_rank: int, dp_size: int, seed: int, pin_memory: bool = False
+        self,
+        sources: TokenWindows | list[TokenWindows],
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        pin_memory: bool = False,
+        weights: list[float] | None = None,
     ):
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by DP degree {dp_size}")
-        self.windows, self.global_batch, self.seed = windows, global_batch, seed
+        self.sources = sources if isinstance(sources, list) else [sources]
+        self.weights = np.asarray(weights or [1.0] * len(self.sources), dtype=np.float64)
+        self.global_batch, self.seed = global_batch, seed
         self.dp_rank, self.local_batch = dp_rank, global_batch // dp_size
         self.pin_memory = pin_memory
         self.consumed = 0  # global samples handed out so far, over all ranks
-        self._epoch, self._perm = -1, np.empty(0, np.int64)
+        self.taken = np.zeros(len(self.sources), dtype=np.int64)  # of them, from each source
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
 
-    def _window(self, sample: int) -> int:
-        epoch, pos = divmod(sample, len(self.windows))
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
-        return int(self._perm[pos])
+    def _window(self, source: int, k: int) -> int:
+        """Source `source`'s k-th sample: a window of its epoch's permutation (source 0 draws as a
+        single-source loader does)."""
+        n = len(self.sources[source])
+        epoch, pos = divmod(k, n)
+        if (source, epoch) not in self._perms:
+            self._perms = {key: p for key, p in self._perms.items() if key[0] != source}
+            seeds = [self.seed, epoch] if source == 0 else [self.seed, epoch, source]
+            self._perms[(source, epoch)] = np.random.default_rng(seeds).permutation(n)
+        return int(self._perms[(source, epoch)][pos])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (global_batch / dp_size, seq_len) int64, on the CPU (pinned for a GPU)."""
-        start = self.consumed + self.dp_rank * self.local_batch
-        windows = np.array([self._window(g) for g in range(start, start + self.local_batch)])
+        picks = []  # (source, its sample index) of every sample of the global batch
+        for g in range(self.consumed, self.consumed + self.global_batch):
+            source = int(np.argmax(self.weights * (g + 1) - self.taken))
+            picks.append((source, int(self.taken[source])))
+            self.taken[source] += 1
         self.consumed += self.global_batch
-        return self.windows.gather(windows, self.pin_memory)
+        mine = picks[self.dp_rank * self.local_batch : (self.dp_rank + 1) * self.local_batch]
+        return to_batch([self.sources[s].window(self._window(s, k)) for s, k in mine], self.pin_memory)
+
+    def mix(self) -> list[float]:
+        """Each source's share of the samples (= tokens) read so far."""
+        return (self.taken / max(1, self.consumed)).tolist()
 
     def state_dict(self) -> dict:
         return {
             "consumed": self.consumed,
             "seed": self.seed,
-            "seq_len": self.windows.seq_len,
-            "n_windows": len(self.windows),
+            "seq_len": self.sources[0].seq_len,
+            "n_windows": [len(s) for s in self.sources],
+            "weights": self.weights.tolist(),
+            "taken": self.taken.tolist(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["seq_len"] != self.windows.seq_len or state["n_windows"] != len(self.windows):
+        windows = state["n_windows"] if isinstance(state["n_windows"], list) else [state["n_windows"]]
+        if state["seq_len"] != self.sources[0].seq_len or windows != [len(s) for s in self.sources]:
             raise DataError(
-                f"the data loader state was saved for {state['n_windows']} windows of {state['seq_len']} tokens, "
-                f"but the data now has {len(self.windows)} of {self.windows.seq_len}: the data or "
-                "training.seq_len changed"
+                f"the data loader state was saved for {windows} windows of {state['seq_len']} tokens, "
+                f"but the data now has {[len(s) for s in self.sources]} of {self.sources[0].seq_len}: the data "
+                "or training.seq_len changed"
+            )
+        weights = state.get("weights", [1.0])
+        if not np.allclose(weights, self.weights):
+            raise DataError(
+                f"the checkpoint was trained with data.path weights {weights}, now {self.weights.tolist()}: "
+                "resume with the same blend, or start a new run"
             )
         self.consumed, self.seed = state["consumed"], state["seed"]
-        self._epoch = -1
+        self.taken = np.asarray(state.get("taken", [state["consumed"]]), dtype=np.int64)
+        self._perms = {}
 
 
 def validation_batches(
     windows: TokenWindows, n_batches: int, global_batch: int, dp_rank: int, dp_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first n_batches global batches of the validation file, in file order (wrapping)."""
+    """The first n_batches global batches of the validation split, in file order (wrapping)."""
     local = global_batch // dp_size
     out = []
     for b in range(n_batches):
@@ -105,7 +177,8 @@ def validation_batches(
 
 
 class Dataset:
-    """A prepared data directory: manifest, tokenizer path, train and validation windows."""
+    """A prepared data directory: manifest, tokenizer path, train and validation windows. Shard
+    sizes and the tokenizer's hash are checked on opening; shard checksums by `verify`."""
 
     def __init__(self, path: str | Path, seq_len: int):
         self.path = Path(path)
@@ -114,10 +187,76 @@ class Dataset:
         self.eos_id: int | None = self.manifest["eos_id"]
         self.tokenizer_path = self.path / self.manifest["tokenizer"]
         dtype = self.manifest["dtype"]
-        self.train = TokenWindows(self.path / "train.bin", dtype, seq_len)
+        if self.manifest.get("format_version", 1) == 1:  # one train.bin and one val.bin
+            self.train = TokenWindows.from_file(self.path / "train.bin", dtype, seq_len)
+            self.val = TokenWindows.from_file(self.path / "val.bin", dtype, seq_len)
+        else:
+            self._check_files()
+            splits = self.manifest["splits"]
+            self.train, self.val = (
+                TokenWindows([(self.path / f, a, n) for f, a, n in splits[s]], dtype, seq_len, f"{self.path} ({s})")
+                for s in ("train", "val")
+            )
         if len(self.train) == 0:
             raise DataError(
-                f"{self.train.path} holds {self.manifest['train_tokens']} tokens, fewer than one sequence of "
+                f"{self.path} holds {self.manifest['train_tokens']} training tokens, fewer than one sequence of "
                 f"training.seq_len + 1 = {seq_len + 1}; add data or lower training.seq_len"
             )
-        self.val = TokenWindows(self.path / "val.bin", dtype, seq_len)
+
+    def _check_files(self) -> None:
+        itemsize = np.dtype(DTYPES[self.manifest["dtype"]]).itemsize
+        for shard in self.manifest["shards"]:
+            path = self.path / shard["file"]
+            if not path.is_file():
+                raise DataError(f"{path} is missing; prepare {self.path} again")
+            if path.stat().st_size != shard["tokens"] * itemsize:
+                raise DataError(
+                    f"{path} holds {path.stat().st_size} bytes, its manifest says {shard['tokens'] * itemsize}: "
+                    f"truncated or replaced; prepare {self.path} again"
+                )
+        tokenizer_sha = hashlib.sha256(self.tokenizer_path.read_bytes()).hexdigest()
+        if tokenizer_sha != self.manifest["tokenizer_sha256"]:
+            raise DataError(f"{self.tokenizer_path} is not the tokenizer {self.path} was prepared with; prepare again")
+
+    def verify(self, share: tuple[int, int] = (0, 1)) -> list[str]:
+        """Problems found in shards k, k + n, ... (share = (k, n)): a checksum that does not match."""
+        k, n = share
+        problems = []
+        for shard in self.manifest.get("shards", [])[k::n]:
+            sha = hashlib.sha256()
+            with open(self.path / shard["file"], "rb") as f:
+                while block := f.read(1 << 24):
+                    sha.update(block)
+            if sha.hexdigest() != shard["sha256"]:
+                problems.append(
+                    f"{self.path / shard['file']} does not match its checksum in the manifest: the file is "
+                    f"damaged; prepare {self.path} again"
+                )
+        return problems
+
+
+class Blend:
+    """data.path: one prepared directory, or several with weights, all tokenized alike."""
+
+    def __init__(self, spec: str, seq_len: int):
+        parsed = parse_data_path(spec)
+        self.names = [path for path, _ in parsed]
+        self.weights = [weight for _, weight in parsed]
+        self.sources = [Dataset(path, seq_len) for path in self.names]
+        first = self.sources[0]
+        for other in self.sources[1:]:
+            if tokenizer_fingerprint(other.tokenizer_path) != tokenizer_fingerprint(first.tokenizer_path):
+                raise DataError(
+                    f"data.path: {other.path} and {first.path} were prepared with different tokenizers; prepare "
+                    f"both with one, `meshtrain data prepare --tokenizer {first.tokenizer_path} ...`"
+                )
+        self.vocab_size, self.eos_id, self.tokenizer_path = first.vocab_size, first.eos_id, first.tokenizer_path
+
+    @property
+    def train_windows(self) -> int:
+        return sum(len(s.train) for s in self.sources)
+
+    def loader(self, global_batch: int, dp_rank: int, dp_size: int, seed: int, pin_memory: bool = False):
+        return DistributedLoader(
+            [s.train for s in self.sources], global_batch, dp_rank, dp_size, seed, pin_memory, self.weights
+        )

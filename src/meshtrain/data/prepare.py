@@ -1,29 +1,45 @@
-"""`meshtrain data prepare`: text, JSONL or Parquet -> tokenizer -> memory-mapped token files.
+"""`meshtrain data prepare`: text, JSONL (also gzip/zstd), Parquet or a Hugging Face `datasets`
+directory -> tokenizer -> memory-mapped token shards, streamed, on every core and rank.
+
+The inputs are cut into work units (whole small files, byte ranges of a .jsonl, Parquet row
+groups; see `data.sources`), each tokenized on its own by one of `--workers` processes on one of
+the job's ranks (rank r takes units r, r + world, ...). A unit writes `train-NNNNN.bin` and
+`val-NNNNN.bin` (each document's token ids, then the end-of-text token; a document goes to
+validation by a hash of its text) and a record of its counts and checksums. So memory is bounded by
+one batch of documents per worker, whatever the input size, and the output depends on the inputs
+alone, not on how many workers or ranks wrote it: the dataset is the units' shards in unit order.
 
 Output directory:
-  tokenizer.json   the Hugging Face tokenizer (loaded, or a byte-level BPE trained on the input)
-  train.bin        concatenated token ids, each document followed by the end-of-text token
-  val.bin          the same for the held-out documents
-  manifest.json    dtype, vocabulary, token counts, split, tokenizer hash
+  tokenizer.json   the Hugging Face tokenizer (given, or a byte-level BPE trained on a bounded sample)
+  train-*.bin      training token shards, val-*.bin the held-out ones
+  manifest.json    dtype, vocabulary, tokenizer hash, counts, shards with their SHA-256, the splits
 
-The directory is written under a temporary name and renamed into place, so an interrupted prepare
-never leaves a half-written dataset behind, and a finished one is only replaced by a finished one.
+The work happens in `.<out>.partial` beside the output: a killed prepare started again with the same
+inputs and options keeps the units already done and ends with the same bytes. The finished directory
+is renamed into place, so a dataset is only ever replaced by a complete one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import shutil
+import sys
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from meshtrain.errors import DataError
-from meshtrain.files import atomic_directory, check_output_dir
+from meshtrain.data.sources import Piece, expand_inputs, pieces, read_piece
+from meshtrain.errors import DataError, MeshtrainError
+from meshtrain.files import atomic_write, check_output_dir, copy_file, replace_directory, write_json, writing
+from meshtrain.lock import LOCK_NAME, RunLock
+from meshtrain.logs import log
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
@@ -37,15 +53,12 @@ def end_of_text(tokenizer) -> tuple[str | None, int | None]:
     return token, tokenizer.token_to_id(token) if token else None
 
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 MANIFEST = "manifest.json"
-
-
-@dataclass
-class Document:
-    source: str
-    text: str
+FORMAT_VERSION = 2
+SPEC = "spec.json"  # in the partial directory: what it was started with
+UNIT_BYTES = (1 << 20, 256 << 20)  # a work unit holds 1/64 of the input, within these bounds
+BATCH_CHARS = 1 << 20  # characters tokenized per encode_batch call (a worker's memory bound)
 
 
 def stdlib_sources() -> list[Path]:
@@ -55,68 +68,38 @@ def stdlib_sources() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
 
 
-def expand_inputs(inputs: list[str | Path]) -> list[Path]:
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-            if not found:
-                raise DataError(f"input directory {path} holds no {', '.join(TEXT_SUFFIXES)} files")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise DataError(f"input {path} does not exist")
-    if not files:
-        raise DataError("no input files given: pass --input FILE_OR_DIR")
-    return files
+def default_workers() -> int:
+    """Every core this process may run on (a Slurm or cgroup limit included)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _decode(raw: bytes, path: Path, base_offset: int = 0) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{path} is not valid UTF-8 at byte offset {base_offset + e.start}; re-encode it as UTF-8"
-        ) from None
+@dataclass(frozen=True)
+class Unit:
+    index: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.pieces)
 
 
-def read_documents(path: Path) -> Iterator[Document]:
-    """.jsonl: one document per line (its "text" field); .parquet: the "text" column; else one
-    document per file."""
-    if path.suffix == ".jsonl":
-        offset = 0
-        with path.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                line = _decode(raw, path, offset).strip()
-                offset += len(raw)
-                if not line:
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno} is not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise DataError(f'{path}:{lineno} has no string "text" field')
-                yield Document(f"{path}:{lineno}", record["text"])
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as e:  # pyarrow raises several types for a bad file
-            raise DataError(f"{path} is not a readable Parquet file ({e})") from None
-        if "text" not in table.column_names:
-            raise DataError(f'{path} has no "text" column (columns: {", ".join(table.column_names)})')
-        for i, text in enumerate(table.column("text").to_pylist()):
-            if text:
-                yield Document(f"{path}[{i}]", text)
-    else:
-        yield Document(str(path), _decode(path.read_bytes(), path))
+def plan_units(inputs: list[str | Path]) -> list[Unit]:
+    """The inputs' pieces grouped, in order, into units of about 1/64 of the input (1-256 MiB)."""
+    files = expand_inputs(inputs)
+    target = min(UNIT_BYTES[1], max(UNIT_BYTES[0], sum(f.size for f in files) // 64))
+    units: list[Unit] = []
+    current: list[Piece] = []
+    for piece in pieces(files, target):
+        current.append(piece)
+        if sum(p.size for p in current) >= target:
+            units.append(Unit(len(units), tuple(current)))
+            current = []
+    if current:
+        units.append(Unit(len(units), tuple(current)))
+    return units
 
 
-def train_bpe(texts: list[str], vocab_size: int):
+def train_bpe(texts: Iterator[str] | list[str], vocab_size: int):
     """A byte-level BPE (GPT-2 style) trained on the input with the `tokenizers` library."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -135,6 +118,22 @@ def train_bpe(texts: list[str], vocab_size: int):
     return tok
 
 
+def tokenizer_sample(units: list[Unit], text_field: str, sample_bytes: int) -> Iterator[str]:
+    """What a BPE is trained on: the first documents of every unit, an equal share of `sample_bytes`
+    each (at least one document per unit), so the sample spans the whole input."""
+    share = max(1, sample_bytes // max(1, len(units)))
+    for unit in units:
+        taken = 0
+        for piece in unit.pieces:
+            for text in read_piece(piece, text_field):
+                yield text
+                taken += len(text)
+                if taken >= share:
+                    break
+            if taken >= share:
+                break
+
+
 def load_tokenizer(path: str | Path):
     from tokenizers import Tokenizer
 
@@ -146,9 +145,333 @@ def load_tokenizer(path: str | Path):
         raise DataError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
 
 
-def _is_val(doc: Document, val_fraction: float) -> bool:
+def _is_val(text: str, val_fraction: float) -> bool:
     """Split by a hash of the content, so the split is the same on every machine and input order."""
-    return zlib.crc32(doc.text.encode()) % 10_000 < val_fraction * 10_000
+    return val_fraction > 0 and zlib.crc32(text.encode()) % 10_000 < val_fraction * 10_000
+
+
+def resolve_dtype(dtype: str, n_vocab: int) -> str:
+    if dtype == "auto":
+        dtype = "uint16" if n_vocab <= 2**16 else "uint32"
+    if dtype not in DTYPES:
+        raise DataError(f"--token-dtype {dtype} is unknown: use auto, uint16 or uint32")
+    if n_vocab > np.iinfo(DTYPES[dtype]).max + 1:
+        raise DataError(
+            f"the vocabulary has {n_vocab} tokens, more than {dtype} can hold; use --token-dtype uint32 (or auto)"
+        )
+    return dtype
+
+
+# --- one work unit: what each worker process runs -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """What a worker needs besides the unit (sent once per unit: small)."""
+
+    work: str
+    tokenizer: str
+    text_field: str
+    val_fraction: float
+    dtype: str
+    eos_id: int | None
+
+
+class _Shard:
+    """One split's token file of a unit, written under a temporary name with its SHA-256."""
+
+    def __init__(self, path: Path, dtype: str):
+        self.path, self.dtype = path, DTYPES[dtype]
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with writing(self.tmp):
+            self.file = self.tmp.open("wb")
+        self.sha = hashlib.sha256()
+        self.tokens = self.documents = self.last_document = 0
+
+    def add(self, ids: list[int]) -> None:
+        data = np.asarray(ids, dtype=self.dtype).tobytes()
+        with writing(self.path):
+            self.file.write(data)
+        self.sha.update(data)
+        self.tokens += len(ids)
+        self.documents += 1
+        self.last_document = len(ids)
+
+    def close(self, commit: bool = True) -> dict:
+        """Sync and rename into place (a shard without tokens is not written); without `commit`,
+        discard."""
+        with writing(self.path):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            if self.tokens and commit:
+                os.replace(self.tmp, self.path)
+            else:
+                self.tmp.unlink()
+        return {
+            "file": self.path.name if self.tokens else None,
+            "tokens": self.tokens,
+            "sha256": self.sha.hexdigest(),
+            "documents": self.documents,
+            "last_document_tokens": self.last_document,
+        }
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _unit_record(work: Path, index: int) -> Path:
+    return work / f"unit-{index:05d}.json"
+
+
+def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
+    """Tokenize one unit into its train and val shards, then write its record (the commit mark)."""
+    if job.tokenizer not in _TOKENIZERS:
+        _TOKENIZERS[job.tokenizer] = load_tokenizer(job.tokenizer)
+    tok = _TOKENIZERS[job.tokenizer]
+    work = Path(job.work)
+    shards = {split: _Shard(work / f"{split}-{unit.index:05d}.bin", job.dtype) for split in ("train", "val")}
+    eos = [job.eos_id] if job.eos_id is not None else []
+    try:
+        batch: list[str] = []
+
+        def flush() -> None:
+            for text, enc in zip(batch, tok.encode_batch(batch, add_special_tokens=False)):
+                shards["val" if _is_val(text, job.val_fraction) else "train"].add(enc.ids + eos)
+            batch.clear()
+
+        chars = 0
+        for piece in unit.pieces:
+            for text in read_piece(piece, job.text_field):
+                batch.append(text)
+                chars += len(text)
+                if chars >= BATCH_CHARS:
+                    flush()
+                    chars = 0
+        flush()
+    except BaseException:
+        for shard in shards.values():
+            shard.close(commit=False)
+        raise
+    records = {split: shard.close() for split, shard in shards.items()}
+    record = {"index": unit.index, "bytes": unit.size, **records}
+    write_json(_unit_record(work, unit.index), record)
+    return record
+
+
+def _worker_start() -> None:
+    """A worker tokenizes on its one core (the parallelism is the workers) and dies with prepare."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from meshtrain.launch.distributed import die_with_parent
+
+    die_with_parent()
+
+
+@contextlib.contextmanager
+def _one_thread_tokenizing() -> Iterator[None]:
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def run_units(job: UnitJob, units: list[Unit], workers: int, progress: bool) -> None:
+    """Tokenize `units` on `workers` processes (in this one for a single worker)."""
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("tokenizing", total=sum(u.size for u in units))
+        if workers == 1 or len(units) == 1:
+            with _one_thread_tokenizing():
+                for unit in units:
+                    tokenize_unit(job, unit)
+                    bar.advance(task, unit.size)
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        with ProcessPoolExecutor(min(workers, len(units)), mp_context=context, initializer=_worker_start) as pool:
+            futures = {pool.submit(tokenize_unit, job, unit): unit for unit in units}
+            try:
+                for future in as_completed(futures):
+                    future.result()
+                    bar.advance(task, futures[future].size)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+
+
+# --- the job: ranks, the partial directory, the manifest ---------------------------------------
+
+
+class Ranks:
+    """This process's part in a prepare run by several ranks (alone without a process group)."""
+
+    def __init__(self, distributed: bool):
+        self.dist = None
+        if distributed:
+            import torch.distributed as dist
+
+            self.dist = dist if dist.is_initialized() else None
+        self.rank = self.dist.get_rank() if self.dist else 0
+        self.world = self.dist.get_world_size() if self.dist else 1
+
+    def everyone(self, fn: Callable[[], object]):
+        """fn() on every rank; if it fails on any rank, every rank raises that rank's one-line error."""
+        try:
+            result, error = fn(), None
+        except MeshtrainError as e:
+            result, error = None, (type(e), str(e))
+        if self.dist:
+            errors: list = [None] * self.world
+            self.dist.all_gather_object(errors, error)
+            failed = next(((r, e) for r, e in enumerate(errors) if e), None)
+            if failed:
+                rank, (kind, message) = failed
+                raise kind(message if rank == self.rank else f"rank {rank}: {message}")
+        elif error:
+            raise error[0](error[1])
+        return result
+
+    def from_first(self, fn: Callable[[], object]):
+        """fn() on rank 0, its result on every rank (its error raised on every rank)."""
+        result = self.everyone(lambda: fn() if self.rank == 0 else None)
+        if self.dist:
+            box = [result]
+            self.dist.broadcast_object_list(box, src=0)
+            result = box[0]
+        return result
+
+
+def _spec(units: list[Unit], tokenizer, vocab_size, val_fraction, dtype, text_field, sample_bytes) -> dict:
+    """What decides the output bytes: a partial prepare started with another spec is not resumed."""
+    files = {p.file.path: [p.file.size, p.file.mtime_ns] for u in units for p in u.pieces}
+    return json.loads(
+        json.dumps(
+            {
+                "format_version": FORMAT_VERSION,
+                "units": [[[p.file.path, p.start, p.stop] for p in u.pieces] for u in units],
+                "files": files,
+                "tokenizer": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer else None,
+                "vocab_size": None if tokenizer else vocab_size,
+                "sample_bytes": None if tokenizer else sample_bytes,
+                "val_fraction": val_fraction,
+                "dtype": dtype,
+                "text_field": text_field,
+            }
+        )
+    )
+
+
+def _open_partial(work: Path, spec: dict) -> RunLock:
+    """Take the partial directory `work` (one prepare at a time) and resume what it holds if it was
+    started with this spec; else empty it (only if it is a prepare's) and start afresh."""
+    with writing(work):
+        work.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(work).acquire()
+    spec_path = work / SPEC
+    try:
+        same = json.loads(spec_path.read_text()) == spec
+    except (OSError, ValueError):
+        same = False
+    if same:
+        for leftover in work.glob(".*.tmp-*"):  # a killed worker's half-written shard
+            leftover.unlink()
+        done = len(list(work.glob("unit-*.json")))
+        log.info(f"resuming the prepare in {work}: {done} of {len(spec['units'])} units done")
+        return lock
+    entries = [p for p in work.iterdir() if p.name != LOCK_NAME]
+    if entries and not spec_path.is_file():
+        raise DataError(f"{work} holds files that `meshtrain data prepare` did not write: move it away")
+    if entries:
+        log.info(f"{work}: a partial prepare of other inputs or options; starting afresh")
+    for entry in entries:
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    write_json(spec_path, spec)
+    return lock
+
+
+def _make_tokenizer(work: Path, units: list[Unit], tokenizer, vocab_size: int, text_field: str, sample: int) -> Path:
+    """The tokenizer in the partial directory: the given one, or a BPE trained on a sample."""
+    path = work / "tokenizer.json"
+    if path.is_file():
+        return path
+    if tokenizer:
+        load_tokenizer(tokenizer)  # a clear error if it is not one
+        return copy_file(tokenizer, path)
+    tok = train_bpe(tokenizer_sample(units, text_field, sample), vocab_size)
+    return atomic_write(path, lambda tmp: tok.save(str(tmp)))
+
+
+def _splits(records: list[dict], val_fraction: float) -> tuple[dict, dict]:
+    """The train and val splits as segments [file, first token, tokens] over the units' shards, in
+    unit order. A corpus too small for the hashed split to give both splits a document: the last
+    document goes to validation, the rest to training."""
+    splits = {
+        split: [[r[split]["file"], 0, r[split]["tokens"]] for r in records if r[split]["tokens"]]
+        for split in ("train", "val")
+    }
+    docs = {split: sum(r[split]["documents"] for r in records) for split in ("train", "val")}
+    if val_fraction > 0 and sum(docs.values()) >= 2 and not all(docs.values()):
+        source = "train" if docs["train"] else "val"
+        last = next(r[source] for r in reversed(records) if r[source]["tokens"])
+        n = last["last_document_tokens"]
+        segments = splits[source]
+        file, first, count = segments[-1]
+        segments[-1] = [file, first, count - n]
+        if count == n:
+            segments.pop()
+        splits = {"train": segments, "val": [[file, first + count - n, n]]}
+        docs = {"train": sum(docs.values()) - 1, "val": 1}
+    return splits, docs
+
+
+def _finish(work: Path, out: Path, units: list[Unit], val_fraction: float, dtype: str, text_field: str) -> dict:
+    records = []
+    for unit in units:
+        try:
+            records.append(json.loads(_unit_record(work, unit.index).read_text()))
+        except (OSError, ValueError):
+            raise DataError(f"unit {unit.index} of the prepare in {work} is missing: run the prepare again") from None
+    splits, docs = _splits(records, val_fraction)
+    if not sum(docs.values()):
+        raise DataError("the input holds no text")
+    tok = load_tokenizer(work / "tokenizer.json")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "eos_id": end_of_text(tok)[1],
+        "tokenizer": "tokenizer.json",
+        "tokenizer_sha256": hashlib.sha256((work / "tokenizer.json").read_bytes()).hexdigest(),
+        "tokenizer_fingerprint": tokenizer_fingerprint(work / "tokenizer.json"),
+        "train_tokens": sum(s[2] for s in splits["train"]),
+        "val_tokens": sum(s[2] for s in splits["val"]),
+        "documents": docs,
+        "val_fraction": val_fraction,
+        "text_field": text_field,
+        "input_files": len({p.file.path for u in units for p in u.pieces}),
+        "input_bytes": sum(u.size for u in units),
+        "order": "inputs as given, directories and globs in sorted path order, documents in file order",
+        "shards": [
+            {"file": r[split]["file"], "tokens": r[split]["tokens"], "sha256": r[split]["sha256"]}
+            for r in records
+            for split in ("train", "val")
+            if r[split]["tokens"]
+        ],
+        "splits": splits,
+    }
+    write_json(work / MANIFEST, manifest)
+    for path in [*work.glob("unit-*.json"), work / SPEC]:
+        path.unlink()
+    return manifest
 
 
 def prepare(
@@ -159,75 +482,52 @@ def prepare(
     val_fraction: float = 0.01,
     dtype: str = "auto",
     progress: bool = True,
+    text_field: str = "text",
+    workers: int | None = None,
+    sample_bytes: int = 256 << 20,
+    distributed: bool = False,
 ) -> dict:
+    """Prepare `inputs` into `out` (see the module docstring). With `distributed`, every rank of the
+    process group calls this and each tokenizes its share of the units."""
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
-    check_output_dir(out, [*inputs, *([tokenizer] if tokenizer else [])], "manifest.json", "meshtrain data prepare")
-    files = expand_inputs(inputs)
-    docs = [d for path in files for d in read_documents(path) if d.text]
-    if not docs:
-        raise DataError(f"the input ({', '.join(map(str, inputs))}) holds no text")
-
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else train_bpe([d.text for d in docs], vocab_size or 8192)
-    n_vocab = tok.get_vocab_size(with_added_tokens=True)
-    eos_id = end_of_text(tok)[1]
-
-    if dtype == "auto":
-        dtype = "uint16" if n_vocab <= 2**16 else "uint32"
-    if dtype not in DTYPES:
-        raise DataError(f"--token-dtype {dtype} is unknown: use auto, uint16 or uint32")
-    if n_vocab > np.iinfo(DTYPES[dtype]).max + 1:
-        raise DataError(
-            f"the vocabulary has {n_vocab} tokens, more than {dtype} can hold; use --token-dtype uint32 (or auto)"
+    workers = workers or default_workers()
+    ranks = Ranks(distributed)
+    work = out.parent / f".{out.name}.partial"
+    ranks.everyone(
+        lambda: check_output_dir(
+            out, [*inputs, *([tokenizer] if tokenizer else [])], MANIFEST, "meshtrain data prepare"
         )
+    )
 
-    val_docs = [d for d in docs if _is_val(d, val_fraction)] if val_fraction > 0 else []
-    train_docs = [d for d in docs if not (val_fraction > 0 and _is_val(d, val_fraction))]
-    if val_fraction > 0 and (not val_docs or not train_docs) and len(docs) >= 2:
-        train_docs, val_docs = docs[:-1], docs[-1:]  # too few documents for a hashed split
+    locks: list[RunLock] = []  # rank 0's hold on the partial directory
 
-    with atomic_directory(out) as tmp:  # a finished dataset is only ever replaced by a finished one
-        counts = _write_tokens(tmp, tok, train_docs, val_docs, eos_id, dtype, progress)
-        tok.save(str(tmp / "tokenizer.json"))
-        manifest = {
-            "format_version": 1,
-            "dtype": dtype,
-            "vocab_size": n_vocab,
-            "eos_id": eos_id,
-            "tokenizer": "tokenizer.json",
-            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
-            "tokenizer_fingerprint": tokenizer_fingerprint(tmp / "tokenizer.json"),
-            "train_tokens": counts["train"],
-            "val_tokens": counts["val"],
-            "documents": {"train": len(train_docs), "val": len(val_docs)},
-            "val_fraction": val_fraction,
-            "input_files": len(files),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    def start() -> tuple[list[Unit], UnitJob]:
+        units = plan_units(inputs)
+        spec = _spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes)
+        locks.append(_open_partial(work, spec))
+        tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes)
+        tok = load_tokenizer(tok_path)
+        resolved = resolve_dtype(dtype, tok.get_vocab_size(with_added_tokens=True))
+        return units, UnitJob(str(work), str(tok_path), text_field, val_fraction, resolved, end_of_text(tok)[1])
 
+    try:
+        units, job = ranks.from_first(start)
+        mine = [u for u in units if u.index % ranks.world == ranks.rank and not _unit_record(work, u.index).is_file()]
+        ranks.everyone(lambda: run_units(job, mine, workers, progress))
 
-def _write_tokens(
-    out: Path, tok, train_docs: list[Document], val_docs: list[Document], eos_id: int | None, dtype: str, progress: bool
-) -> dict[str, int]:
-    """train.bin and val.bin: each document's tokens, then EOS; returns the token counts."""
-    from rich.progress import Progress
+        def finish() -> dict:
+            manifest = _finish(work, out, units, val_fraction, job.dtype, text_field)
+            locks[0].release()
+            replace_directory(work, out)
+            return manifest
 
-    counts = {}
-    with Progress(disable=not progress, transient=True) as bar:
-        for split, split_docs in (("train", train_docs), ("val", val_docs)):
-            task = bar.add_task(f"tokenizing {split}", total=sum(len(d.text) for d in split_docs))
-            with (out / f"{split}.bin").open("wb") as f:
-                counts[split] = 0
-                for start in range(0, len(split_docs), 256):
-                    chunk = split_docs[start : start + 256]
-                    for enc in tok.encode_batch([d.text for d in chunk], add_special_tokens=False):
-                        ids = enc.ids + ([eos_id] if eos_id is not None else [])
-                        np.asarray(ids, dtype=DTYPES[dtype]).tofile(f)
-                        counts[split] += len(ids)
-                    bar.advance(task, sum(len(d.text) for d in chunk))
-    return counts
+        return ranks.from_first(finish)
+    except DataError:
+        if locks:  # the input is at fault: nothing in the partial directory is worth resuming
+            shutil.rmtree(work, ignore_errors=True)
+        raise
 
 
 def tokenizer_fingerprint(path: str | Path) -> str:

@@ -44,9 +44,10 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def init_distributed(env: LaunchEnv, choice: str = "auto") -> torch.device:
+def init_distributed(env: LaunchEnv, choice: str = "auto", timeout: timedelta = timedelta(minutes=10)) -> torch.device:
     """CUDA + NCCL (with gloo beside it for CPU tensors and object collectives), or CPU + gloo.
-    A process started by a launcher dies with it."""
+    A process started by a launcher dies with it. `timeout`: the longest one rank waits for the
+    others at a collective."""
     if env.launcher != "single":
         die_with_parent()
     device = pick_device(env, choice)
@@ -55,7 +56,7 @@ def init_distributed(env: LaunchEnv, choice: str = "auto") -> torch.device:
     if env.distributed and not dist.is_initialized():
         env.export()
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=timeout)
     return device
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint import Checkpointer
-from meshtrain.config import Config, check_model_args, micro_batches
-from meshtrain.data import Dataset, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
+from meshtrain.config import Config, check_model_args, micro_batches, parse_data_path
+from meshtrain.data import Blend, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
 from meshtrain.errors import DataError
 from meshtrain.launch import LaunchEnv, detect
 from meshtrain.launch.distributed import init_distributed
@@ -41,7 +41,7 @@ def check_training(cfg: Config, world_size: int, data_vocab_size: int | None = N
     return args
 
 
-def check_init_tokenizer(cfg: Config, dataset: Dataset) -> None:
+def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
     """model.init_from: the data must be tokenized with the pretrained model's tokenizer, or every
     id means another token than the one the weights learned (a silent, wrong fine-tune)."""
     if not cfg.model.init_from:
@@ -60,16 +60,29 @@ def check_init_tokenizer(cfg: Config, dataset: Dataset) -> None:
         )
 
 
-def ensure_dataset(cfg: Config) -> Dataset:
-    """Build the default corpus on first use (data.corpus = "stdlib"); otherwise the data must
-    already be prepared. Called by the launcher before workers start, and by rank 0 of a run
-    started by an external launcher."""
-    path = Path(cfg.data.path)
-    if not (path / "manifest.json").is_file() and cfg.data.corpus:
-        log.info(f"preparing the default corpus (Python standard library source) in {path} ...")
-        prepare(stdlib_sources(), path, vocab_size=cfg.data.vocab_size, progress=True)
-    read_manifest(path)  # a clear error if missing or corrupt
-    return Dataset(path, cfg.training.seq_len)
+def ensure_dataset(cfg: Config) -> Blend:
+    """Build the default corpus on first use (data.corpus = "stdlib", data.path one directory);
+    otherwise the data must already be prepared. Called by the launcher before workers start, and
+    by rank 0 of a run started by an external launcher."""
+    paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
+    if len(paths) == 1 and not (paths[0] / "manifest.json").is_file() and cfg.data.corpus:
+        log.info(f"preparing the default corpus (Python standard library source) in {paths[0]} ...")
+        prepare(stdlib_sources(), paths[0], vocab_size=cfg.data.vocab_size, progress=True)
+    for path in paths:
+        read_manifest(path)  # a clear error if missing or corrupt
+    return Blend(cfg.data.path, cfg.training.seq_len)
+
+
+def verify_data(dataset: Blend, rank: int, world: int) -> None:
+    """Every shard's checksum, each rank reading its share; a damaged shard stops every rank with
+    the same line."""
+    problems = [p for source in dataset.sources for p in source.verify((rank, world))]
+    if dist.is_initialized():
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, problems)
+        problems = [p for ps in everyone for p in ps]
+    if problems:
+        raise DataError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
 @dataclass
@@ -85,9 +98,9 @@ class TrainState:
     model: ParallelModel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    dataset: Dataset | None = None
+    dataset: Blend | None = None
     loader: DistributedLoader | None = None
-    val: list = field(default_factory=list)
+    val: dict[str, list] = field(default_factory=dict)  # validation batches of each source
     checkpointer: Checkpointer | None = None
 
     @property
@@ -120,7 +133,8 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
             ensure_dataset(cfg)
         if dist.is_initialized():
             dist.barrier()
-        dataset = Dataset(cfg.data.path, cfg.training.seq_len)
+        dataset = Blend(cfg.data.path, cfg.training.seq_len)
+        verify_data(dataset, env.rank, env.world_size)
         check_init_tokenizer(cfg, dataset)
     args = check_training(cfg, env.world_size, dataset.vocab_size if dataset else None)
     t = cfg.training
@@ -137,14 +151,11 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     optimizer, scheduler = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
     state = TrainState(cfg, env, device, dims, args, num_params(full_model), model, optimizer, scheduler, dataset)
     if dataset is not None:
-        state.loader = DistributedLoader(
-            dataset.train, t.global_batch_size, dims.dp_rank, dims.dp, t.seed, pin_memory=device.type == "cuda"
-        )
-        if len(dataset.val):  # few and fixed: copied to the device once
-            state.val = [
-                (x.to(device), y.to(device))
-                for x, y in validation_batches(dataset.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)
-            ]
+        state.loader = dataset.loader(t.global_batch_size, dims.dp_rank, dims.dp, t.seed, device.type == "cuda")
+        for name, source in zip(dataset.names, dataset.sources):
+            if len(source.val):  # few and fixed: copied to the device once
+                batches = validation_batches(source.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)
+                state.val[name] = [(x.to(device), y.to(device)) for x, y in batches]
         root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
         state.checkpointer = Checkpointer(
             root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank

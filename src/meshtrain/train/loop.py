@@ -90,8 +90,9 @@ def announce(s: TrainState, precision: str) -> None:
 def warn_pointless_settings(s: TrainState) -> None:
     """Settings that are valid alone but make little sense with this data or schedule."""
     t, c = s.cfg.training, s.cfg.checkpoint
-    if not s.val:
-        log.warning(f"{s.dataset.val.path} holds less than one sequence; no validation loss")
+    for name, source in zip(s.dataset.names, s.dataset.sources):
+        if name not in s.val:
+            log.warning(f"{source.val.name or name} holds less than one sequence; no validation loss for it")
     if t.warmup_steps >= t.steps:
         log.warning(
             f"training.warmup_steps ({t.warmup_steps}) >= training.steps ({t.steps}): the learning rate "
@@ -99,12 +100,29 @@ def warn_pointless_settings(s: TrainState) -> None:
         )
     if c.every > t.steps:
         log.warning(f"checkpoint.every ({c.every}) > training.steps ({t.steps}): only the last step is checkpointed")
-    epochs = t.steps * t.global_batch_size / len(s.dataset.train)
-    if epochs > 1:
-        log.warning(
-            f"the schedule reads the training data {epochs:.1f} times ({len(s.dataset.train)} sequences of "
-            f"{t.seq_len} tokens): expect overfitting; add data or lower training.steps"
-        )
+    for name, weight, source in zip(s.dataset.names, s.dataset.weights, s.dataset.sources):
+        epochs = t.steps * t.global_batch_size * weight / len(source.train)
+        if epochs > 1:
+            log.warning(
+                f"the schedule reads the training data of {name} {epochs:.1f} times ({len(source.train)} sequences "
+                f"of {t.seq_len} tokens): expect overfitting; add data or lower training.steps"
+            )
+
+
+def validation_losses(s: TrainState) -> dict:
+    """val_loss: the blend's weights over its sources' losses (one source: its loss); for a blend
+    also val_loss_by_source."""
+    t = s.cfg.training
+    losses = {
+        name: evaluate(s.model, batches, t.micro_batch_size, s.device, s.dims, s.context)
+        for name, batches in s.val.items()
+    }
+    weights = dict(zip(s.dataset.names, s.dataset.weights))
+    total = sum(weights[name] for name in losses)
+    record = {"val_loss": sum(weights[name] * loss for name, loss in losses.items()) / total}
+    if len(s.dataset.sources) > 1:
+        record["val_loss_by_source"] = losses
+    return record
 
 
 def resume(s: TrainState) -> tuple[int, int]:
@@ -291,7 +309,9 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
             }
             reported_skips = warn_skips(step, record["skipped_steps"], reported_skips)
         if s.val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-            record["val_loss"] = evaluate(s.model, s.val, t.micro_batch_size, s.device, s.dims, s.context)
+            record.update(validation_losses(s))
+        if record:
+            record["data_mix"] = dict(zip(s.dataset.names, s.loader.mix()))
         if record:
             metrics.log(step, record)
             history.append({"step": step, **record})
