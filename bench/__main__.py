@@ -1,12 +1,16 @@
-"""python -m bench [throughput|profile|scaling|memory|serve|plots|all] [options]: see bench/README.md."""
+"""python -m bench [throughput|profile|scaling|memory|serve|data|plots|all] [options]: see bench/README.md."""
 
 import argparse
+import os
 
-from bench import memory, plots, profile, scaling, serve, throughput
+from bench import data, memory, plots, profile, scaling, serve, throughput
 
 p = argparse.ArgumentParser(prog="python -m bench")
 p.add_argument(
-    "suite", nargs="?", default="all", choices=("throughput", "profile", "scaling", "memory", "serve", "plots", "all")
+    "suite",
+    nargs="?",
+    default="all",
+    choices=("throughput", "profile", "scaling", "memory", "serve", "data", "plots", "all"),
 )
 p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
 p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
@@ -24,6 +28,14 @@ p.add_argument("--memory-preset", default="small")
 p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
 p.add_argument("--serve-preset", default="tiny", help="serve: the model served")
 p.add_argument("--serve-tokens", type=int, default=64, help="serve: new tokens per request")
+p.add_argument(
+    "--data-sizes",
+    type=lambda s: [int(x) for x in s.split(",")],
+    default=[100, 1024],
+    help="data: the two input sizes in MiB (default 100,1024)",
+)
+p.add_argument("--data-workers", type=int, default=os.cpu_count(), help="data: most workers (default: every core)")
+p.add_argument("--data-tmp", default="", help="data: where the inputs are written (default: the system's temp)")
 a = p.parse_args()
 for name, suite in (
     ("throughput", throughput),
@@ -31,6 +43,7 @@ for name, suite in (
     ("scaling", scaling),
     ("memory", memory),
     ("serve", serve),
+    ("data", data),
     ("plots", plots),
 ):
     if a.suite in (name, "all"):

@@ -112,6 +112,36 @@ def test_env_under_srun_reports_each_task(slurm, cli_env):
 
 
 @pytest.mark.multiproc
+def test_prepare_under_srun_splits_the_work_and_writes_what_one_process_writes(slurm, corpus, cli_env, tmp_path):
+    """Two srun tasks, each tokenizing its share of the work units (one gloo group between them):
+    the same bytes as one process with one worker."""
+    from meshtrain.data import stdlib_sources
+
+    with (tmp_path / "docs.jsonl").open("w") as f:
+        for source in stdlib_sources()[:400]:
+            f.write(json.dumps({"text": source.read_text(errors="replace")}) + "\n")
+    args = ["data", "prepare", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer", str(corpus / "tokenizer.json")]
+    args += ["--val-fraction", "0.05", "--workers", "1"]
+    one = run_cli([*args, "--out", str(tmp_path / "one")], cli_env)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run(
+        ["srun", "-n", "2", str(VENV / "bin" / "meshtrain"), *args, "--out", str(tmp_path / "two")],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("wrote ") == 1  # rank 0 reports
+    manifest = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    assert len({s["file"].split("-")[1] for s in manifest["shards"]}) >= 3  # several units: both ranks had work
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+@pytest.mark.multiproc
 def test_a_job_that_reaches_its_time_limit_requeues_itself_and_resumes(slurm, reference_run, corpus, cli_env, tmp_path):
     """--time 1 minute, about 70 s of training: USR1 45 s in, a checkpoint and exit 75, the script
     requeues its job, the next run resumes; every step logged once, weights bitwise equal to an

@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--tokenizer-sample",
         type=_size,
-        help="text read to train the BPE, spread over the input (default 256M; not with --tokenizer)",
+        help="text read to train the BPE, spread over the input (default 64M; not with --tokenizer)",
     )
     group = prep.add_mutually_exclusive_group()
     group.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to use")
@@ -503,7 +503,7 @@ def _prepare(args) -> int:
         progress=sys.stderr.isatty() and env.rank == 0,
         text_field=args.text_field,
         workers=args.workers,
-        sample_bytes=args.tokenizer_sample or 256 << 20,
+        sample_bytes=args.tokenizer_sample or 64 << 20,
         distributed=env.distributed,
     )
     if env.rank == 0:

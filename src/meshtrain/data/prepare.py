@@ -404,7 +404,6 @@ def _make_tokenizer(work: Path, units: list[Unit], tokenizer, vocab_size: int, t
     if path.is_file():
         return path
     if tokenizer:
-        load_tokenizer(tokenizer)  # a clear error if it is not one
         return copy_file(tokenizer, path)
     tok = train_bpe(tokenizer_sample(units, text_field, sample), vocab_size)
     return atomic_write(path, lambda tmp: tok.save(str(tmp)))
@@ -484,7 +483,7 @@ def prepare(
     progress: bool = True,
     text_field: str = "text",
     workers: int | None = None,
-    sample_bytes: int = 256 << 20,
+    sample_bytes: int = 64 << 20,
     distributed: bool = False,
 ) -> dict:
     """Prepare `inputs` into `out` (see the module docstring). With `distributed`, every rank of the
@@ -504,6 +503,8 @@ def prepare(
     locks: list[RunLock] = []  # rank 0's hold on the partial directory
 
     def start() -> tuple[list[Unit], UnitJob]:
+        if tokenizer:
+            load_tokenizer(tokenizer)  # a clear error if it is missing or not one
         units = plan_units(inputs)
         spec = _spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes)
         locks.append(_open_partial(work, spec))
