@@ -235,8 +235,10 @@ def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
     try:
         batch: list[str] = []
 
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: ids without character offsets
+
         def flush() -> None:
-            for text, enc in zip(batch, tok.encode_batch(batch, add_special_tokens=False)):
+            for text, enc in zip(batch, encode(batch, add_special_tokens=False)):
                 shards["val" if _is_val(text, job.val_fraction) else "train"].add(enc.ids + eos)
             batch.clear()
 
