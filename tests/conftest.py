@@ -188,6 +188,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+def rank_of(pid: int) -> str | None:
+    """The RANK a launcher gave that process, or None (no such process or no RANK)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), None)
+
+
 def greedy_by_recomputation(model, prompt: list[int], n: int) -> list[int]:
     """The test oracle for every cached decoder: n greedy tokens, each from a full forward over the
     whole sequence (no KV cache, no stop token)."""

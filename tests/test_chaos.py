@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import alive, children, faulty, read_metrics, run_cli, train_args
+from conftest import alive, children, faulty, rank_of, read_metrics, run_cli, train_args
 from meshtrain.checkpoint import MARKER, committed_checkpoints
 
 RUN = [
@@ -56,14 +56,6 @@ def kill_a_worker(launcher: subprocess.Popen, rng: random.Random) -> bool:
 
 def save_in_flight(ckpt_root) -> bool:
     return ckpt_root.is_dir() and any(p.is_dir() and not (p / MARKER).exists() for p in ckpt_root.iterdir())
-
-
-def rank_of(pid: int) -> str | None:
-    try:
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return None
-    return next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), None)
 
 
 def corrupt_newest_then_kill(launcher: subprocess.Popen, ckpt_root) -> bool:

@@ -18,6 +18,7 @@ from conftest import (
     assert_user_error,
     children,
     faulty,
+    rank_of,
     read_metrics,
     run_cli,
     train_args,
@@ -172,6 +173,34 @@ def test_a_signal_to_the_launcher_checkpoints_and_the_next_run_continues(
     result = train(corpus, cli_env, tmp_path, *LAYOUTS["ddp2"])
     assert f"step {stopped}" in result.stdout
     assert_same_run(tmp_path, straight["ddp2"], exact=True)
+
+
+@pytest.mark.multiproc
+def test_a_signal_during_start_up_ends_the_job_at_once(corpus, cli_env, tmp_path):
+    """Preemption while rank 1 is still starting (it has no handlers yet, so the signal kills it) and
+    rank 0 already waits for it in the rendezvous: rank 0 must not wait there for the process group's
+    timeout (10 minutes) with the launcher waiting on it; nothing was trained, nothing is saved."""
+    env = faulty(cli_env, MESHTRAIN_SLOW_START="1:120")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, *LAYOUTS["ddp2"])],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while "0" not in [rank_of(w) for w in children(proc.pid)]:
+        assert time.monotonic() < deadline, "no rank 0 worker started"
+        time.sleep(0.2)
+    time.sleep(8)  # rank 0: imported, past its handlers' old place, waiting for rank 1
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its workers die with it
+        raise
+    assert proc.returncode == 75, out[-2000:] + err[-3000:]
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
 @pytest.mark.multiproc

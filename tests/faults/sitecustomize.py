@@ -13,6 +13,8 @@ carries no test hooks. Set in the run's environment:
                                     <run.dir>/rng-rank<R>.txt
   MESHTRAIN_KILL_IN_UNIT=N          `data prepare` SIGKILLs itself halfway through work unit N (after
                                     the unit's first document is written)
+  MESHTRAIN_SLOW_START=RANK:S       that rank sleeps S seconds before anything else (a rank still
+                                    starting while its peers already wait in the rendezvous)
   MESHTRAIN_JITTER=SEED[:MAX_S]     a seeded random pause (0 to MAX_S, default 0.05 s) before every
                                     write, truncation, rename and deletion of run files (`make stress`):
                                     changes the relative speed of processes to shake out races
@@ -46,8 +48,16 @@ def _install() -> None:
         "MESHTRAIN_RNG_PROBE",
         "MESHTRAIN_JITTER",
         "MESHTRAIN_KILL_IN_UNIT",
+        "MESHTRAIN_SLOW_START",
     )
     if not any(os.environ.get(n) for n in names):
+        return
+    if os.environ.get("MESHTRAIN_SLOW_START"):
+        rank, seconds = os.environ["MESHTRAIN_SLOW_START"].split(":")
+        if os.environ.get("RANK") == rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            import time
+
+            time.sleep(float(seconds))
         return
     if os.environ.get("MESHTRAIN_KILL_IN_UNIT"):
         _kill_in_unit(int(os.environ["MESHTRAIN_KILL_IN_UNIT"]))

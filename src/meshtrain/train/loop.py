@@ -39,7 +39,12 @@ from meshtrain.train.step import evaluate, reduce_loss
 class StopSignals:
     """SIGTERM, SIGUSR1 (Slurm's --signal=USR1@90), SIGHUP, SIGQUIT and SIGINT (Ctrl-C) only set a
     flag: every rank finishes its step, then all agree (a MAX all-reduce) to checkpoint and exit
-    together, with 130 after SIGINT and 75 (preempted) after the others. A second Ctrl-C stops at once."""
+    together, with 130 after SIGINT and 75 (preempted) after the others. A second Ctrl-C stops at once.
+
+    Installed only once the job is built: until then there is nothing to save, and a signal must end
+    the process at once (its default action). A rank that only set a flag would go on into the next
+    rendezvous or store wait of the start-up and sit there for the process group's timeout (minutes)
+    when a peer that took the same signal before its handlers existed has already died."""
 
     def __init__(self):
         self.received = 0
@@ -250,13 +255,15 @@ def hold_run_dir(cfg: Config, rank: int) -> RunLock:
 
 def train(cfg: Config) -> dict:
     """Returns {"history": logged metrics, "exit_code": 0, PREEMPTED_EXIT_CODE or INTERRUPTED_EXIT_CODE}."""
-    start_time, signals = time.monotonic(), StopSignals()
+    start_time = time.monotonic()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C in start-up: out at once, even from a C++ wait
     env = detect(launcher=cfg.launch.env)
     setup_logging(env.rank, cfg.run.log_level)
     s = build(cfg, env)
     lock = hold_run_dir(cfg, env.rank)
     try:
-        return _train(s, cfg, env, start_time, signals)
+        return _train(s, cfg, env, start_time, StopSignals())
     finally:
         lock.release()
 
