@@ -102,7 +102,28 @@ def _parser() -> argparse.ArgumentParser:
         "datasets save_to_disk directory",
     )
     prep.add_argument("--out", required=True, help="output directory")
-    prep.add_argument("--text-field", default="text", help='the JSON field or column holding text (default "text")')
+    prep.add_argument("--text-field", help='the JSON field or column holding text (default "text")')
+    prep.add_argument(
+        "--format",
+        choices=("text", "chat"),
+        default="text",
+        help='chat: rows of "messages" (or "prompt"/"completion"), rendered with the chat template, with a loss mask',
+    )
+    prep.add_argument(
+        "--chat-template",
+        help="chat: a Jinja chat template file (default: the tokenizer's own, beside its tokenizer.json, else "
+        "meshtrain's)",
+    )
+    prep.add_argument(
+        "--chat-targets",
+        choices=("assistant", "all"),
+        help="chat: the tokens the loss learns, the assistant's answers (default) or every token",
+    )
+    prep.add_argument(
+        "--max-tokens",
+        type=_number(int, 1),
+        help="chat: leave out (and count) conversations longer than this many tokens",
+    )
     prep.add_argument("--workers", type=COUNT, help="tokenizing processes on this machine (default: every core)")
     prep.add_argument(
         "--tokenizer-sample",
@@ -487,6 +508,7 @@ def _prepare(args) -> int:
 
     if args.tokenizer and args.tokenizer_sample is not None:
         raise MeshtrainError("--tokenizer-sample sizes the text a new BPE is trained on: not with --tokenizer")
+    chat = _chat_options(args)
     from meshtrain.logs import setup_logging
 
     env = detect()
@@ -501,17 +523,52 @@ def _prepare(args) -> int:
         args.val_fraction,
         args.token_dtype,
         progress=sys.stderr.isatty() and env.rank == 0,
-        text_field=args.text_field,
+        text_field=args.text_field or "text",
         workers=args.workers,
         sample_bytes=args.tokenizer_sample or 64 << 20,
         distributed=env.distributed,
+        chat=chat,
     )
     if env.rank == 0:
         print(
             f"wrote {args.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} validation tokens "
             f"in {len(manifest['shards'])} shards, vocabulary {manifest['vocab_size']} ({manifest['dtype']})"
         )
+        if chat:
+            docs = manifest["documents"]
+            print(
+                f"chat: {docs['train']:,} train and {docs['val']:,} validation conversations, "
+                f"{manifest['target_tokens']:,} training targets ({chat.targets})"
+                + (f"; {manifest['skipped_longer']:,} longer than --max-tokens left out" if chat.max_tokens else "")
+            )
     return 0
+
+
+def _chat_options(args):
+    """--format chat's options (each refused without it), with the template resolved: --chat-template,
+    else the tokenizer's own (a chat_template.jinja or tokenizer_config.json beside it), else
+    meshtrain's default."""
+    from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, template_of
+    from meshtrain.data.prepare import ChatOptions
+
+    chat_only = {"--chat-template": args.chat_template, "--chat-targets": args.chat_targets}
+    chat_only["--max-tokens"] = args.max_tokens
+    if args.format != "chat":
+        given = [flag for flag, value in chat_only.items() if value is not None]
+        if given:
+            raise MeshtrainError(f"{given[0]} is an option of chat data: add --format chat")
+        return None
+    if args.text_field is not None:
+        raise MeshtrainError('--text-field names the text of plain documents; chat rows hold "messages"')
+    if args.chat_template:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise MeshtrainError(f"--chat-template {path} does not exist (a Jinja chat template file)")
+        template = path.read_text()
+    else:
+        template = template_of(Path(args.tokenizer).parent) if args.tokenizer else DEFAULT_CHAT_TEMPLATE
+    ChatTemplate(template, None)  # a clear error now for one that does not parse
+    return ChatOptions(template, args.chat_targets or "assistant", args.max_tokens or 0)
 
 
 def _check_job(cfg, world: int) -> None:

@@ -136,7 +136,7 @@ def _kill_in_unit(unit: int) -> None:
     def add_then_die(self, ids):
         add(self, ids)
         if self.path.name.endswith(f"-{unit:05d}.bin"):
-            self.file.flush()
+            self.files["tokens"].file.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
     _Shard.add = add_then_die

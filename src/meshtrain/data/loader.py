@@ -24,18 +24,18 @@ from meshtrain.data.prepare import DTYPES, read_manifest, tokenizer_fingerprint
 from meshtrain.errors import DataError
 
 
-class TokenWindows:
-    """Windows of seq_len + 1 tokens (inputs and shifted targets), stride seq_len, over a split:
-    segments (file, first token, tokens) of token files read as one stream."""
+class Stream:
+    """Segments (file, first item, items) of memory-mapped files, read as one array."""
 
     OPEN_FILES = 256  # memory maps kept open (each holds a file descriptor; a corpus has thousands)
 
-    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, name: str = ""):
-        self.seq_len, self.name, self.dtype = seq_len, name, DTYPES[dtype]
-        self.segments = segments
+    def __init__(self, segments: list[tuple[Path, int, int]], dtype):
+        self.segments, self.dtype = segments, dtype
         self.starts = np.cumsum([0] + [n for _, _, n in segments])
-        self.n_windows = max(0, (int(self.starts[-1]) - 1) // seq_len)
         self._open: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
 
     def _part(self, i: int) -> np.ndarray:
         if i not in self._open:
@@ -44,6 +44,27 @@ class TokenWindows:
             path, first, n = self.segments[i]
             self._open[i] = np.memmap(path, dtype=self.dtype, mode="r")[first : first + n]
         return self._open[i]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            take = min(stop, int(self.starts[i + 1])) - start
+            offset = start - int(self.starts[i])
+            pieces.append(self._part(i)[offset : offset + take])
+            start += take
+            i += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+class TokenWindows:
+    """Windows of seq_len + 1 tokens (inputs and shifted targets), stride seq_len, over a split:
+    segments (file, first token, tokens) of token files read as one stream. Every token is a target."""
+
+    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, name: str = ""):
+        self.seq_len, self.name = seq_len, name
+        self.tokens = Stream(segments, DTYPES[dtype])
+        self.n_windows = max(0, (len(self.tokens) - 1) // seq_len)
 
     @classmethod
     def from_file(cls, path: Path, dtype: str, seq_len: int) -> TokenWindows:
@@ -59,29 +80,90 @@ class TokenWindows:
     def __len__(self) -> int:
         return self.n_windows
 
-    def window(self, w: int) -> np.ndarray:
-        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
-        i = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pieces = []
-        while start < stop:
-            take = min(stop, int(self.starts[i + 1])) - start
-            offset = start - int(self.starts[i])
-            pieces.append(self._part(i)[offset : offset + take])
-            start += take
-            i += 1
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    def window(self, w: int) -> tuple[np.ndarray, None]:
+        """(seq_len + 1 tokens, no mask)."""
+        return self.tokens.read(w * self.seq_len, w * self.seq_len + self.seq_len + 1), None
+
+    def targets_in(self, w: int) -> int:
+        return self.seq_len
 
     def gather(self, windows, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return to_batch([self.window(int(w)) for w in windows], pin_memory)
 
 
-def to_batch(rows: list[np.ndarray], pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets): two views of one int64 tensor, in page-locked memory with `pin_memory`
-    (one pinned buffer per batch, so its copy to the GPU is asynchronous)."""
-    batch = torch.from_numpy(np.stack(rows).astype(np.int64))
+class PackedConversations:
+    """Chat data: conversations packed, in order, into sequences of seq_len + 1 tokens, none split
+    (a sequence is closed when the next conversation does not fit, and padded with masked
+    end-of-text tokens). A conversation longer than seq_len + 1 is left out and counted
+    (`too_long`). Attention is causal over the whole sequence, as in Megatron's packed SFT."""
+
+    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, pad_id: int, name: str = ""):
+        self.seq_len, self.name, self.pad_id = seq_len, name, pad_id
+        self.tokens = Stream(segments, DTYPES[dtype])
+        self.mask = Stream([(p.with_suffix(".mask"), a, n) for p, a, n in segments], np.uint8)
+        lengths = []
+        for path, first, n in segments:  # each segment holds whole conversations (see prepare._splits)
+            own = np.fromfile(path.with_suffix(".len"), dtype=np.uint32).astype(np.int64)
+            ends = np.cumsum(own)
+            lengths.append(own[(ends > first) & (ends <= first + n)])
+        lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        fits = lengths <= seq_len + 1
+        self.too_long = int((~fits).sum())
+        self.conversations = int(fits.sum())
+        self.sequences: list[list[tuple[int, int]]] = []  # each: (stream start, length) of its conversations
+        room = 0
+        for start, length in zip(starts[fits].tolist(), lengths[fits].tolist()):
+            if length > room:
+                self.sequences.append([])
+                room = seq_len + 1
+            self.sequences[-1].append((start, length))
+            room -= length
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(seq_len + 1 tokens, their target mask)."""
+        tokens = np.full(self.seq_len + 1, self.pad_id, dtype=np.int64)
+        mask = np.zeros(self.seq_len + 1, dtype=np.uint8)
+        at = 0
+        for start, length in self.sequences[w]:
+            tokens[at : at + length] = self.tokens.read(start, start + length)
+            mask[at : at + length] = self.mask.read(start, start + length)
+            at += length
+        return tokens, mask
+
+    def targets_in(self, w: int) -> int:
+        """Target tokens of window w (the first token of a sequence is never one: nothing predicts it)."""
+        first, _ = self.sequences[w][0]
+        return sum(int(self.mask.read(start, start + length).sum()) for start, length in self.sequences[w]) - int(
+            self.mask.read(first, first + 1)[0]
+        )
+
+    def gather(self, windows, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_batch([self.window(int(w)) for w in windows], pin_memory)
+
+
+IGNORE_INDEX = -100  # a target the loss leaves out (cross_entropy's ignore_index)
+
+
+def to_batch(rows: list[tuple[np.ndarray, np.ndarray | None]], pin_memory: bool = False):
+    """(inputs, targets) of (tokens, target mask or None) rows: the targets are the tokens shifted by
+    one, IGNORE_INDEX where the mask says the token is not a target. In page-locked memory with
+    `pin_memory` (so the copy to the GPU is asynchronous)."""
+    tokens = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
+    if all(mask is None for _, mask in rows):  # plain text: two views of one buffer
+        batch = tokens.pin_memory() if pin_memory else tokens
+        return batch[:, :-1], batch[:, 1:]
+    targets = tokens[:, 1:].clone()
+    for i, (_, mask) in enumerate(rows):
+        if mask is not None:
+            targets[i, torch.from_numpy(mask[1:] == 0)] = IGNORE_INDEX
+    batch = torch.stack([tokens[:, :-1], targets])
     if pin_memory:
         batch = batch.pin_memory()
-    return batch[:, :-1], batch[:, 1:]
+    return batch[0], batch[1]
 
 
 class DistributedLoader:
@@ -120,16 +202,19 @@ class DistributedLoader:
             self._perms[(source, epoch)] = np.random.default_rng(seeds).permutation(n)
         return int(self._perms[(source, epoch)][pos])
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (global_batch / dp_size, seq_len) int64, on the CPU (pinned for a GPU)."""
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(inputs, targets, targets in the whole global batch): inputs and targets (global_batch /
+        dp_size, seq_len) int64, on the CPU (pinned for a GPU)."""
         picks = []  # (source, its sample index) of every sample of the global batch
         for g in range(self.consumed, self.consumed + self.global_batch):
             source = int(np.argmax(self.weights * (g + 1) - self.taken))
             picks.append((source, int(self.taken[source])))
             self.taken[source] += 1
         self.consumed += self.global_batch
-        mine = picks[self.dp_rank * self.local_batch : (self.dp_rank + 1) * self.local_batch]
-        return to_batch([self.sources[s].window(self._window(s, k)) for s, k in mine], self.pin_memory)
+        windows = [(s, self._window(s, k)) for s, k in picks]
+        n_targets = sum(self.sources[s].targets_in(w) for s, w in windows)
+        mine = windows[self.dp_rank * self.local_batch : (self.dp_rank + 1) * self.local_batch]
+        return (*to_batch([self.sources[s].window(w) for s, w in mine], self.pin_memory), n_targets)
 
     def mix(self) -> list[float]:
         """Each source's share of the samples (= tokens) read so far."""
@@ -165,14 +250,16 @@ class DistributedLoader:
 
 
 def validation_batches(
-    windows: TokenWindows, n_batches: int, global_batch: int, dp_rank: int, dp_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first n_batches global batches of the validation split, in file order (wrapping)."""
+    windows: TokenWindows | PackedConversations, n_batches: int, global_batch: int, dp_rank: int, dp_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The first n_batches global batches of the validation split, in file order (wrapping), as
+    (inputs, targets, targets in the global batch)."""
     local = global_batch // dp_size
     out = []
     for b in range(n_batches):
-        start = b * global_batch + dp_rank * local
-        out.append(windows.gather(np.arange(start, start + local) % len(windows)))
+        everyone = np.arange(b * global_batch, (b + 1) * global_batch) % len(windows)
+        n_targets = sum(windows.targets_in(int(w)) for w in everyone)
+        out.append((*windows.gather(everyone[dp_rank * local : (dp_rank + 1) * local]), n_targets))
     return out
 
 
@@ -187,15 +274,18 @@ class Dataset:
         self.eos_id: int | None = self.manifest["eos_id"]
         self.tokenizer_path = self.path / self.manifest["tokenizer"]
         dtype = self.manifest["dtype"]
+        self.chat = self.manifest.get("format") == "chat"
+        self.template_path = self.path / self.manifest["chat_template"] if self.chat else None
         if self.manifest.get("format_version", 1) == 1:  # one train.bin and one val.bin
             self.train = TokenWindows.from_file(self.path / "train.bin", dtype, seq_len)
             self.val = TokenWindows.from_file(self.path / "val.bin", dtype, seq_len)
         else:
             self._check_files()
-            splits = self.manifest["splits"]
-            self.train, self.val = (
-                TokenWindows([(self.path / f, a, n) for f, a, n in splits[s]], dtype, seq_len, f"{self.path} ({s})")
-                for s in ("train", "val")
+            self.train, self.val = (self._split(s, dtype, seq_len) for s in ("train", "val"))
+        if self.chat and len(self.train) == 0:
+            raise DataError(
+                f"every one of the {self.train.too_long} training conversations in {self.path} is longer than "
+                f"training.seq_len + 1 = {seq_len + 1} tokens; raise training.seq_len"
             )
         if len(self.train) == 0:
             raise DataError(
@@ -203,17 +293,33 @@ class Dataset:
                 f"training.seq_len + 1 = {seq_len + 1}; add data or lower training.seq_len"
             )
 
-    def _check_files(self) -> None:
+    def _split(self, split: str, dtype: str, seq_len: int):
+        segments = [(self.path / f, a, n) for f, a, n in self.manifest["splits"][split]]
+        name = f"{self.path} ({split})"
+        if self.chat:
+            return PackedConversations(segments, dtype, seq_len, self.eos_id or 0, name)
+        return TokenWindows(segments, dtype, seq_len, name)
+
+    def _files(self, shard: dict) -> list[tuple[Path, str, int | None]]:
+        """(path, manifest checksum, expected size or None) of a shard's files."""
+        path = self.path / shard["file"]
         itemsize = np.dtype(DTYPES[self.manifest["dtype"]]).itemsize
+        files = [(path, shard["sha256"], shard["tokens"] * itemsize)]
+        if "mask_sha256" in shard:
+            files += [(path.with_suffix(".mask"), shard["mask_sha256"], shard["tokens"])]
+            files += [(path.with_suffix(".len"), shard["lengths_sha256"], None)]
+        return files
+
+    def _check_files(self) -> None:
         for shard in self.manifest["shards"]:
-            path = self.path / shard["file"]
-            if not path.is_file():
-                raise DataError(f"{path} is missing; prepare {self.path} again")
-            if path.stat().st_size != shard["tokens"] * itemsize:
-                raise DataError(
-                    f"{path} holds {path.stat().st_size} bytes, its manifest says {shard['tokens'] * itemsize}: "
-                    f"truncated or replaced; prepare {self.path} again"
-                )
+            for path, _, size in self._files(shard):
+                if not path.is_file():
+                    raise DataError(f"{path} is missing; prepare {self.path} again")
+                if size is not None and path.stat().st_size != size:
+                    raise DataError(
+                        f"{path} holds {path.stat().st_size} bytes, its manifest says {size}: "
+                        f"truncated or replaced; prepare {self.path} again"
+                    )
         tokenizer_sha = hashlib.sha256(self.tokenizer_path.read_bytes()).hexdigest()
         if tokenizer_sha != self.manifest["tokenizer_sha256"]:
             raise DataError(f"{self.tokenizer_path} is not the tokenizer {self.path} was prepared with; prepare again")
@@ -223,15 +329,16 @@ class Dataset:
         k, n = share
         problems = []
         for shard in self.manifest.get("shards", [])[k::n]:
-            sha = hashlib.sha256()
-            with open(self.path / shard["file"], "rb") as f:
-                while block := f.read(1 << 24):
-                    sha.update(block)
-            if sha.hexdigest() != shard["sha256"]:
-                problems.append(
-                    f"{self.path / shard['file']} does not match its checksum in the manifest: the file is "
-                    f"damaged; prepare {self.path} again"
-                )
+            for path, checksum, _ in self._files(shard):
+                sha = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 24):
+                        sha.update(block)
+                if sha.hexdigest() != checksum:
+                    problems.append(
+                        f"{path} does not match its checksum in the manifest: the file is damaged; "
+                        f"prepare {self.path} again"
+                    )
         return problems
 
 
@@ -251,6 +358,14 @@ class Blend:
                     f"both with one, `meshtrain data prepare --tokenizer {first.tokenizer_path} ...`"
                 )
         self.vocab_size, self.eos_id, self.tokenizer_path = first.vocab_size, first.eos_id, first.tokenizer_path
+        chat = [s for s in self.sources if s.chat]
+        self.template_path = chat[0].template_path if chat else None
+        for other in chat[1:]:
+            if other.template_path.read_text() != self.template_path.read_text():
+                raise DataError(
+                    f"data.path: {other.path} and {chat[0].path} were rendered with different chat templates; "
+                    "prepare both with one"
+                )
 
     @property
     def train_windows(self) -> int:

@@ -22,6 +22,7 @@ is renamed into place, so a dataset is only ever replaced by a complete one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtrain.data.sources import Piece, expand_inputs, pieces, read_piece
+from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, conversation, tokenize_conversations
+from meshtrain.data.sources import Piece, expand_inputs, pieces, read_piece, read_rows
 from meshtrain.errors import DataError, MeshtrainError
 from meshtrain.files import atomic_write, check_output_dir, copy_file, replace_directory, write_json, writing
 from meshtrain.lock import LOCK_NAME, RunLock
@@ -118,14 +120,34 @@ def train_bpe(texts: Iterator[str] | list[str], vocab_size: int):
     return tok
 
 
-def tokenizer_sample(units: list[Unit], text_field: str, sample_bytes: int) -> Iterator[str]:
+@dataclass(frozen=True)
+class ChatOptions:
+    """--format chat: conversations rendered with `template`; which tokens are targets; the longest
+    conversation kept (0: any; longer ones are skipped and counted)."""
+
+    template: str
+    targets: str = "assistant"
+    max_tokens: int = 0
+
+
+def _texts(piece: Piece, text_field: str, chat: bool) -> Iterator[str]:
+    """A piece's documents, or for chat data the contents of its conversations' messages."""
+    if not chat:
+        yield from read_piece(piece, text_field)
+        return
+    for record, where in read_rows(piece):
+        for message in conversation(record, where):
+            yield message["content"]
+
+
+def tokenizer_sample(units: list[Unit], text_field: str, sample_bytes: int, chat: bool = False) -> Iterator[str]:
     """What a BPE is trained on: the first documents of every unit, an equal share of `sample_bytes`
     each (at least one document per unit), so the sample spans the whole input."""
     share = max(1, sample_bytes // max(1, len(units)))
     for unit in units:
         taken = 0
         for piece in unit.pieces:
-            for text in read_piece(piece, text_field):
+            for text in _texts(piece, text_field, chat):
                 yield text
                 taken += len(text)
                 if taken >= share:
@@ -175,46 +197,76 @@ class UnitJob:
     val_fraction: float
     dtype: str
     eos_id: int | None
+    chat: ChatOptions | None = None
+    eos_token: str | None = None
 
 
-class _Shard:
-    """One split's token file of a unit, written under a temporary name with its SHA-256."""
+class _File:
+    """One output file of a unit, written under a temporary name with its SHA-256."""
 
-    def __init__(self, path: Path, dtype: str):
-        self.path, self.dtype = path, DTYPES[dtype]
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    def __init__(self, path: Path):
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp-{os.getpid()}")
         with writing(self.tmp):
             self.file = self.tmp.open("wb")
         self.sha = hashlib.sha256()
-        self.tokens = self.documents = self.last_document = 0
 
-    def add(self, ids: list[int]) -> None:
-        data = np.asarray(ids, dtype=self.dtype).tobytes()
+    def write(self, data: bytes) -> None:
         with writing(self.path):
             self.file.write(data)
         self.sha.update(data)
-        self.tokens += len(ids)
-        self.documents += 1
-        self.last_document = len(ids)
 
-    def close(self, commit: bool = True) -> dict:
-        """Sync and rename into place (a shard without tokens is not written); without `commit`,
-        discard."""
+    def close(self, commit: bool) -> str:
+        """Sync and rename into place, or discard; returns the SHA-256."""
         with writing(self.path):
             self.file.flush()
             os.fsync(self.file.fileno())
             self.file.close()
-            if self.tokens and commit:
+            if commit:
                 os.replace(self.tmp, self.path)
             else:
                 self.tmp.unlink()
-        return {
+        return self.sha.hexdigest()
+
+
+class _Shard:
+    """One split's token file of a unit; for chat data also its loss mask (`.mask`, one byte per
+    token, 1 = a target) and its conversations' lengths (`.len`, uint32), all of one layout."""
+
+    def __init__(self, path: Path, dtype: str, chat: bool = False):
+        self.dtype = DTYPES[dtype]
+        self.files = {"tokens": _File(path)}
+        if chat:
+            self.files["mask"] = _File(path.with_suffix(".mask"))
+            self.files["lengths"] = _File(path.with_suffix(".len"))
+        self.tokens = self.documents = self.last_document = self.targets = 0
+
+    def add(self, ids: list[int], mask: list[int] | None = None) -> None:
+        self.files["tokens"].write(np.asarray(ids, dtype=self.dtype).tobytes())
+        if mask is not None:
+            self.files["mask"].write(np.asarray(mask, dtype=np.uint8).tobytes())
+            self.files["lengths"].write(np.asarray([len(ids)], dtype=np.uint32).tobytes())
+            self.targets += sum(mask)
+        self.tokens += len(ids)
+        self.documents += 1
+        self.last_document = len(ids)
+
+    @property
+    def path(self) -> Path:
+        return self.files["tokens"].path
+
+    def close(self, commit: bool = True) -> dict:
+        """Rename into place (a shard without tokens is not written); without `commit`, discard."""
+        shas = {kind: f.close(commit and self.tokens > 0) for kind, f in self.files.items()}
+        record = {
             "file": self.path.name if self.tokens else None,
             "tokens": self.tokens,
-            "sha256": self.sha.hexdigest(),
+            "sha256": shas["tokens"],
             "documents": self.documents,
             "last_document_tokens": self.last_document,
         }
+        if "mask" in shas:
+            record |= {"targets": self.targets, "mask_sha256": shas["mask"], "lengths_sha256": shas["lengths"]}
+        return record
 
 
 _TOKENIZERS: dict[str, object] = {}
@@ -230,35 +282,72 @@ def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
         _TOKENIZERS[job.tokenizer] = load_tokenizer(job.tokenizer)
     tok = _TOKENIZERS[job.tokenizer]
     work = Path(job.work)
-    shards = {split: _Shard(work / f"{split}-{unit.index:05d}.bin", job.dtype) for split in ("train", "val")}
-    eos = [job.eos_id] if job.eos_id is not None else []
+    shards = {
+        split: _Shard(work / f"{split}-{unit.index:05d}.bin", job.dtype, chat=job.chat is not None)
+        for split in ("train", "val")
+    }
     try:
-        batch: list[str] = []
-
-        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: ids without character offsets
-
-        def flush() -> None:
-            for text, enc in zip(batch, encode(batch, add_special_tokens=False)):
-                shards["val" if _is_val(text, job.val_fraction) else "train"].add(enc.ids + eos)
-            batch.clear()
-
-        chars = 0
-        for piece in unit.pieces:
-            for text in read_piece(piece, job.text_field):
-                batch.append(text)
-                chars += len(text)
-                if chars >= BATCH_CHARS:
-                    flush()
-                    chars = 0
-        flush()
+        skipped = (_chat_unit if job.chat else _text_unit)(job, unit, tok, shards)
     except BaseException:
         for shard in shards.values():
             shard.close(commit=False)
         raise
     records = {split: shard.close() for split, shard in shards.items()}
-    record = {"index": unit.index, "bytes": unit.size, **records}
+    record = {"index": unit.index, "bytes": unit.size, **records, "skipped": skipped}
     write_json(_unit_record(work, unit.index), record)
     return record
+
+
+def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, _Shard]) -> int:
+    """Documents in batches of about BATCH_CHARS characters: ids, then the end-of-text token."""
+    eos = [job.eos_id] if job.eos_id is not None else []
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: ids without character offsets
+    batch: list[str] = []
+
+    def flush() -> None:
+        for text, enc in zip(batch, encode(batch, add_special_tokens=False)):
+            shards["val" if _is_val(text, job.val_fraction) else "train"].add(enc.ids + eos)
+        batch.clear()
+
+    chars = 0
+    for piece in unit.pieces:
+        for text in read_piece(piece, job.text_field):
+            batch.append(text)
+            chars += len(text)
+            if chars >= BATCH_CHARS:
+                flush()
+                chars = 0
+    flush()
+    return 0
+
+
+def _chat_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, _Shard]) -> int:
+    """Conversations rendered with the chat template, tokenized with their loss masks; returns how
+    many were longer than --max-tokens (skipped)."""
+    template, skipped = ChatTemplate(job.chat.template, job.eos_token), 0
+    batch: list[tuple[list[dict], object]] = []
+
+    def flush() -> int:
+        long = 0
+        for (messages, _), (ids, mask) in zip(batch, tokenize_conversations(tok, template, batch, job.chat.targets)):
+            if job.chat.max_tokens and len(ids) > job.chat.max_tokens:
+                long += 1
+                continue
+            key = json.dumps(messages, sort_keys=True)
+            shards["val" if _is_val(key, job.val_fraction) else "train"].add(ids, mask)
+        batch.clear()
+        return long
+
+    chars = 0
+    for piece in unit.pieces:
+        for record, where in read_rows(piece):
+            messages = conversation(record, where)
+            batch.append((messages, where))
+            chars += sum(len(m["content"]) for m in messages)
+            if chars >= BATCH_CHARS:
+                skipped += flush()
+                chars = 0
+    return skipped + flush()
 
 
 def _worker_start() -> None:
@@ -352,7 +441,7 @@ class Ranks:
         return result
 
 
-def _spec(units: list[Unit], tokenizer, vocab_size, val_fraction, dtype, text_field, sample_bytes) -> dict:
+def _spec(units: list[Unit], tokenizer, vocab_size, val_fraction, dtype, text_field, sample_bytes, chat) -> dict:
     """What decides the output bytes: a partial prepare started with another spec is not resumed."""
     files = {p.file.path: [p.file.size, p.file.mtime_ns] for u in units for p in u.pieces}
     return json.loads(
@@ -367,6 +456,7 @@ def _spec(units: list[Unit], tokenizer, vocab_size, val_fraction, dtype, text_fi
                 "val_fraction": val_fraction,
                 "dtype": dtype,
                 "text_field": text_field,
+                "chat": dataclasses.asdict(chat) if chat else None,
             }
         )
     )
@@ -400,14 +490,16 @@ def _open_partial(work: Path, spec: dict) -> RunLock:
     return lock
 
 
-def _make_tokenizer(work: Path, units: list[Unit], tokenizer, vocab_size: int, text_field: str, sample: int) -> Path:
+def _make_tokenizer(
+    work: Path, units: list[Unit], tokenizer, vocab_size: int, text_field: str, sample: int, chat: bool
+) -> Path:
     """The tokenizer in the partial directory: the given one, or a BPE trained on a sample."""
     path = work / "tokenizer.json"
     if path.is_file():
         return path
     if tokenizer:
         return copy_file(tokenizer, path)
-    tok = train_bpe(tokenizer_sample(units, text_field, sample), vocab_size)
+    tok = train_bpe(tokenizer_sample(units, text_field, sample, chat), vocab_size)
     return atomic_write(path, lambda tmp: tok.save(str(tmp)))
 
 
@@ -434,7 +526,7 @@ def _splits(records: list[dict], val_fraction: float) -> tuple[dict, dict]:
     return splits, docs
 
 
-def _finish(work: Path, out: Path, units: list[Unit], val_fraction: float, dtype: str, text_field: str) -> dict:
+def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) -> dict:
     records = []
     for unit in units:
         try:
@@ -442,12 +534,18 @@ def _finish(work: Path, out: Path, units: list[Unit], val_fraction: float, dtype
         except (OSError, ValueError):
             raise DataError(f"unit {unit.index} of the prepare in {work} is missing: run the prepare again") from None
     splits, docs = _splits(records, val_fraction)
+    skipped = sum(r["skipped"] for r in records)
     if not sum(docs.values()):
-        raise DataError("the input holds no text")
+        raise DataError(
+            f"all {skipped} conversations are longer than --max-tokens {job.chat.max_tokens}; raise it"
+            if skipped
+            else "the input holds no text"
+        )
     tok = load_tokenizer(work / "tokenizer.json")
     manifest = {
         "format_version": FORMAT_VERSION,
-        "dtype": dtype,
+        "format": "chat" if job.chat else "text",
+        "dtype": job.dtype,
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "eos_id": end_of_text(tok)[1],
         "tokenizer": "tokenizer.json",
@@ -457,18 +555,26 @@ def _finish(work: Path, out: Path, units: list[Unit], val_fraction: float, dtype
         "val_tokens": sum(s[2] for s in splits["val"]),
         "documents": docs,
         "val_fraction": val_fraction,
-        "text_field": text_field,
+        "text_field": job.text_field,
         "input_files": len({p.file.path for u in units for p in u.pieces}),
         "input_bytes": sum(u.size for u in units),
         "order": "inputs as given, directories and globs in sorted path order, documents in file order",
         "shards": [
-            {"file": r[split]["file"], "tokens": r[split]["tokens"], "sha256": r[split]["sha256"]}
+            {k: r[split][k] for k in ("file", "tokens", "sha256", "mask_sha256", "lengths_sha256") if k in r[split]}
             for r in records
             for split in ("train", "val")
             if r[split]["tokens"]
         ],
         "splits": splits,
     }
+    if job.chat:
+        manifest |= {
+            "chat_template": TEMPLATE_FILE,
+            "chat_targets": job.chat.targets,
+            "target_tokens": sum(r["train"].get("targets", 0) for r in records),
+            "max_tokens": job.chat.max_tokens,
+            "skipped_longer": skipped,
+        }
     write_json(work / MANIFEST, manifest)
     for path in [*work.glob("unit-*.json"), work / SPEC]:
         path.unlink()
@@ -487,6 +593,7 @@ def prepare(
     workers: int | None = None,
     sample_bytes: int = 64 << 20,
     distributed: bool = False,
+    chat: ChatOptions | None = None,
 ) -> dict:
     """Prepare `inputs` into `out` (see the module docstring). With `distributed`, every rank of the
     process group calls this and each tokenizes its share of the units."""
@@ -508,12 +615,15 @@ def prepare(
         if tokenizer:
             load_tokenizer(tokenizer)  # a clear error if it is missing or not one
         units = plan_units(inputs)
-        spec = _spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes)
+        spec = _spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes, chat)
         locks.append(_open_partial(work, spec))
-        tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes)
+        tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes, bool(chat))
         tok = load_tokenizer(tok_path)
         resolved = resolve_dtype(dtype, tok.get_vocab_size(with_added_tokens=True))
-        return units, UnitJob(str(work), str(tok_path), text_field, val_fraction, resolved, end_of_text(tok)[1])
+        eos_token, eos_id = end_of_text(tok)
+        if chat:
+            atomic_write(work / TEMPLATE_FILE, lambda tmp: tmp.write_text(chat.template))
+        return units, UnitJob(str(work), str(tok_path), text_field, val_fraction, resolved, eos_id, chat, eos_token)
 
     try:
         units, job = ranks.from_first(start)
@@ -521,7 +631,7 @@ def prepare(
         ranks.everyone(lambda: run_units(job, mine, workers, progress))
 
         def finish() -> dict:
-            manifest = _finish(work, out, units, val_fraction, job.dtype, text_field)
+            manifest = _finish(work, units, val_fraction, job)
             locks[0].release()
             replace_directory(work, out)
             return manifest

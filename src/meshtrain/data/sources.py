@@ -139,16 +139,28 @@ def _decode(raw: bytes, where: str) -> str:
         raise DataError(f"{where} is not valid UTF-8 at byte offset {e.start}; re-encode it as UTF-8") from None
 
 
-def _line(path: str, offset: int, lineno: int) -> str:
-    """ "FILE:LINE" of a line: a plain .jsonl read from a byte offset counts the lines before it (only
-    when an error is reported); a compressed one was read from its start."""
-    if path.endswith(".jsonl"):
-        with open(path, "rb") as f:
-            lineno = f.read(offset).count(b"\n") + 1
-    return f"{path}:{lineno}"
+@dataclass(frozen=True)
+class Where:
+    """A row's place, "FILE:LINE" (or "FILE row N"), worked out only when an error names it: a plain
+    .jsonl read from a byte offset counts the lines before it then; a compressed one was read from
+    its start."""
+
+    path: str
+    offset: int
+    lineno: int
+    kind: str = "jsonl"
+
+    def __str__(self) -> str:
+        if self.kind == "row":
+            return f"{self.path} row {self.lineno}"
+        lineno = self.lineno
+        if self.path.endswith(".jsonl"):
+            with open(self.path, "rb") as f:
+                lineno = f.read(self.offset).count(b"\n") + 1
+        return f"{self.path}:{lineno}"
 
 
-def _json_lines(piece: Piece, text_field: str) -> Iterator[str]:
+def _json_lines(piece: Piece) -> Iterator[tuple[object, Where]]:
     f = piece.file
     if f.kind == "jsonl":
         stream = open(f.path, "rb")
@@ -178,23 +190,18 @@ def _json_lines(piece: Piece, text_field: str) -> Iterator[str]:
             start, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
-            where = (f.path, start, lineno)  # named in an error only
+            where = Where(f.path, start, lineno)
             try:
-                record = json.loads(raw)
+                yield json.loads(raw), where
             except UnicodeDecodeError:
-                _decode(raw, _line(*where))
+                _decode(raw, str(where))
             except json.JSONDecodeError as e:
-                raise DataError(f"{_line(*where)} is not valid JSON ({e.msg})") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataError(
-                    f'{_line(*where)} has no string "{text_field}" field (choose the field with --text-field)'
-                )
-            if text:
-                yield text
+                raise DataError(f"{where} is not valid JSON ({e.msg})") from None
 
 
-def _columns(piece: Piece, text_field: str) -> Iterator[str]:
+def _rows(piece: Piece, wanted: list[str], needed: bool) -> Iterator[tuple[dict, Where]]:
+    """Rows of a Parquet piece or an Arrow file, as {column: value} over the `wanted` columns it has
+    (with `needed`, all of them must exist)."""
     f = piece.file
     import pyarrow as pa
 
@@ -202,43 +209,64 @@ def _columns(piece: Piece, text_field: str) -> Iterator[str]:
         if f.kind == "parquet":
             parquet = _parquet(f.path)
             names = parquet.schema_arrow.names
-            batches = (
-                parquet.iter_batches(batch_size=1024, row_groups=range(piece.start, piece.stop), columns=[text_field])
-                if text_field in names
-                else None
-            )
+            columns = [c for c in wanted if c in names]
+            batches = parquet.iter_batches(batch_size=1024, row_groups=range(piece.start, piece.stop), columns=columns)
         else:
             reader = pa.ipc.open_stream(pa.memory_map(f.path))
             names = reader.schema.names
-            batches = (batch.column(text_field) for batch in reader) if text_field in names else None
-        if batches is None:
-            raise DataError(
-                f'{f.path} has no "{text_field}" column (columns: {", ".join(names)}); choose one with --text-field'
-            )
+            columns = [c for c in wanted if c in names]
+            batches = (batch.select(columns) for batch in reader)
+        if not columns or (needed and len(columns) < len(wanted)):
+            quoted = " / ".join(json.dumps(c) for c in wanted)
+            hint = "choose one with --text-field" if len(wanted) == 1 else "is this plain text? leave out --format chat"
+            raise DataError(f"{f.path} has no {quoted} column (columns: {', '.join(names)}); {hint}")
+        row = 0
         for batch in batches:
-            column = batch.column(0) if f.kind == "parquet" else batch
-            for text in column.to_pylist():
-                if text:
-                    if not isinstance(text, str):
-                        raise DataError(f'{f.path}: column "{text_field}" holds {type(text).__name__}, not text')
-                    yield text
+            for record in batch.to_pylist():
+                row += 1
+                yield record, Where(f.path, 0, row, "row")
     except DataError:
         raise
     except Exception as e:  # pyarrow's errors for a damaged file
         raise DataError(f"{f.path} is corrupt ({e}); replace or leave it out") from None
 
 
-def read_piece(piece: Piece, text_field: str = "text") -> Iterator[str]:
-    """The documents of one piece, in order (empty documents skipped)."""
+def _records(piece: Piece, columns: list[str], needed: bool) -> Iterator[tuple[object, Where]]:
     try:
-        if piece.file.kind == "txt":
-            with open(piece.file.path, "rb") as f:
-                text = _decode(f.read(), piece.file.path)
-            if text:
-                yield text
-        elif piece.file.kind in ("parquet", "arrow"):
-            yield from _columns(piece, text_field)
+        if piece.file.kind in ("parquet", "arrow"):
+            yield from _rows(piece, columns, needed)
         else:
-            yield from _json_lines(piece, text_field)
+            yield from _json_lines(piece)
     except OSError as e:
         raise DataError(f"cannot read {piece.file.path}: {e.strerror or e}") from None
+
+
+def read_piece(piece: Piece, text_field: str = "text") -> Iterator[str]:
+    """The documents of one piece, in order (empty documents skipped)."""
+    if piece.file.kind == "txt":
+        try:
+            with open(piece.file.path, "rb") as f:
+                text = _decode(f.read(), piece.file.path)
+        except OSError as e:
+            raise DataError(f"cannot read {piece.file.path}: {e.strerror or e}") from None
+        if text:
+            yield text
+        return
+    for record, where in _records(piece, [text_field], needed=True):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if text is None and where.kind == "row":
+            continue  # a null cell
+        if not isinstance(text, str):
+            raise DataError(f'{where} has no string "{text_field}" field (choose the field with --text-field)')
+        if text:
+            yield text
+
+
+def read_rows(piece: Piece) -> Iterator[tuple[object, Where]]:
+    """The rows of one piece for chat data (JSON objects or table rows), each with its place."""
+    if piece.file.kind == "txt":
+        raise DataError(
+            f"{piece.file.path} is plain text; --format chat reads JSON lines or Parquet rows with "
+            '"messages" (or "prompt" and "completion")'
+        )
+    yield from _records(piece, ["messages", "prompt", "completion"], needed=False)

@@ -17,16 +17,10 @@ from pathlib import Path
 import torch
 
 from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, verify
+from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
-
-# The chat format of models meshtrain trains, written into exported tokenizers (so vLLM and TGI
-# format chats the way `meshtrain serve` does) and used for any tokenizer without a template.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -186,8 +180,12 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
         (tmp / "config.json").write_text(json.dumps(hf_config(args, eos_id), indent=2))
         generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        template = run_dir / TEMPLATE_FILE  # what the run was fine-tuned with
         PreTrainedTokenizerFast(
-            tokenizer_file=str(tokenizer_file), eos_token=eos, bos_token=eos, chat_template=DEFAULT_CHAT_TEMPLATE
+            tokenizer_file=str(tokenizer_file),
+            eos_token=eos,
+            bos_token=eos,
+            chat_template=template.read_text() if template.is_file() else DEFAULT_CHAT_TEMPLATE,
         ).save_pretrained(tmp)
         (tmp / "meshtrain.json").write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
     return out

@@ -16,7 +16,7 @@ from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.parallel.pipeline import build_schedule, pipeline_stage_modules
+from meshtrain.parallel.pipeline import ScaledLoss, build_schedule, pipeline_stage_modules
 from meshtrain.parallel.precision import apply_fp32_compute, arithmetic_dtype, wants_fp32_compute
 from meshtrain.parallel.tensor_parallel import apply_tp
 
@@ -44,7 +44,7 @@ class ParallelModel:
     n_stages: int
     schedule: object | None  # a torch.distributed.pipelining schedule when pp > 1
     fsdp: bool  # parameters are FSDP shards (mixed precision handled by FSDP, not autocast)
-    loss_fn: Callable  # (logits, targets) -> mean loss; compiled with training.compile
+    loss_fn: Callable  # (logits, targets) -> summed loss of the targets; compiled with training.compile
     loss_parallel: bool = False  # TP's vocabulary-sharded logits: the loss runs under loss_parallel()
     grad_average_group: object | None = None  # pipeline stages with plain DP: average after backward
 
@@ -67,6 +67,7 @@ def parallelize(
     if training.compile and dims.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
     if dims.pp > 1:
+        loss_fn = ScaledLoss(loss_fn)
         staged = pipeline_stage_modules(
             model, dims.rank_in("pp"), dims.pp, parallel.pp_virtual_stages, parallel.pp_schedule
         )

@@ -68,6 +68,17 @@ def pipeline_stage_modules(
     return parts
 
 
+class ScaledLoss:
+    """A schedule's loss_fn: the summed loss of a micro-batch times `scale`, set before each step (dp
+    / targets in the global batch), so gradients are summed over micro-batches, not averaged."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn, self.scale = loss_fn, 1.0
+
+    def __call__(self, output, target):
+        return self.loss_fn(output, target) * self.scale
+
+
 def build_schedule(
     parts: list[tuple[int, nn.Module]],
     n_stages: int,
@@ -75,11 +86,11 @@ def build_schedule(
     device: torch.device,
     schedule: str,
     n_microbatches: int,
-    loss_fn: Callable,
+    loss_fn: ScaledLoss,
 ):
-    """The schedule over this rank's stages; gradients are averaged over micro-batches."""
+    """The schedule over this rank's stages; gradients are summed over micro-batches (`loss_fn`
+    scales each one's loss)."""
     stages = [PipelineStage(module, idx, n_stages, device, group=pp_mesh.get_group()) for idx, module in parts]
     cls = SCHEDULES[schedule]
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    first = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
+    return cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -4,14 +4,13 @@ export` writes), with its tokenizer, end-of-text token and chat template."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from meshtrain.data.chat import ChatTemplate, template_of
 from meshtrain.errors import MeshtrainError
-from meshtrain.interop.hf import DEFAULT_CHAT_TEMPLATE
 from meshtrain.model import Llama
 
 
@@ -25,23 +24,8 @@ class ServedModel:
     chat_template: str
 
     def render_chat(self, messages: list[dict]) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token="", eos_token=self.eos_token or ""
-        )
-
-
-def _chat_template(directory: Path) -> str:
-    """The tokenizer's own template (chat_template.jinja, or tokenizer_config.json), else the default."""
-    if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text()
-    config = directory / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template or DEFAULT_CHAT_TEMPLATE
+        """The prompt of a chat request: the template the model was trained with, up to the answer."""
+        return ChatTemplate(self.chat_template, self.eos_token).render(messages, add_generation_prompt=True)
 
 
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
@@ -70,4 +54,4 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
     eos, eos_id = end_of_text(tokenizer)
     model = model.to(device=device, dtype=dtype)
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
-    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_id, eos, _chat_template(tokenizer_dir))
+    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_id, eos, template_of(tokenizer_dir))

@@ -46,6 +46,7 @@ def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
     id means another token than the one the weights learned (a silent, wrong fine-tune)."""
     if not cfg.model.init_from:
         return
+    from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, template_of
     from meshtrain.data.prepare import tokenizer_fingerprint
 
     model_dir = Path(cfg.model.init_from.removeprefix("hf:"))
@@ -58,6 +59,12 @@ def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
             f"{cfg.data.path} was tokenized with another tokenizer than model.init_from ({theirs}): prepare the data "
             f"with it, `meshtrain data prepare --tokenizer {theirs} ...`"
         )
+    if dataset.template_path and template_of(model_dir) != DEFAULT_CHAT_TEMPLATE:
+        if dataset.template_path.read_text() != template_of(model_dir):
+            raise DataError(
+                f"{cfg.data.path} was rendered with another chat template than model.init_from's ({model_dir}): "
+                f"prepare it with `--tokenizer {theirs}` (which takes the model's template along)"
+            )
 
 
 def ensure_dataset(cfg: Config) -> Blend:
@@ -110,10 +117,20 @@ class TrainState:
     def context(self):
         return step_context(self.model, self.dims, self.cfg.training, self.device)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """One optimizer step (see train.step.train_step); the LR schedule is stepped by the caller."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_targets: int | None = None):
+        """One optimizer step (see train.step.train_step); the LR schedule is stepped by the caller.
+        `n_targets`: targets in the global batch (None: every token of every rank's batch)."""
         return train_step(
-            self.model, self.optimizer, inputs, targets, self.cfg.training, self.device, self.context, self.pp_group
+            self.model,
+            self.optimizer,
+            inputs,
+            targets,
+            self.cfg.training,
+            self.device,
+            self.context,
+            self.pp_group,
+            n_targets,
+            self.dims.dp,
         )
 
     @property
@@ -155,7 +172,7 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
         for name, source in zip(dataset.names, dataset.sources):
             if len(source.val):  # few and fixed: copied to the device once
                 batches = validation_batches(source.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)
-                state.val[name] = [(x.to(device), y.to(device)) for x, y in batches]
+                state.val[name] = [(x.to(device), y.to(device), n) for x, y, n in batches]
         root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
         state.checkpointer = Checkpointer(
             root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank

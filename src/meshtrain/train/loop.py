@@ -27,6 +27,7 @@ from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.lock import RunLock
+from meshtrain.data.chat import TEMPLATE_FILE
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.parallel import arithmetic_dtype
@@ -81,6 +82,8 @@ def announce(s: TrainState, precision: str) -> None:
     t, run_dir = s.cfg.training, Path(s.cfg.run.dir)
     write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
     copy_file(s.dataset.tokenizer_path, run_dir / "tokenizer.json")
+    if s.dataset.template_path:  # chat data: serve and export render prompts as the model learned them
+        copy_file(s.dataset.template_path, run_dir / TEMPLATE_FILE)
     log.info(
         f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
         f"({s.dims.describe()}) | {s.device.type} {precision} | global batch {t.global_batch_size} x "
@@ -291,7 +294,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
     for step in range(start_step + 1, last_step + 1):
         step_start = time.monotonic()
         lr = s.scheduler.get_last_lr()[0]
-        loss, grad_norm, skipped_now = s.step(*s.loader.next_batch())
+        inputs, targets, n_targets = s.loader.next_batch()
+        loss, grad_norm, skipped_now = s.step(inputs, targets, n_targets)
         skipped_total += skipped_now
         if t.on_nonfinite == "stop" and skipped_now.item():  # the one mode that syncs every step
             raise MeshtrainError(
@@ -311,6 +315,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "skipped_steps": int(skipped_total.item()),
+                "target_tokens": n_targets,  # of this step's global batch (chat data: the loss mask's)
                 **meter.report(),
                 "arithmetic": arithmetic,
             }

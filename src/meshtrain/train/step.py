@@ -1,5 +1,11 @@
 """One training step and one validation pass, for every layout, with no host-device sync.
 
+The loss is the mean over the global batch's target tokens (a target of IGNORE_INDEX, a token of
+chat data the loss mask leaves out, does not count): each micro-batch contributes its summed
+cross-entropy times dp / (targets in the global batch), so that the data-parallel average of the
+gradients is the gradient of that mean, the same for 1 process or N and any micro-batch split.
+The loader counts the global batch's targets on the host, so no collective or sync is needed.
+
 inputs, targets (this DP rank's slice)  -> the device, once per step
 no PP: micro-batches of training.micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
 PP:    the schedule drives the micro-batches through the stages
@@ -18,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.config import TrainingConfig
+from meshtrain.data.loader import IGNORE_INDEX
 from meshtrain.optim import local_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel
 from meshtrain.parallel.data_parallel import average_gradients
@@ -25,7 +32,15 @@ from meshtrain.parallel.grads import global_grad_norm
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """The summed cross-entropy of the target tokens (IGNORE_INDEX ones left out)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def loss_scale(targets: torch.Tensor, n_targets: int | None, dp: int) -> float:
+    """dp / (targets in the global batch): `n_targets`, or when None this rank's count times dp
+    (right when every rank's slice holds as many, as with plain text)."""
+    n = n_targets if n_targets is not None else int((targets != IGNORE_INDEX).sum()) * dp
+    return dp / max(1, n)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -50,11 +65,12 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward_backward(
-    model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int, device: torch.device
+    model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int, device, scale: float
 ) -> torch.Tensor:
-    """Gradients of this rank's local batch; returns its mean loss (a tensor: no host sync)."""
+    """Gradients of this rank's local batch; returns its part of the global mean loss (a tensor: no
+    host sync), `scale` = dp / targets in the global batch."""
     if model.schedule is not None:
-        loss = pipeline_loss(model, inputs, targets, device, train=True)
+        loss = pipeline_loss(model, inputs, targets, device, train=True, scale=scale)
         if model.grad_average_group is not None:
             average_gradients(model.parameters(), model.grad_average_group)
         return loss
@@ -66,7 +82,7 @@ def forward_backward(
         if hasattr(part, "set_requires_gradient_sync"):  # FSDP
             part.set_requires_gradient_sync(last)
         with nullcontext() if last or not hasattr(part, "no_sync") else part.no_sync():  # DDP
-            loss = model.loss_fn(part(x), y) / len(chunks)
+            loss = model.loss_fn(part(x), y) * scale
             loss.backward()
         total += local_value(loss.detach())
     return total
@@ -81,18 +97,21 @@ def train_step(
     device: torch.device,
     context,
     pp_group=None,
+    n_targets: int | None = None,
+    dp: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """forward/backward -> global grad norm -> AdamW, with no host-device sync.
 
     Clipping and skipping are folded into the fused AdamW kernel through the hooks GradScaler
     uses: it divides the gradients by `grad_scale` (max(1, norm / grad_clip): clipping without a
     separate pass over the gradients) and skips the update where `found_inf` is set (a non-finite
-    norm). Returns tensors: (local mean loss, global grad norm, 1.0 if the update was skipped).
+    norm). Returns tensors: (this rank's part of the global mean loss, global grad norm, 1.0 if the
+    update was skipped). `n_targets`: targets in the global batch (see `loss_scale`).
     Gradients are cleared at the start, so they can be inspected after the step."""
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = to_device(inputs, device), to_device(targets, device)
     with context():
-        loss = forward_backward(model, inputs, targets, t.micro_batch_size, device)
+        loss = forward_backward(model, inputs, targets, t.micro_batch_size, device, loss_scale(targets, n_targets, dp))
     grad_norm = global_grad_norm(model.parameters(), pp_group)
     skipped = (~torch.isfinite(grad_norm)).float()
     adamw = local_optimizer(optimizer)
@@ -103,8 +122,10 @@ def train_step(
     return loss, grad_norm, skipped
 
 
-def pipeline_loss(model: ParallelModel, inputs, targets, device, train: bool) -> torch.Tensor:
-    """Run the schedule; the mean micro-batch loss on the rank with the last stage, else 0."""
+def pipeline_loss(model: ParallelModel, inputs, targets, device, train: bool, scale: float) -> torch.Tensor:
+    """Run the schedule (its loss_fn scaled by `scale`, gradients summed over micro-batches); the
+    summed micro-batch losses on the rank with the last stage, else 0."""
+    model.loss_fn.scale = scale
     losses = [] if model.has_last_stage else None
     target = targets if model.has_last_stage else None
     args = (inputs,) if model.has_first_stage else ()
@@ -121,7 +142,7 @@ def pipeline_loss(model: ParallelModel, inputs, targets, device, train: bool) ->
         model.schedule.eval(*args, target=target, losses=losses)
     if not losses:
         return torch.zeros((), device=device)
-    return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
+    return torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
 
 
 def mean_over(value: torch.Tensor, group) -> float:
@@ -144,18 +165,20 @@ def reduce_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
 def evaluate(
     model: ParallelModel, batches, micro_batch: int, device: torch.device, dims: ParallelDims, context
 ) -> float:
-    """The mean validation loss over `batches`, averaged over DP."""
+    """The validation loss: each global batch's mean over its targets, averaged over `batches`
+    ((inputs, targets, targets in the global batch) of this DP rank)."""
     for part in model.parts:
         part.eval()
     total = torch.zeros((), device=device)
-    for inputs, targets in batches:
+    for inputs, targets, n_targets in batches:
+        scale = loss_scale(targets, n_targets, dims.dp)
         inputs, targets = to_device(inputs, device), to_device(targets, device)
         with context():
             if model.schedule is not None:
-                total += pipeline_loss(model, inputs, targets, device, train=False)
+                total += pipeline_loss(model, inputs, targets, device, train=False, scale=scale)
                 continue
             for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
-                total += local_value(model.loss_fn(model.parts[0](x), y)) * len(x) / len(inputs)
+                total += local_value(model.loss_fn(model.parts[0](x), y)) * scale
     for part in model.parts:
         part.train()
     return reduce_loss(total / len(batches), dims)

@@ -1,0 +1,127 @@
+"""Chat data: one chat template for training and serving, and which tokens of a conversation are
+training targets.
+
+A conversation is rendered with the template the model will be served with (the tokenizer's own
+template when it has one, `DEFAULT_CHAT_TEMPLATE` otherwise), so the model learns exactly the
+prompt format `meshtrain serve`, transformers' `apply_chat_template`, vLLM and TGI will show it.
+The targets are the characters of each assistant turn, found by rendering the conversation up to
+the turn with the generation prompt (where the answer starts) and up to its end (where it ends,
+trimmed after its end-of-turn token); every token that starts inside such a span is a target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meshtrain.errors import DataError
+
+# The chat format of models meshtrain trains: each message after a <|role|> line; an assistant
+# turn ends with the end-of-text token, so a served model stops where its answer ends.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{{ eos_token if message['role'] == 'assistant' else '' }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TEMPLATE_FILE = "chat_template.jinja"
+ROLES = ("system", "user", "assistant")
+TARGETS = ("assistant", "all")
+
+
+def template_of(directory: Path) -> str:
+    """The chat template a tokenizer directory carries (chat_template.jinja, or tokenizer_config.json's
+    chat_template), else meshtrain's default."""
+    if (directory / TEMPLATE_FILE).is_file():
+        return (directory / TEMPLATE_FILE).read_text()
+    config = directory / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template or DEFAULT_CHAT_TEMPLATE
+
+
+class ChatTemplate:
+    """A Jinja chat template, rendered as transformers renders it (sandboxed, trim_blocks)."""
+
+    def __init__(self, source: str, eos_token: str | None):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.source, self.eos_token = source, eos_token or ""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise DataError(f"the chat template is not valid Jinja ({e}); fix it or use another") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=self.eos_token
+        )
+
+    def target_spans(self, messages: list[dict], targets: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, the character spans whose tokens are targets)."""
+        text = self.render(messages)
+        if targets == "all":
+            return text, [(0, len(text))]
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt, through = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
+            start, end = len(prompt), len(through)
+            if not (text.startswith(through) and through.startswith(prompt)):
+                raise DataError(
+                    "the chat template does not render a conversation as the sum of its turns, so the "
+                    "assistant's tokens cannot be found; use a template without look-ahead"
+                )
+            if self.eos_token and (eot := text.rfind(self.eos_token, start, end)) >= 0:
+                end = eot + len(self.eos_token)  # whitespace after the end-of-turn token is not a target
+            spans.append((start, end))
+        return text, spans
+
+
+def conversation(record: object, where: str) -> list[dict]:
+    """The messages of one row: OpenAI-style `messages`, or a `prompt`/`completion` pair (a user
+    message and the assistant's answer). One-line errors name the row."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is not a JSON object with a messages list")
+    if record.get("messages") is None and isinstance(record.get("prompt"), str):
+        completion = record.get("completion")
+        if not isinstance(completion, str):
+            raise DataError(f'{where} has a "prompt" but no string "completion"')
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": completion}]
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(
+            f'{where} has no "messages" list (nor "prompt" and "completion"); is this plain text? '
+            "then leave out --format chat"
+        )
+    out = []
+    for i, message in enumerate(messages, 1):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has role {role!r}; the roles are {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: message {i} ({role}) has no string content")
+        out.append({"role": role, "content": message["content"]})
+    return out
+
+
+def tokenize_conversations(
+    tokenizer, template: ChatTemplate, conversations: list[tuple[list[dict], str]], targets: str
+) -> list[tuple[list[int], list[int]]]:
+    """(token ids, 1 for a target token else 0) of each (messages, where); a conversation with no
+    target token is an error (it would teach nothing, silently)."""
+    rendered = [template.target_spans(messages, targets) for messages, _ in conversations]
+    encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
+    out = []
+    for (_, spans), encoding, (_, where) in zip(rendered, encodings, conversations):
+        mask = [int(any(a <= start < b for a, b in spans)) for start, _ in encoding.offsets]
+        if not any(mask):
+            raise DataError(
+                f"{where}: the conversation has no assistant message, so no token to learn from; "
+                "add the answer, leave the row out, or prepare with --chat-targets all"
+            )
+        out.append((encoding.ids, mask))
+    return out
