@@ -20,6 +20,7 @@ from meshtrain.checkpoint import (
     refuse_another_lineage,
 )
 from meshtrain.config import Config, parse_duration, resolved, to_toml
+from meshtrain.data.chat import TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_text
 from meshtrain.hardware import mfu_peak_tflops
@@ -27,7 +28,6 @@ from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.lock import RunLock
-from meshtrain.data.chat import TEMPLATE_FILE
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.parallel import arithmetic_dtype
@@ -99,6 +99,11 @@ def warn_pointless_settings(s: TrainState) -> None:
     """Settings that are valid alone but make little sense with this data or schedule."""
     t, c = s.cfg.training, s.cfg.checkpoint
     for name, source in zip(s.dataset.names, s.dataset.sources):
+        if source.chat and source.train.too_long:
+            log.warning(
+                f"{name}: {source.train.too_long} of {source.train.too_long + source.train.conversations} training "
+                f"conversations are longer than training.seq_len + 1 = {t.seq_len + 1} tokens and are left out"
+            )
         if name not in s.val:
             log.warning(f"{source.val.name or name} holds less than one sequence; no validation loss for it")
     if t.warmup_steps >= t.steps:

@@ -1,0 +1,323 @@
+"""Chat fine-tuning: conversations rendered with the serving template and masked to the assistant's
+answers, a token-weighted global loss that is the same on every layout, and the whole path from a
+pretrained model to a chat endpoint answering the openai client."""
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
+from meshtrain.config import load_config
+from meshtrain.data import prepare
+from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, tokenize_conversations
+from meshtrain.data.loader import IGNORE_INDEX, Dataset
+from meshtrain.data.prepare import ChatOptions, end_of_text, load_tokenizer
+from meshtrain.model import Llama
+from meshtrain.train import build as build_state
+
+# The synthetic task: the system message says what to do with the user's words.
+WORDS = "red blue green black white cat dog fish bird tree sun moon star rain snow wind".split()
+TASKS = {"Repeat the words.": lambda w: w, "Reverse the words.": lambda w: w[::-1]}
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def ask(task: str, words, system: bool = True) -> list[dict]:
+    user = {"role": "user", "content": " ".join(words)}
+    return [{"role": "system", "content": task}, user] if system else [user]
+
+
+def answer(task: str, words) -> str:
+    return " ".join(TASKS[task](list(words)))
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return load_tokenizer(corpus / "tokenizer.json")
+
+
+@pytest.mark.parametrize("source", [DEFAULT_CHAT_TEMPLATE, CHATML], ids=["default", "chatml"])
+def test_the_targets_are_each_answer_and_its_end_of_turn(source, tokenizer):
+    eos, _ = end_of_text(tokenizer)
+    template = ChatTemplate(source, eos)
+    messages = [
+        {"role": "system", "content": "Reverse the words."},
+        {"role": "user", "content": "red cat"},
+        {"role": "assistant", "content": "cat red"},
+        {"role": "user", "content": "sun moon star"},
+        {"role": "assistant", "content": "star moon sun"},
+    ]
+    [(ids, mask)] = tokenize_conversations(tokenizer, template, [(messages, "row 1")], "assistant")
+    assert ids == tokenizer.encode(template.render(messages), add_special_tokens=False).ids
+    targets = tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    # a turn ends with the end-of-text token (default), or the template's own end marker and newline
+    end = eos if source == DEFAULT_CHAT_TEMPLATE else "<|im_end|>\n"
+    assert targets == f"cat red{end}star moon sun{end}"
+    [(_, every)] = tokenize_conversations(tokenizer, template, [(messages, "row 1")], "all")
+    assert all(every)
+
+
+@pytest.fixture(scope="module")
+def chat_rows():
+    """Conversations of 1-4 words, with and without a system message, some multi-turn, some as
+    prompt/completion pairs: sequences pack different numbers of targets."""
+    rng, rows = random.Random(0), []
+    for i in range(600):
+        task = rng.choice(list(TASKS))
+        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 4))]
+        if i % 7 == 0:
+            rows.append({"prompt": " ".join(words), "completion": " ".join(words)})
+            continue
+        messages = [*ask(task, words, system=i % 2 == 0), {"role": "assistant", "content": answer(task, words)}]
+        if i % 5 == 0:
+            more = [rng.choice(WORDS) for _ in range(2)]
+            messages += [
+                {"role": "user", "content": " ".join(more)},
+                {"role": "assistant", "content": answer(task, more)},
+            ]
+        rows.append({"messages": messages})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def chat_data(chat_rows, corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    write_jsonl(root / "chat.jsonl", chat_rows)
+    prepare(
+        [root / "chat.jsonl"],
+        root / "data",
+        tokenizer=corpus / "tokenizer.json",
+        val_fraction=0.05,
+        progress=False,
+        chat=ChatOptions(DEFAULT_CHAT_TEMPLATE),
+    )
+    return root / "data"
+
+
+def test_conversations_are_packed_whole_and_their_targets_counted(chat_data, chat_rows, tokenizer):
+    dataset = Dataset(chat_data, 128)
+    train = dataset.train
+    assert train.too_long == 0 and train.conversations == dataset.manifest["documents"]["train"]
+    assert sum(len(seq) for seq in train.sequences) == train.conversations
+    assert max(len(seq) for seq in train.sequences) > 1  # packed
+    eos = tokenizer.token_to_id(end_of_text(tokenizer)[0])
+    for w in range(len(train)):
+        tokens, mask = train.window(w)
+        used = sum(length for _, length in train.sequences[w])
+        assert used <= 129 and (tokens[used:] == eos).all() and not mask[used:].any()
+        # every conversation starts with a role marker: none was cut
+        text = tokenizer.decode(tokens[:used].tolist(), skip_special_tokens=False)
+        assert text.startswith("<|") and text.count("<|assistant|>") >= len(train.sequences[w])
+        assert train.targets_in(w) == int(mask[1:].sum())
+    assert sum(int(train.window(w)[1].sum()) for w in range(len(train))) == dataset.manifest["target_tokens"]
+    # a shorter sequence leaves the longest conversations out, counted
+    short = Dataset(chat_data, 48).train
+    assert short.too_long > 0 and short.conversations + short.too_long == train.conversations
+
+
+def test_the_loss_is_the_mean_over_target_tokens_of_the_whole_batch():
+    """Two micro-batches whose sequences hold 3, 11, 16 and 1 targets: the step's loss and gradients
+    are those of the mean over the 31 targets (not the mean of per-sequence or per-micro-batch means)."""
+    cfg = load_config(
+        None,
+        [
+            *"--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 128".split(),
+            *"--model.vocab_size 256 --model.max_seq_len 32 --training.seq_len 16".split(),
+            *"--training.global_batch_size 4 --training.micro_batch_size 2 --training.grad_clip 0".split(),
+        ],
+    )
+    state = build_state(cfg, with_data=False)
+    model = state.model.parts[0]
+    ref = Llama(cfg.model_args())
+    ref.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    inputs = torch.randint(0, 256, (4, 16), generator=gen)
+    targets = torch.randint(0, 256, (4, 16), generator=gen)
+    for row, keep in enumerate([3, 11, 16, 1]):
+        targets[row, torch.randperm(16, generator=gen)[keep:]] = IGNORE_INDEX
+    logits = ref(inputs)
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    expected = per_token.sum() / 31
+    expected.backward()
+    loss, _, _ = state.step(inputs, targets, 31)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    mean_of_means = torch.stack([per_token.view(4, 16)[r][targets[r] != IGNORE_INDEX].mean() for r in range(4)])
+    assert abs(mean_of_means.mean() - expected) > 1e-3  # the test can tell the two apart
+
+
+CHAT_RUN = [
+    *("--training.seq_len", "128", "--model.max_seq_len", "128"),
+    *("--training.micro_batch_size", "2", "--training.steps", "4"),
+]
+CHAT_LAYOUTS = {
+    "ddp2": ["--nproc", "2"],
+    "zero3-2": ["--nproc", "2", "--parallel.zero", "3"],
+    "tp2": ["--nproc", "2", "--parallel.tp", "2"],
+    "pp2": ["--nproc", "2", "--parallel.pp", "2", "--model.n_layers", "4"],
+}
+
+
+@pytest.fixture(scope="module")
+def chat_reference(chat_data, cli_env, tmp_path_factory):
+    runs = {}
+
+    def get(n_layers: str):
+        if n_layers not in runs:
+            run_dir = tmp_path_factory.mktemp(f"chat-reference-{n_layers}")
+            result = run_cli(train_args(chat_data, run_dir, *CHAT_RUN, "--model.n_layers", n_layers), cli_env)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[n_layers] = run_dir
+        return runs[n_layers]
+
+    return get
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(CHAT_LAYOUTS))
+def test_masked_loss_is_the_same_on_every_layout(name, chat_data, chat_reference, cli_env, tmp_path):
+    extra = CHAT_LAYOUTS[name]
+    n_layers = extra[extra.index("--model.n_layers") + 1] if "--model.n_layers" in extra else "2"
+    result = run_cli(train_args(chat_data, tmp_path, *CHAT_RUN, "--model.n_layers", n_layers, *extra), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = chat_reference(n_layers)
+    assert_same_run(tmp_path, reference)
+    metrics = read_metrics(tmp_path)
+    assert all(0 < m["target_tokens"] < 8 * 128 for m in metrics)  # the mask is in force
+    assert (tmp_path / "chat_template.jinja").read_text() == DEFAULT_CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize(
+    "rows, extra, fragments",
+    [
+        ([{"text": "plain"}], [], ['no "messages" list', "leave out --format chat"]),
+        ([{"messages": [{"role": "tool", "content": "x"}]}], [], ["message 1 has role 'tool'", "system, user"]),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], [], ["no assistant message", "--chat-targets all"]),
+        ([{"prompt": "hi"}], [], ['"prompt" but no string "completion"']),
+        ([{"messages": [{"role": "user", "content": 3}]}], [], ["message 1 (user) has no string content"]),
+        (None, [], ["plain text", "--format chat"]),
+        ([{"prompt": "a b", "completion": "b a"}], ["--max-tokens", "3"], ["all 1 conversations", "--max-tokens 3"]),
+    ],
+    ids=["plain-jsonl", "role", "no-answer", "no-completion", "content", "txt", "too-long"],
+)
+def test_bad_chat_data_gets_one_line(rows, extra, fragments, corpus, cli_env, tmp_path):
+    if rows is None:
+        source = tmp_path / "notes.txt"
+        source.write_text("just text")
+    else:
+        source = tmp_path / "rows.jsonl"
+        write_jsonl(source, rows)
+    args = ["data", "prepare", "--format", "chat", "--input", str(source), "--out", str(tmp_path / "out")]
+    result = run_cli([*args, "--tokenizer", str(corpus / "tokenizer.json"), *extra], cli_env)
+    assert_user_error(result, *fragments)
+    if rows is not None and "messages" in json.dumps(rows):
+        assert ":1" in result.stderr  # the line is named
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial"))
+
+
+def test_chat_options_without_format_chat_are_refused(corpus, cli_env, tmp_path):
+    for option in (["--chat-targets", "all"], ["--max-tokens", "9"], ["--chat-template", "t.jinja"]):
+        result = run_cli(["data", "prepare", "--input", str(corpus), "--out", str(tmp_path / "x"), *option], cli_env)
+        assert_user_error(result, option[0], "--format chat")
+
+
+def test_conversations_longer_than_the_sequence_are_counted_and_left_out(chat_data, cli_env, tmp_path):
+    result = run_cli(train_args(chat_data, tmp_path, "--training.seq_len", "48", "--training.steps", "1"), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "longer than training.seq_len + 1 = 49 tokens and are left out" in result.stdout + result.stderr
+    result = run_cli(train_args(chat_data, tmp_path / "b", "--training.seq_len", "16"), cli_env)
+    assert_user_error(result, "longer than training.seq_len + 1 = 17", "raise training.seq_len")
+
+
+# --- end to end: pretrained model -> chat fine-tune -> export -> serve -> openai client ---------
+
+E2E_MODEL = [
+    *"--model.dim 128 --model.n_layers 4 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 384".split(),
+    *"--model.max_seq_len 128 --training.seq_len 128 --training.global_batch_size 16".split(),
+    *"--training.micro_batch_size 16 --run.sample_prompt= --run.tensorboard false --data.corpus=".split(),
+]
+
+
+def task_split():
+    combos = [(a, b, c) for a in WORDS for b in WORDS for c in WORDS]
+    random.Random(0).shuffle(combos)
+    return combos[:40], combos[40:1540]  # held out, trained on
+
+
+def greedy_answers(client, model: str, held) -> list:
+    out = []
+    for words in held:
+        for task in TASKS:
+            reply = client.chat.completions.create(
+                model=model, messages=ask(task, words), temperature=0, max_tokens=16
+            ).choices[0]
+            out.append((reply.message.content, reply.finish_reason, answer(task, words)))
+    return out
+
+
+@pytest.mark.multiproc
+def test_fine_tune_a_pretrained_model_into_a_chat_assistant(corpus, cli_env, tmp_path):
+    from openai import OpenAI
+    from test_serve import start_server
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    held, trained = task_split()
+    # a "pretrained" model: the corpus, exported to the Hugging Face format
+    pretrained, base = tmp_path / "pretrained", tmp_path / "base-hf"
+    run = ["train", "--data.path", str(corpus), "--run.dir", str(pretrained), *E2E_MODEL, "--training.steps", "30"]
+    assert run_cli(run, cli_env).returncode == 0
+    assert run_cli(["export", str(pretrained), "--out", str(base)], cli_env).returncode == 0
+    # chat data tokenized with the pretrained model's tokenizer (and so its template)
+    rows = [
+        {"messages": [*ask(task, words), {"role": "assistant", "content": answer(task, words)}]}
+        for words in trained
+        for task in TASKS
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", rows)
+    data = tmp_path / "chat-data"
+    prep = ["data", "prepare", "--format", "chat", "--input", str(tmp_path / "chat.jsonl"), "--out", str(data)]
+    result = run_cli([*prep, "--tokenizer", str(base / "tokenizer.json"), "--val-fraction", "0.02"], cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    tuned, out = tmp_path / "tuned", tmp_path / "tuned-hf"
+    run = ["train", "--data.path", str(data), "--run.dir", str(tuned), *E2E_MODEL, "--training.steps", "400"]
+    run += ["--model.init_from", f"hf:{base}", "--training.lr", "3e-3", "--training.warmup_steps", "20"]
+    result = run_cli([*run, "--run.log_every", "100"], cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"initialised from hf:{base}" in result.stderr + result.stdout
+    assert run_cli(["export", str(tuned), "--out", str(out)], cli_env).returncode == 0
+
+    scores = {}
+    for name, directory in (("before", base), ("after", out)):
+        proc, url = start_server(directory, cli_env, "--max-batch", "8")
+        try:
+            client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+            scores[name] = greedy_answers(client, directory.name, held)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    exact = {name: sum(got == want for got, _, want in rows) / len(rows) for name, rows in scores.items()}
+    stopped = sum(reason == "stop" for _, reason, _ in scores["after"]) / len(scores["after"])
+    assert exact["after"] >= 0.8 and exact["after"] >= exact["before"] + 0.7, exact
+    assert stopped >= 0.95, stopped
+
+    # transformers renders the same prompt from the exported template and generates the same text
+    tok, model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out).eval()
+    assert (out / "chat_template.jinja").is_file() or "chat_template" in json.loads(
+        (out / "tokenizer_config.json").read_text()
+    )
+    for (got, _, _), (words, task) in zip(scores["after"][:10], [(w, t) for w in held for t in TASKS][:10]):
+        ids = tok.apply_chat_template(ask(task, words), add_generation_prompt=True, return_tensors="pt")
+        ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+        with torch.no_grad():
+            new = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+        assert tok.decode(new[0, ids.shape[1] :], skip_special_tokens=True) == got
