@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
+from examples.word_task import TASKS, WORDS, answer, ask, conversations, split
 from meshtrain.config import load_config
 from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, tokenize_conversations
@@ -18,22 +19,10 @@ from meshtrain.data.prepare import ChatOptions, end_of_text, load_tokenizer
 from meshtrain.model import Llama
 from meshtrain.train import build as build_state
 
-# The synthetic task: the system message says what to do with the user's words.
-WORDS = "red blue green black white cat dog fish bird tree sun moon star rain snow wind".split()
-TASKS = {"Repeat the words.": lambda w: w, "Reverse the words.": lambda w: w[::-1]}
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def ask(task: str, words, system: bool = True) -> list[dict]:
-    user = {"role": "user", "content": " ".join(words)}
-    return [{"role": "system", "content": task}, user] if system else [user]
-
-
-def answer(task: str, words) -> str:
-    return " ".join(TASKS[task](list(words)))
 
 
 def write_jsonl(path, rows) -> None:
@@ -248,12 +237,6 @@ E2E_MODEL = [
 ]
 
 
-def task_split():
-    combos = [(a, b, c) for a in WORDS for b in WORDS for c in WORDS]
-    random.Random(0).shuffle(combos)
-    return combos[:40], combos[40:1540]  # held out, trained on
-
-
 def greedy_answers(client, model: str, held) -> list:
     out = []
     for words in held:
@@ -271,18 +254,14 @@ def test_fine_tune_a_pretrained_model_into_a_chat_assistant(corpus, cli_env, tmp
     from test_serve import start_server
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    held, trained = task_split()
+    held, trained = split()
     # a "pretrained" model: the corpus, exported to the Hugging Face format
     pretrained, base = tmp_path / "pretrained", tmp_path / "base-hf"
     run = ["train", "--data.path", str(corpus), "--run.dir", str(pretrained), *E2E_MODEL, "--training.steps", "30"]
     assert run_cli(run, cli_env).returncode == 0
     assert run_cli(["export", str(pretrained), "--out", str(base)], cli_env).returncode == 0
     # chat data tokenized with the pretrained model's tokenizer (and so its template)
-    rows = [
-        {"messages": [*ask(task, words), {"role": "assistant", "content": answer(task, words)}]}
-        for words in trained
-        for task in TASKS
-    ]
+    rows = conversations(trained)
     write_jsonl(tmp_path / "chat.jsonl", rows)
     data = tmp_path / "chat-data"
     prep = ["data", "prepare", "--format", "chat", "--input", str(tmp_path / "chat.jsonl"), "--out", str(data)]

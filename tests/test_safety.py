@@ -4,13 +4,14 @@ the permissions of the user's umask."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import assert_user_error, faulty, read_metrics, run_cli, train_args
+from conftest import assert_user_error, children, faulty, read_metrics, run_cli, train_args
 from meshtrain.files import UMASK
 from meshtrain.lock import LOCK_NAME
 
@@ -102,8 +103,15 @@ def test_one_job_per_run_directory(corpus, cli_env, tmp_path):
         assert time.monotonic() < deadline and first.poll() is None, first.communicate()
         time.sleep(0.1)
     holder = json.loads(lock.read_text())
-    for second in (train_args(corpus, tmp_path), [*train_args(corpus, tmp_path), "--nproc", "2"]):
-        assert_user_error(run_cli(second, cli_env), "is in use by another job", f"pid {holder['pid']}")
+    workers = children(first.pid)
+    for w in workers:  # the first job holds the directory for as long as the second ones take to start
+        os.kill(w, signal.SIGSTOP)
+    try:
+        for second in (train_args(corpus, tmp_path), [*train_args(corpus, tmp_path), "--nproc", "2"]):
+            assert_user_error(run_cli(second, cli_env), "is in use by another job", f"pid {holder['pid']}")
+    finally:
+        for w in workers:
+            os.kill(w, signal.SIGCONT)
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 11))

@@ -9,10 +9,15 @@ validation by a hash of its text) and a record of its counts and checksums. So m
 one batch of documents per worker, whatever the input size, and the output depends on the inputs
 alone, not on how many workers or ranks wrote it: the dataset is the units' shards in unit order.
 
+With `--format chat` the rows are conversations (`data.chat`): each is rendered with the chat
+template and stored as its tokens (no end-of-text token added: the template ends each answer), with
+a `.mask` of its target tokens and its length in a `.len` beside each shard.
+
 Output directory:
   tokenizer.json   the Hugging Face tokenizer (given, or a byte-level BPE trained on a bounded sample)
-  train-*.bin      training token shards, val-*.bin the held-out ones
+  train-*.bin      training token shards, val-*.bin the held-out ones (chat: also *.mask, *.len)
   manifest.json    dtype, vocabulary, tokenizer hash, counts, shards with their SHA-256, the splits
+  chat_template.jinja  chat data: the template the conversations were rendered with
 
 The work happens in `.<out>.partial` beside the output: a killed prepare started again with the same
 inputs and options keeps the units already done and ends with the same bytes. The finished directory
