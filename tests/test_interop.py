@@ -111,25 +111,13 @@ def test_import_gives_identical_logits(trained):
         assert torch.equal(fresh(tokens)[..., :512], ours(tokens)[..., :512])
 
 
-def test_training_continues_from_a_hf_directory(trained, corpus, cli_env, tmp_path):
+@pytest.mark.parametrize(
+    "layout", [["--parallel.tp", "2", "--parallel.zero", "3"], []], ids=["tp2-zero3", "ddp2"]
+)  # DDP wraps the model: its parameter names carry "module."
+def test_training_continues_from_a_hf_directory(layout, trained, corpus, cli_env, tmp_path):
     run_dir, out = trained
-    result = run_cli(
-        train_args(
-            corpus,
-            tmp_path,
-            "--model.init_from",
-            f"hf:{out}",
-            "--nproc",
-            "2",
-            "--parallel.tp",
-            "2",
-            "--parallel.zero",
-            "3",
-            "--training.steps",
-            "2",
-        ),
-        cli_env,
-    )
+    args = train_args(corpus, tmp_path, "--model.init_from", f"hf:{out}", "--nproc", "2", *layout)
+    result = run_cli([*args, "--training.steps", "2"], cli_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "initialised from hf:" in result.stdout
     trained_loss = read_metrics(run_dir)[-1]["loss"]

@@ -170,8 +170,8 @@ class Llama(nn.Module):
 
 
 def clean_fqn(name: str) -> str:
-    """A parameter's name without the wrappers' prefixes (activation checkpointing, compile)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+    """A parameter's name without the wrappers' prefixes (DDP, activation checkpointing, compile)."""
+    return name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
