@@ -109,6 +109,35 @@ def test_train_refuses_bad_input(extra, fragment, capsys):
     assert_one_line(*run_main([*TRAIN, *extra], capsys), fragment)
 
 
+def dry_run_of(extra: list[str]) -> list[str]:
+    """The same job as a dry run: --nproc N becomes --dry-run N (the world size), else 2 ranks."""
+    if "--nproc" in extra:
+        return [("--dry-run" if a == "--nproc" else a) for a in extra]
+    return [*extra, "--dry-run", "2"]
+
+
+TRAINER_REFUSALS = {name: case for name, case in CASES.items() if "--nproc" not in case[1]}
+DRY_RUN_ONLY = {
+    "world does not divide": (["--parallel.tp", "2", "--dry-run", "3"], "world size 3 is not divisible"),
+    "rank outside the world": (["--dry-run", "2", "--dry-run-rank", "5"], "not a rank of a 2-rank job"),
+    "rank without dry run": (["--dry-run-rank", "1"], "--dry-run-rank goes with --dry-run WORLD"),
+    "json without dry run": (["--json"], "--json goes with --dry-run WORLD"),
+    "dry run and nproc": (["--dry-run", "2", "--nproc", "2"], "leave out --nproc"),
+    "dry run world zero": (["--dry-run", "0"], "--dry-run"),
+}
+
+
+@pytest.mark.parametrize("extra", [case[0] for case in TRAINER_REFUSALS.values()], ids=TRAINER_REFUSALS.keys())
+def test_the_dry_run_refuses_what_train_refuses_word_for_word(extra, capsys):
+    assert run_main([*TRAIN, *dry_run_of(extra)], capsys) == run_main([*TRAIN, *extra], capsys)
+
+
+@pytest.mark.parametrize("extra, fragment", DRY_RUN_ONLY.values(), ids=DRY_RUN_ONLY.keys())
+def test_dry_run_options_refuse_bad_input(extra, fragment, tmp_path, capsys):
+    data = ["--data.path", str(tmp_path / "data"), "--data.corpus", "stdlib"]  # the default corpus, not built
+    assert_one_line(*run_main(["train", *data, *extra], capsys), fragment)
+
+
 def test_config_file_of_binary_bytes(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_bytes(bytes(range(256)))

@@ -203,3 +203,24 @@ def test_planner_predicts_the_model_state_bytes_of_every_layout(reference, layou
             predicted = model_state_bytes(shape, layout, rank)
             for key, value in predicted.items():
                 assert value == pytest.approx(measured[key], rel=0.02), (name, rank, key, value, measured[key])
+
+
+DRY_RUN_LAYOUTS = ["ddp2", "zero1-2", "zero3-2", "hsdp-2x2", "tp2-sp-lp", "pp2-1f1b-ac", "fsdp2-tp2", "pp2-zero1-dp2"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", DRY_RUN_LAYOUTS)
+def test_dry_run_states_equal_what_each_rank_of_the_real_run_held(name, layout_run):
+    """`train --dry-run WORLD` of the run's own config, rank by rank, against its memory.json: the
+    same parameter, gradient and optimizer bytes, to the byte."""
+    import json
+
+    from meshtrain.plan.dry_run import dry_run
+
+    run_dir = layout_run(name)[0]
+    ranks = json.loads((run_dir / "memory.json").read_text())
+    cfg = load_config(run_dir / "config.toml")
+    for report in dry_run(cfg, len(ranks), list(range(len(ranks)))):
+        measured = ranks[report.rank]
+        for key in ("params", "grads", "optimizer"):
+            assert report.built[key] == measured[key], (name, report.rank, key, report.built[key], measured[key])

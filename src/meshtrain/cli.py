@@ -85,6 +85,17 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=INDEX, help="this node's index (static rendezvous at --master-addr)")
     t.add_argument("--master-addr", help="the first node's address (default: the first Slurm host)")
     t.add_argument("--master-port", type=PORT, help="rendezvous port (default: derived from the job id)")
+    t.add_argument(
+        "--dry-run",
+        type=COUNT,
+        metavar="WORLD",
+        help="build the job for WORLD ranks in this process on a fake process group (nothing allocated) and "
+        "print its busiest ranks' memory beside the planner's; nothing is trained",
+    )
+    t.add_argument(
+        "--dry-run-rank", type=INDEX, action="append", metavar="R", help="with --dry-run: this rank (repeatable)"
+    )
+    t.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     _add_config_keys(t)
 
     d = sub.add_parser("data", help="prepare training data")
@@ -295,6 +306,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=COUNT, default=10, help="layouts in the table")
     pl.add_argument("--json", action="store_true", help="print JSON (a list `layouts`, best first)")
     pl.add_argument("--write-config", help="write the best layout as a training config to this TOML file")
+    pl.add_argument(
+        "--verify",
+        nargs="?",
+        const=1,
+        type=COUNT,
+        metavar="N",
+        help="dry-run the best N layouts (default 1) at their world size (`train --dry-run`) and add what the "
+        "built job holds on its busiest rank (`built`)",
+    )
 
     s = sub.add_parser("serve", help="serve a run, checkpoint or Hugging Face directory (OpenAI-compatible API)")
     s.add_argument("model", help="a run directory, a checkpoint, or a directory `meshtrain export` wrote")
@@ -417,6 +437,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     if args.node_rank is not None and args.node_rank >= (args.nnodes or 1):
         raise MeshtrainError(f"--node-rank {args.node_rank} must be below --nnodes ({args.nnodes or 1})")
+    if args.dry_run is None and (args.dry_run_rank or args.json):
+        raise MeshtrainError(f"{'--dry-run-rank' if args.dry_run_rank else '--json'} goes with --dry-run WORLD")
+    if args.dry_run is not None:
+        if args.nproc is not None or given:
+            raise MeshtrainError("--dry-run builds the job in this one process: leave out --nproc and its options")
+        return _dry_run(cfg, args)
     if args.nproc is not None and not in_worker:
         from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage
         from meshtrain.launch.local import launch_workers
@@ -452,6 +478,29 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshtrain.train import train
 
     return train(cfg)["exit_code"]
+
+
+def _dry_run(cfg, args) -> int:
+    from meshtrain.plan.dry_run import KEYS, dry_run
+
+    reports = dry_run(cfg, args.dry_run, args.dry_run_rank)
+    if args.json:
+        print(json.dumps({"world": args.dry_run, "ranks": [r.as_dict() for r in reports]}, indent=2))
+        return 0
+
+    def size(n: float | None) -> str:
+        return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    print(f"dry run: the job built for {args.dry_run} ranks; per rank, built (measured on fake tensors) / planned")
+    for r in reports:
+        where = ", ".join(f"{k} {v}" for k, v in r.coordinates.items())
+        print(
+            f"rank {r.rank} ({where}): "
+            + " | ".join(f"{k} {size(r.built.get(k))} / {size(r.planned[k])}" for k in KEYS)
+        )
+        for note in r.notes:
+            print(f"  {note}")
+    return 0
 
 
 def _jobscript(args: argparse.Namespace, train_args: list[str]) -> int:

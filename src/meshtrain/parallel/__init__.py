@@ -4,6 +4,7 @@ bf16 arithmetic choice -> TP -> activation checkpointing -> compile -> FSDP (on 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,9 +62,17 @@ class ParallelModel:
 
 
 def parallelize(
-    model: nn.Module, dims: ParallelDims, parallel, training, device: torch.device, loss_fn: Callable
+    model: nn.Module,
+    dims: ParallelDims,
+    parallel,
+    training,
+    device: torch.device,
+    loss_fn: Callable,
+    materialize: contextlib.AbstractContextManager | None = None,
 ) -> ParallelModel:
-    """`model` is built on the meta device; returns materialised, initialised parts."""
+    """`model` is built on the meta device; returns materialised, initialised parts. `materialize`:
+    the context the parameters are allocated and initialised in (a dry run's FakeTensorMode, which
+    allocates nothing)."""
     if training.compile and dims.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
     if dims.pp > 1:
@@ -86,8 +95,9 @@ def parallelize(
             apply_compile(part, whole_model=dims.tp > 1 or (dims.dp == 1 and dims.pp == 1))
         if fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), dims.zero, torch.bfloat16 if training.dtype == "bf16" else None)
-        part.to_empty(device=device)
-        part.init_weights(training.seed, buffer_device=device)
+        with materialize or contextlib.nullcontext():
+            part.to_empty(device=device)
+            part.init_weights(training.seed, buffer_device=device)
         if dims.dp > 1 and not fsdp and dims.pp == 1:
             part = apply_ddp(part, dims.mesh("dp"))
         parts.append(part)

@@ -110,6 +110,7 @@ def run_plan(args) -> int:
 
     if args.write_config:
         _write_config(args, estimates, w, cfg, model)
+    built = _verify(args, estimates, w, cfg, model) if args.verify else {}
     if args.json:
         print(
             json.dumps(
@@ -124,7 +125,9 @@ def run_plan(args) -> int:
                     "seq_len": seq_len,
                     "global_batch": global_batch,
                     "dtype": dtype,
-                    "layouts": [e.as_dict() for e in estimates],
+                    "layouts": [
+                        {**e.as_dict(), **({"built": built[i]} if i in built else {})} for i, e in enumerate(estimates)
+                    ],
                     "not_possible": refused,
                 },
                 indent=1,
@@ -141,7 +144,41 @@ def run_plan(args) -> int:
         f"global batch {global_batch}, {dtype}"
     )
     render(title, estimates, refused, args.top, Console(width=None if sys.stdout.isatty() else 120))
+    for i, gib in built.items():
+        cells = ", ".join(f"{k} {v:.2f}" for k, v in gib.items() if v is not None)
+        print(f"built (dry run) #{i + 1} {estimates[i].layout.describe()}: {cells} GiB on its busiest rank")
     return 0
+
+
+def _training_config(layout, w: Workload, cfg: Config, model: ModelArgs) -> Config:
+    """The training config of a planned layout, with the planned model's shape."""
+    best = to_config(layout, w, cfg)
+    shape = {k: getattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}
+    return dataclasses.replace(best, model=dataclasses.replace(best.model, **shape))
+
+
+def _verify(args, estimates, w: Workload, cfg: Config, model: ModelArgs) -> dict[int, dict]:
+    """`train --dry-run` of the best `args.verify` layouts that fit: what the busiest built rank holds,
+    in GiB, with the keys of memory_gib (None where the dry run does not measure it)."""
+    from meshtrain.plan.dry_run import KEYS, dry_run
+
+    if args.arch != "llama":
+        raise MeshtrainError("--verify builds the layout with meshtrain's trainer, which trains Llama (--arch llama)")
+    if w.dtype == "fp16":
+        raise MeshtrainError("--verify: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
+    out = {}
+    for i, e in enumerate(estimates[: args.verify]):
+        job = _training_config(e.layout, w, cfg, model)
+        job = dataclasses.replace(  # the planned vocabulary and arithmetic, not the CPU's measured choice
+            job,
+            model=dataclasses.replace(job.model, vocab_size=model.vocab_size),
+            training=dataclasses.replace(job.training, bf16_compute="fp32" if w.fp32_arithmetic else "bf16"),
+        )
+        reports = dry_run(job, e.layout.world)
+        busiest = max(reports, key=lambda r: sum(r.built.values()))
+        out[i] = {k: round(busiest.built[k] / 2**30, 3) if k in busiest.built else None for k in KEYS}
+        out[i]["rank"] = busiest.rank
+    return out
 
 
 def _write_config(args, estimates, w: Workload, cfg: Config, model: ModelArgs) -> None:
@@ -158,13 +195,7 @@ def _write_config(args, estimates, w: Workload, cfg: Config, model: ModelArgs) -
         )
     if w.dtype == "fp16":
         raise MeshtrainError("--write-config: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
-    best = to_config(fitting[0].layout, w, cfg)
-    best = dataclasses.replace(
-        best,
-        model=dataclasses.replace(
-            best.model, **{k: getattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}
-        ),
-    )
+    best = _training_config(fitting[0].layout, w, cfg, model)
     path = write_text(args.write_config, to_toml(best.validate()))  # what is written must train
     print(
         f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "

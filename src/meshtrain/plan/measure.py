@@ -22,24 +22,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """What identifies a tensor's memory: its storage (views share it), real or fake."""
+    return t.untyped_storage()._cdata
+
+
+def _fsdp_unsharded_storages(model: nn.Module) -> set[int]:
+    """The storages FSDP2 all-gathers each module's weights into (freed again after use)."""
+    keys = set()
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                keys.add(_storage_key(_local(unsharded)))
+    return keys
+
+
 class SavedActivations:
     """Bytes of the distinct storages autograd saves for backward inside this context, without the
     model's parameters and buffers, plus the inputs that activation checkpointing holds for its
     recomputation (non-reentrant checkpointing hides what it saves from outer hooks). DTensors count
-    their local shard."""
+    their local shard. `fake`: the step runs on FakeTensors (a dry run), which then count; otherwise
+    fakes are DTensor's sharding propagation and do not."""
 
-    def __init__(self, model: nn.Module):
-        self._exclude = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        self._model = model
+    def __init__(self, model: nn.Module, fake: bool = False):
+        self._exclude = {_storage_key(_local(t)) for t in (*model.parameters(), *model.buffers())}
+        self._model, self._fake = model, fake
         self.storages: dict[int, int] = {}
 
     def _count(self, t: torch.Tensor) -> None:
         local = _local(t)
-        if local.is_meta or isinstance(local, FakeTensor):  # DTensor's sharding propagation runs on fakes
+        if local.is_meta or (isinstance(local, FakeTensor) and not self._fake):
             return
         storage = local.untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in self._exclude:
+        key = storage._cdata
+        if storage.nbytes() and key not in self._exclude:
             self.storages.setdefault(key, storage.nbytes())
 
     @property
@@ -66,6 +85,8 @@ class SavedActivations:
 
     def __exit__(self, *exc):
         self._stack.close()
+        for key in _fsdp_unsharded_storages(self._model):  # all-gathered weights: freed after use
+            self.storages.pop(key, None)
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -81,9 +102,9 @@ class PeakLiveBytes(TorchDispatchMode):
         self.peak = self.live_bytes
 
     def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in self._live:
-            self._live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        storage = _local(t).untyped_storage()
+        if storage.nbytes() and storage._cdata not in self._live:
+            self._live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
 
     @property
     def live_bytes(self) -> int:

@@ -342,22 +342,30 @@ def estimate_memory(
     gradients with the last recomputed block."""
     worst: dict[str, float] = {}
     for pp_rank in range(layout.pp):
-        rank = pp_rank * layout.dp * layout.tp  # tp, dp coordinates 0: the largest shards
-        states = model_state_bytes(w.shape, layout, rank)
-        act = activation_bytes(w, layout, pp_rank)
-        other = act["transient"] + other_bytes(
-            w, layout, pp_rank, runtime_gib, fragmentation, act["saved"] + act["transient"]
-        )
-        resident = states["grads"] if grads_resident(w, layout) else 0
-        recompute = act["transient"] if layout.ac != "none" else 0.0
-        peak = (
-            states["params"]
-            + states["optimizer"]
-            + other
-            - act["transient"]
-            + max(act["saved"] + act["transient"] + resident, states["grads"] + recompute)
-        )
-        item = {**states, "activations": act["saved"], "other": other, "total": peak}
+        item = rank_memory(w, layout, pp_rank, runtime_gib, fragmentation)
         if item["total"] > worst.get("total", -1):
             worst = item
     return worst
+
+
+def rank_memory(
+    w: Workload, layout: Layout, pp_rank: int, runtime_gib: float = 0.0, fragmentation: float = 0.0
+) -> dict[str, float]:
+    """The bytes of pipeline rank `pp_rank`'s largest shard (tp, dp coordinates 0), itemised, with
+    its peak (see estimate_memory)."""
+    rank = pp_rank * layout.dp * layout.tp
+    states = model_state_bytes(w.shape, layout, rank)
+    act = activation_bytes(w, layout, pp_rank)
+    other = act["transient"] + other_bytes(
+        w, layout, pp_rank, runtime_gib, fragmentation, act["saved"] + act["transient"]
+    )
+    resident = states["grads"] if grads_resident(w, layout) else 0
+    recompute = act["transient"] if layout.ac != "none" else 0.0
+    peak = (
+        states["params"]
+        + states["optimizer"]
+        + other
+        - act["transient"]
+        + max(act["saved"] + act["transient"] + resident, states["grads"] + recompute)
+    )
+    return {**states, "activations": act["saved"], "other": other, "total": peak}

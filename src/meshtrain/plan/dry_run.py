@@ -1,0 +1,248 @@
+"""`meshtrain train --dry-run WORLD`: build what `train` builds for a job of WORLD ranks, as one
+process on torch's fake process group, and measure the busiest ranks' memory without allocating it.
+
+For each rank looked at (the first and the last pipeline stage's rank 0, or --dry-run-rank), the
+process joins a fake process group as that rank of WORLD (a collective returns at once and moves
+nothing), runs the trainer's own start-up checks (so a layout the trainer refuses is refused here in
+the same words), builds the DeviceMesh, the model on the meta device, `parallelize()` (TP/SP plans,
+FSDP2 groups, the pipeline split and schedule, DDP) and the optimizer (with its ZeRO-1 partition),
+with every parameter materialised as a FakeTensor: shapes and dtypes, no memory. Then it runs the
+step on fake tensors and measures, with the trackers the planner's tests hold it to (`plan.measure`):
+  - model states: parameter, gradient and optimizer-state bytes this rank holds after a step (what
+    a real run writes to memory.json);
+  - activations: the bytes autograd saves during one micro-batch's forward (FSDP's all-gathered
+    weights excluded: they are freed after use).
+A pipeline rank runs its stages' forward and backward directly, one micro-batch each (torch 2.13's
+schedules read a value during their warm-up, which fake tensors do not have), then the optimizer
+step; its activations are one micro-batch's, measured, with the blocks' part times the micro-batches
+the schedule keeps in flight. The working set and the peak ("other", "total") are the planner's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.config import Config
+from meshtrain.plan.layout import Layout
+
+KEYS = ("params", "grads", "optimizer", "activations", "other", "total")
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coordinates: dict[str, int]
+    built: dict[str, float]  # measured on fake tensors (keys of KEYS that were measured)
+    planned: dict[str, float]  # the planner's prediction for this rank (KEYS)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "coordinates": self.coordinates,
+            "built": self.built,
+            "planned": self.planned,
+            "notes": self.notes,
+        }
+
+
+def busiest_ranks(layout: Layout) -> list[int]:
+    """Rank 0 of the first pipeline stage and of the last (they hold the embedding and the output:
+    the largest shards); one rank without pipelining."""
+    pp_ranks = sorted({0, *(r for r in range(layout.pp) if layout.holds_last_stage(r))})
+    return [pp_rank * layout.dp * layout.tp for pp_rank in pp_ranks]
+
+
+def data_vocab_size(cfg: Config) -> int | None:
+    """The prepared data's vocabulary (the trainer checks the model against it), after the checks the
+    trainer makes of the data at start-up: None when the data is not prepared yet but the default
+    corpus would be (a dry run prepares nothing)."""
+    from meshtrain.config import parse_data_path
+    from meshtrain.data.prepare import MANIFEST, read_manifest
+    from meshtrain.train.build import check_init_tokenizer
+
+    paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
+    if len(paths) == 1 and not (paths[0] / MANIFEST).is_file() and cfg.data.corpus:
+        return None
+    for path in paths:
+        read_manifest(path)  # the trainer's one-line error for missing or corrupt data
+    from meshtrain.data import Blend
+
+    dataset = Blend(cfg.data.path, cfg.training.seq_len)
+    check_init_tokenizer(cfg, dataset)
+    return dataset.vocab_size
+
+
+def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[RankReport]:
+    """The reports of `ranks` (default: the busiest) of a WORLD-rank job; the trainer's one-line
+    error for a layout it would refuse."""
+    from meshtrain.train.build import check_training
+
+    vocab = data_vocab_size(cfg)
+    check_training(cfg, world, vocab)  # the trainer's own refusals, word for word
+    layout = Layout.from_config(cfg, world)
+    for rank in ranks or []:
+        if not 0 <= rank < world:
+            from meshtrain.errors import ConfigError
+
+            raise ConfigError(f"--dry-run-rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
+    return [_in_child(_dry_run_rank, cfg, world, rank, vocab, layout) for rank in ranks or busiest_ranks(layout)]
+
+
+def _in_child(fn, *args):
+    """fn(*args) in a forked process: each rank joins its own fake process group, and torch keeps
+    the groups and meshes of a destroyed one cached. Its error comes back as it was raised."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe(duplex=False)
+
+    def run():
+        try:
+            child.send((fn(*args), None))
+        except BaseException as e:  # sent back whole: a MeshtrainError keeps its one line
+            child.send((None, e))
+
+    process = context.Process(target=run)
+    process.start()
+    result, error = parent.recv()
+    process.join()
+    if error is not None:
+        raise error
+    return result
+
+
+def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None, layout: Layout) -> RankReport:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtrain.model import Llama
+    from meshtrain.optim import build_optimizer
+    from meshtrain.parallel import ParallelDims, parallelize
+    from meshtrain.parallel.memory import model_state_bytes
+    from meshtrain.plan.check import workload_of
+    from meshtrain.plan.memory import rank_memory
+    from meshtrain.train.build import check_training
+    from meshtrain.train.step import cross_entropy, step_context
+
+    device = torch.device("cpu")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        args = check_training(cfg, world, vocab)
+        t = cfg.training
+        dims = ParallelDims.from_config(cfg.parallel, world)
+        dims.build_mesh(device.type)
+        if dims.dp > 1 and dims.zero >= 2:
+            dims.fsdp_mesh()  # sliced here: a mesh cannot be sliced on fake tensors
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.device("meta"):
+            full_model = Llama(args)
+        model = parallelize(full_model, dims, cfg.parallel, t, device, cross_entropy, materialize=fake)
+        with fake:
+            optimizer, _ = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
+        c = layout.coordinates(rank)
+        planned = rank_memory(workload_of(cfg, args, device), layout, c["pp"])
+        report = RankReport(rank, c, {}, planned)
+        context = lambda: step_context(model, dims, t, device)  # noqa: E731
+        with fake, _no_gradient_sync(model):
+            if model.schedule is None:
+                _measure_step(model, optimizer, dims, t, context, report, args.vocab_size)
+            else:
+                _measure_stages(model, optimizer, dims, t, context, report, args, layout)
+            report.built |= model_state_bytes(model.parameters(), optimizer)
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model):
+    """DDP's reducer cannot run on fake tensors; without it the gradients are the same tensors."""
+    with contextlib.ExitStack() as stack:
+        for part in model.parts:
+            if hasattr(part, "no_sync"):
+                stack.enter_context(part.no_sync())
+        yield
+
+
+def _tokens(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of the right shape: the values do not matter to fake tensors."""
+    return torch.zeros(batch, seq, dtype=torch.long), torch.ones(batch, seq, dtype=torch.long)
+
+
+def _measure_step(model, optimizer, dims, t, context, report: RankReport, vocab: int) -> None:
+    """One micro-batch's saved activations, then a training step (its gradients and optimizer states)."""
+    from meshtrain.plan.measure import SavedActivations
+    from meshtrain.train.step import train_step
+
+    (part,) = model.parts
+    x, y = _tokens(t.micro_batch_size, t.seq_len, vocab)
+    with SavedActivations(part, fake=True) as saved, context():
+        model.loss_fn(part(x), y)
+    report.built["activations"] = saved.bytes
+    inputs, targets = _tokens(t.global_batch_size // dims.dp, t.seq_len, vocab)
+    n_targets = t.global_batch_size * t.seq_len
+    train_step(model, optimizer, inputs, targets, t, torch.device("cpu"), context, None, n_targets, dims.dp)
+
+
+def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args, layout: Layout) -> None:
+    """Each stage of this pipeline rank: one micro-batch forward (its saved bytes) and backward, then
+    the optimizer step."""
+    from meshtrain.plan.measure import SavedActivations
+    from meshtrain.plan.memory import in_flight
+
+    mb = t.micro_batch_size
+    # what a stage receives from the one before: the sequence split over TP under sequence parallelism
+    seq_in = t.seq_len // dims.tp if dims.tp > 1 and layout.sequence_parallel else t.seq_len
+    whole = blocks = 0
+    optimizer.zero_grad(set_to_none=True)
+    for part in model.parts:
+        first, last = part.tok_embeddings is not None, part.output is not None
+        x = _tokens(mb, t.seq_len, args.vocab_size)[0] if first else torch.zeros(mb, seq_in, args.dim)
+        x.requires_grad_(not first)
+        with SavedActivations(part, fake=True) as saved, _marking_blocks(part, saved) as marks, context():
+            out = part(x)
+            if last:
+                out = model.loss_fn(out, torch.ones(mb, t.seq_len, dtype=torch.long))
+        whole += saved.bytes
+        in_blocks = marks.get("end", set()) - marks.get("start", set())
+        blocks += sum(n for key, n in saved.storages.items() if key in in_blocks)
+        with context():
+            out.backward(None if last else torch.zeros_like(out))
+    optimizer.step()
+    # The schedule holds the blocks' activations of several micro-batches at once (the embedding's
+    # and the head's of one): the measured bytes of one, times the micro-batches in flight.
+    flight = in_flight(layout, t.global_batch_size // (mb * dims.dp))
+    report.built["activations"] = whole + blocks * (flight - 1)
+    report.notes.append(
+        f"pipeline: the saved bytes of one micro-batch measured, x {flight:g} in flight (the schedule's)"
+    )
+
+
+@contextlib.contextmanager
+def _marking_blocks(part, saved):
+    """The storages `saved` holds when the transformer blocks start and when they end (their
+    difference: what the blocks saved)."""
+    marks: dict[str, set[int]] = {}
+    layers = list(part.layers.values())
+
+    def mark(name: str):
+        def hook(*_):  # returns None: the module's inputs and outputs stay as they are
+            if name == "end" or name not in marks:
+                marks[name] = set(saved.storages)
+
+        return hook
+
+    handles = []
+    if layers:
+        handles = [layers[0].register_forward_pre_hook(mark("start")), layers[-1].register_forward_hook(mark("end"))]
+    try:
+        yield marks
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,98 @@
+"""`meshtrain train --dry-run WORLD`: the job built at its true world size on a fake process group,
+with fake tensors, against the planner (and, in test_parallel.py, against real runs)."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from meshtrain.config import load_config
+from meshtrain.plan.dry_run import busiest_ranks, dry_run
+from meshtrain.plan.layout import Layout
+
+TINY = ["--model.preset", "tiny", "--model.n_layers", "4", "--training.seq_len", "256"]
+TINY += ["--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--data.corpus", "stdlib"]
+BIG = ["--training.micro_batch_size", "1", "--training.dtype", "bf16", "--training.bf16_compute", "bf16"]
+LAYOUTS = {
+    "single": (1, TINY),
+    "ddp2": (2, TINY),
+    "zero1-2": (2, [*TINY, "--parallel.zero", "1"]),
+    "zero3-4-ac": (4, [*TINY, "--parallel.zero", "3", "--training.activation_checkpointing", "full"]),
+    "hsdp-2x2": (4, [*TINY, "--parallel.zero", "3", "--parallel.dp_replicate", "2"]),
+    "tp2-sp": (2, [*TINY, "--parallel.tp", "2"]),
+    "tp2-plain": (2, [*TINY, "--parallel.tp", "2", "--parallel.sequence_parallel", "false"]),
+    "fsdp2-tp2-selective": (
+        4,
+        [*TINY, "--parallel.zero", "3", "--parallel.tp", "2", "--training.activation_checkpointing", "selective"],
+    ),
+    "pp2-gpipe-zero1": (4, [*TINY, "--parallel.pp", "2", "--parallel.zero", "1", "--parallel.pp_schedule", "gpipe"]),
+    "pp2-interleaved-tp2": (
+        4,
+        [*TINY, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "interleaved_1f1b"]
+        + ["--parallel.pp_virtual_stages", "2"],
+    ),
+    "pp2-fsdp2-tp2": (8, [*TINY, "--parallel.pp", "2", "--parallel.zero", "3", "--parallel.tp", "2"]),
+    # the real sizes: Llama 3 8B on 64 GPUs (FSDP x TP), 70B on 512 (TP 8, PP 8 interleaved)
+    "8b-64": (
+        64,
+        [*BIG, "--model.preset", "llama3-8b", "--parallel.tp", "8", "--parallel.zero", "3"]
+        + ["--training.seq_len", "8192", "--training.global_batch_size", "64"],
+    ),
+    "70b-512": (
+        512,
+        [*BIG, "--model.preset", "llama3-70b", "--parallel.tp", "8", "--parallel.pp", "8", "--parallel.zero", "3"]
+        + ["--parallel.pp_schedule", "interleaved_1f1b", "--parallel.pp_virtual_stages", "2"]
+        + ["--training.seq_len", "4096", "--training.global_batch_size", "512"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_built_job_matches_the_planner(name, tmp_path):
+    """Model states per rank equal the planner's (its exact formulas against the objects the trainer
+    builds); saved activations within 5% (what autograd keeps, counted on fake tensors)."""
+    world, overrides = LAYOUTS[name]
+    cfg = load_config(None, [*overrides, "--data.path", str(tmp_path / "data")])
+    reports = dry_run(cfg, world)
+    assert [r.rank for r in reports] == busiest_ranks(Layout.from_config(cfg, world))
+    for r in reports:
+        for key in ("params", "grads", "optimizer"):
+            assert r.built[key] == pytest.approx(r.planned[key], rel=0.01), (r.rank, key, r.built, r.planned)
+        assert r.built["activations"] == pytest.approx(r.planned["activations"], rel=0.05), (r.rank, r.built)
+        assert r.built["params"] > 0 and r.built["activations"] > 0
+
+
+def test_llama3_405b_on_16384_ranks_from_the_command_line(tmp_path, cli_env):
+    """TP 8, PP 16, DP 128, sequence 8192: built and measured for its first and last pipeline
+    stage in seconds, on the fake tensors' shapes alone."""
+    args = ["train", "--model.preset", "llama3-405b", *BIG, "--parallel.tp", "8", "--parallel.pp", "16"]
+    args += ["--parallel.zero", "3", "--training.seq_len", "8192", "--training.global_batch_size", "2048"]
+    args += ["--data.path", str(tmp_path / "data"), "--dry-run", "16384", "--json"]
+    result = run_cli(args, cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["world"] == 16384 and [r["rank"] for r in out["ranks"]] == [0, 15 * 128 * 8]
+    for r in out["ranks"]:
+        assert r["built"]["params"] == r["planned"]["params"]
+        assert r["built"]["optimizer"] == r["planned"]["optimizer"]
+        assert r["built"]["activations"] == pytest.approx(r["planned"]["activations"], rel=0.05)
+        assert r["coordinates"]["tp"] == 0 and r["coordinates"]["dp"] == 0
+    # 405B / (8 x 16) in bf16 storage... fp32 master weights: ~3.2B parameters of a stage / 8 (TP) / 128 (FSDP)
+    assert 50 * 2**20 < out["ranks"][0]["built"]["params"] < 200 * 2**20
+
+
+def test_plan_verify_adds_what_the_built_job_holds(cli_env):
+    result = run_cli(
+        ["plan", "--model", "small", "--gpu", "a100-80gb", "--gpus", "8", "--seq-len", "1024", "--verify", "2"]
+        + ["--json"],
+        cli_env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    layouts = json.loads(result.stdout)["layouts"]
+    assert "built" in layouts[0] and "built" in layouts[1] and "built" not in layouts[2]
+    for layout in layouts[:2]:
+        planned, built = layout["memory_gib"], layout["built"]
+        assert set(built) == {*planned, "rank"}
+        for key in ("params", "grads", "optimizer"):
+            assert built[key] == pytest.approx(planned[key], rel=0.01, abs=2e-3), (layout["layout"], key)
+        assert built["activations"] == pytest.approx(planned["activations"], rel=0.05), layout["layout"]
