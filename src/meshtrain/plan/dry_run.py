@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.config import Config
+from meshtrain.errors import MeshtrainError
 from meshtrain.plan.layout import Layout
 
 KEYS = ("params", "grads", "optimizer", "activations", "other", "total")
@@ -106,11 +107,19 @@ def _in_child(fn, *args):
         try:
             child.send((fn(*args), None))
         except BaseException as e:  # sent back whole: a MeshtrainError keeps its one line
-            child.send((None, e))
+            try:
+                child.send((None, e))
+            except Exception:  # an error that does not pickle
+                child.send((None, RuntimeError(f"{type(e).__name__}: {e}")))
 
     process = context.Process(target=run)
     process.start()
-    result, error = parent.recv()
+    child.close()  # so that a child that dies without answering ends the wait
+    try:
+        result, error = parent.recv()
+    except EOFError:
+        process.join()
+        raise MeshtrainError(f"a dry-run process died (exit code {process.exitcode}): out of host memory?") from None
     process.join()
     if error is not None:
         raise error
@@ -137,8 +146,6 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None, layout:
         t = cfg.training
         dims = ParallelDims.from_config(cfg.parallel, world)
         dims.build_mesh(device.type)
-        if dims.dp > 1 and dims.zero >= 2:
-            dims.fsdp_mesh()  # sliced here: a mesh cannot be sliced on fake tensors
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with torch.device("meta"):
             full_model = Llama(args)
