@@ -115,17 +115,14 @@ TP_CASES = [
 ]
 
 
-def _tp_worker(rank: int, port: int, out: str) -> None:
-    import os
-
+def _tp_worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
     from meshtrain.parallel import apply_tp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     results = []
     for size, micro, seq, ac, sp in TP_CASES:
@@ -149,16 +146,12 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.multiproc
 def test_saved_activations_under_tensor_parallelism(tmp_path):
     """Two gloo ranks, TP 2 with and without sequence parallelism and checkpointing: each rank's
-    saved bytes (local shards) against the prediction."""
-    import socket
-
+    saved bytes (local shards) against the prediction. The ranks meet in a file store: a port
+    found free and released before the workers bind it can be taken by another test meanwhile."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "saved.json"
-    mp.spawn(_tp_worker, args=(port, str(out)), nprocs=2)
+    mp.spawn(_tp_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2)
     for (size, micro, seq, ac, sp), measured in zip(TP_CASES, json.loads(out.read_text()), strict=True):
         cfg = load_config(None, [*model_overrides(*SIZES[size], seq=seq), "--training.seq_len", str(seq)])
         layout = Layout(tp=2, micro_batch=micro, ac=ac, sequence_parallel=sp)
