@@ -1,16 +1,16 @@
-"""python -m bench [throughput|profile|scaling|memory|serve|data|plots|all] [options]: see bench/README.md."""
+"""python -m bench [throughput|profile|scaling|memory|serve|data|planner|plots|all] [options]: see bench/README.md."""
 
 import argparse
 import os
 
-from bench import data, memory, plots, profile, scaling, serve, throughput
+from bench import data, memory, planner, plots, profile, scaling, serve, throughput
 
 p = argparse.ArgumentParser(prog="python -m bench")
 p.add_argument(
     "suite",
     nargs="?",
     default="all",
-    choices=("throughput", "profile", "scaling", "memory", "serve", "data", "plots", "all"),
+    choices=("throughput", "profile", "scaling", "memory", "serve", "data", "planner", "plots", "all"),
 )
 p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
 p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
@@ -44,6 +44,7 @@ for name, suite in (
     ("memory", memory),
     ("serve", serve),
     ("data", data),
+    ("planner", planner),
     ("plots", plots),
 ):
     if a.suite in (name, "all"):

@@ -263,6 +263,14 @@ def _parser() -> argparse.ArgumentParser:
         default="flash",
         help="math: the s x s attention scores are saved (GPT runs without flash attention)",
     )
+    pl.add_argument(
+        "--training.compile",
+        "--compile",
+        dest="compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the blocks and the loss compiled with torch.compile (training.compile; default: the config's, else off)",
+    )
     pl.add_argument("--parallel.tp", "--tp", dest="tp", type=COUNT)
     pl.add_argument("--parallel.pp", "--pp", dest="pp", type=COUNT)
     pl.add_argument("--parallel.zero", "--zero", dest="zero", type=int, choices=[0, 1, 2, 3])
@@ -276,6 +284,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"],
     )
     pl.add_argument("--parallel.pp_virtual_stages", "--virtual-stages", dest="virtual_stages", type=COUNT)
+    pl.add_argument(
+        "--parallel.sequence_parallel",
+        "--sequence-parallel",
+        dest="sequence_parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="TP with sequence parallelism (default: on; --no-sequence-parallel for Megatron runs before 2022)",
+    )
     pl.add_argument(
         "--network",
         help="inter-node fabric: ib-edr, ib-hdr, ib-ndr, efa-p4d, efa-p5, roce-100g, "

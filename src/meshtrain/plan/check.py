@@ -21,7 +21,15 @@ def workload_of(cfg: Config, args: ModelArgs, device: torch.device) -> Workload:
     from meshtrain.parallel.precision import wants_fp32_compute
 
     t = cfg.training
-    return Workload(Shape.from_args(args), t.seq_len, t.global_batch_size, t.dtype, wants_fp32_compute(t, device))
+    return Workload(
+        Shape.from_args(args),
+        t.seq_len,
+        t.global_batch_size,
+        t.dtype,
+        wants_fp32_compute(t, device),
+        device="cuda" if device.type == "cuda" else "cpu",
+        compiled=t.compile,
+    )
 
 
 def device_capacity(device: torch.device, local_world_size: int) -> float:

@@ -17,7 +17,7 @@ from meshtrain.plan.layout import Workload, to_config
 from meshtrain.plan.search import search
 from meshtrain.plan.shapes import Shape
 
-KNOBS = ("tp", "pp", "zero", "dp_replicate", "micro_batch", "ac", "pp_schedule", "virtual_stages")
+KNOBS = ("tp", "pp", "zero", "dp_replicate", "micro_batch", "ac", "pp_schedule", "virtual_stages", "sequence_parallel")
 
 
 def _base_config(args) -> Config:
@@ -91,7 +91,11 @@ def run_plan(args) -> int:
         from meshtrain.parallel.precision import wants_fp32_compute
 
         fp32_arithmetic = wants_fp32_compute(dataclasses.replace(t, dtype="bf16"), torch.device("cpu"))
-    w = Workload(shape, seq_len, global_batch, dtype, fp32_arithmetic, args.attention)
+    compiled = args.compile if args.compile is not None else (t.compile if explain else False)
+    if compiled and args.arch != "llama":
+        raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
+    device_type = "cpu" if args.gpu == "cpu" else "cuda"
+    w = Workload(shape, seq_len, global_batch, dtype, fp32_arithmetic, args.attention, device_type, compiled)
     fixed = {k: getattr(args, k) for k in KNOBS}
     if explain:
         p = cfg.parallel
@@ -104,6 +108,7 @@ def run_plan(args) -> int:
             "ac": t.activation_checkpointing,
             "pp_schedule": p.pp_schedule,
             "virtual_stages": p.pp_virtual_stages,
+            "sequence_parallel": p.sequence_parallel,
         }
         fixed = {k: v if v is not None else from_config[k] for k, v in fixed.items()}
     estimates, refused = search(w, dev, inter, gpus, fixed, cfg if llama else None, model if llama else None)

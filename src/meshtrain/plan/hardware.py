@@ -51,6 +51,8 @@ class Device:
     memory_gbs: float
     matmul_efficiency: float  # sustained fraction of the peak in large training GEMMs
     runtime_gib: float  # CUDA context, cuBLAS workspaces, NCCL buffers: never available to tensors
+    attention_efficiency: float  # fraction of the peak attention (flash, forward + backward) sustains
+    gemm_half_width: int = 0  # the hidden size per TP rank at which GEMMs reach half their large-GEMM share
     gpus_per_node: int = 8
 
     def peak(self, dtype: str) -> float:
@@ -64,7 +66,10 @@ class Device:
         return value
 
 
-def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, bf16=True) -> Device:
+GEMM_HALF_WIDTH = 256
+
+
+def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, attention, bf16=True) -> Device:
     """Peaks from the one table MFU also reads (hardware.GPU_PEAK_TFLOPS, matched by `part`)."""
     from meshtrain.hardware import GPU_PEAK_TFLOPS
 
@@ -79,6 +84,8 @@ def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, bf16=Tru
         hbm,
         efficiency,
         runtime_gib=1.0,
+        attention_efficiency=attention,
+        gemm_half_width=GEMM_HALF_WIDTH,
     )
 
 
@@ -87,13 +94,13 @@ def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, bf16=Tru
 CATALOG = {
     d.name: d
     for d in (
-        _gpu("v100-16gb", "V100", 15.78, 130.0, "NVLink 2", "ib-edr", 900.0, 0.50, bf16=False),
-        _gpu("v100-32gb", "V100", 31.75, 130.0, "NVLink 2", "ib-edr", 900.0, 0.50, bf16=False),
-        _gpu("a100-40gb", "A100", 39.39, 230.0, "NVLink 3", "ib-hdr", 1555.0, 0.60),
-        _gpu("a100-80gb", "A100", 79.15, 230.0, "NVLink 3", "ib-hdr", 2039.0, 0.60),
-        _gpu("h100-80gb", "H100", 79.11, 360.0, "NVLink 4", "ib-ndr", 3350.0, 0.55),
-        _gpu("h200-141gb", "H200", 139.8, 360.0, "NVLink 4", "ib-ndr", 4800.0, 0.58),
-        _gpu("b200-192gb", "B200", 179.1, 700.0, "NVLink 5", "ib-ndr", 8000.0, 0.55),
+        _gpu("v100-16gb", "V100", 15.78, 130.0, "NVLink 2", "ib-edr", 900.0, 0.70, 0.40, bf16=False),
+        _gpu("v100-32gb", "V100", 31.75, 130.0, "NVLink 2", "ib-edr", 900.0, 0.70, 0.40, bf16=False),
+        _gpu("a100-40gb", "A100", 39.39, 230.0, "NVLink 3", "ib-hdr", 1555.0, 0.75, 0.50),
+        _gpu("a100-80gb", "A100", 79.15, 230.0, "NVLink 3", "ib-hdr", 2039.0, 0.75, 0.50),
+        _gpu("h100-80gb", "H100", 79.11, 360.0, "NVLink 4", "ib-ndr", 3350.0, 0.85, 0.34),
+        _gpu("h200-141gb", "H200", 139.8, 360.0, "NVLink 4", "ib-ndr", 4800.0, 0.85, 0.34),
+        _gpu("b200-192gb", "B200", 179.1, 700.0, "NVLink 5", "ib-ndr", 8000.0, 0.85, 0.34),
     )
 }
 KINDS = (*CATALOG, "cpu")
@@ -124,6 +131,7 @@ def cpu_device(processes_per_node: int) -> Device:
         memory_gbs=10.0,
         matmul_efficiency=0.8,
         runtime_gib=0.0,
+        attention_efficiency=0.8,
         gpus_per_node=processes_per_node,
     )
 

@@ -95,8 +95,11 @@ class Layout:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: the model, tokens per sequence, sequences per optimizer step, precision.
-    `fp32_arithmetic`: bf16 storage with fp32 matmuls (training.bf16_compute = "fp32")."""
+    """What is trained, and how: the model, tokens per sequence, sequences per optimizer step,
+    precision (`fp32_arithmetic`: bf16 storage with fp32 matmuls, training.bf16_compute = "fp32"),
+    the device type whose kernels run the step (CUDA fuses RMSNorm into one kernel that saves less
+    than the CPU's composite one) and whether the blocks and the loss are compiled
+    (training.compile: inductor keeps fewer, fused tensors for backward)."""
 
     shape: Shape
     seq_len: int
@@ -104,6 +107,8 @@ class Workload:
     dtype: str = "bf16"
     fp32_arithmetic: bool = False
     attention: str = "flash"  # "math" materialises the s x s scores (GPT arch without flash attention)
+    device: str = "cuda"  # "cuda" or "cpu"
+    compiled: bool = False
 
     def micro_batches(self, layout: Layout) -> int:
         return self.global_batch // (layout.micro_batch * layout.dp)
@@ -131,6 +136,7 @@ def to_config(layout: Layout, w: Workload, base: Config) -> Config:
         global_batch_size=w.global_batch,
         seq_len=w.seq_len,
         dtype="fp32" if w.dtype == "fp32" else "bf16",
+        compile=w.compiled,
         activation_checkpointing=layout.ac,
         ac_every=layout.ac_every,
     )

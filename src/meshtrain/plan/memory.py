@@ -176,14 +176,16 @@ class Precision:
         return cls(4, 2, True, attention, 2, True)
 
 
-def llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float, int, str]]:
+def llama_block(shape: Shape, prec: Precision, fused_norm: bool) -> list[tuple[str, float, int, str]]:
+    """The eager block. RMSNorm: CUDA's fused kernel saves its input and 1/rms; the CPU's composite
+    one upcasts (the fp32 input) and also keeps the normalised input for the weight's gradient."""
     h, kv, f, heads = shape.dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
     saved = []
     for norm, consumers in (("attention_norm", 3), ("ffn_norm", 2)):
         saved += [
-            (f"{norm} input (fp32)", h, 4, "sp"),
+            (f"{norm} input", h, prec.stream if fused_norm else 4, "sp"),
             (f"{norm} 1/rms", 1, 4, "sp"),
-            (f"{norm} normalised input", h, 4, "sp"),
+            *([] if fused_norm else [(f"{norm} normalised input", h, 4, "sp")]),
             (
                 f"{norm} output as the linears save it",
                 h * (consumers if prec.per_linear_copies else 1),
@@ -200,6 +202,23 @@ def llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float, int, st
         saved.append(("wo input (bf16)", h, 2, "tp"))
     saved.append(("SwiGLU: w1 out, w3 out, silu, product", 4 * f, prec.mlp, "tp"))
     return saved
+
+
+def compiled_llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float, int, str]]:
+    """The block under torch.compile, as inductor's partitioner keeps it for backward (measured with
+    saved-tensor hooks): the block's input, each norm's output cast once (not once per linear),
+    q, k, v, the attention output and wo's contiguous copy of it, and three of SwiGLU's four
+    intermediates (silu is recomputed); the residual sum and the normalised inputs are recomputed."""
+    h, kv, f, heads = shape.dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
+    return [
+        ("block input", h, prec.stream, "sp"),
+        ("2 x 1/rms", 2, 4, "sp"),
+        ("2 x norm output, cast once", 2 * h, prec.linear_input, "full"),
+        ("q, k after rotary; v", h + 2 * kv, prec.attention, "tp"),
+        ("attention log-sum-exp", heads, 4, "tp"),
+        ("attention output and wo's input", 2 * h, prec.attention, "tp"),
+        ("SwiGLU: w1 out, w3 out, product", 3 * f, prec.mlp, "tp"),
+    ]
 
 
 def gpt_block(shape: Shape, w: Workload) -> list[tuple[str, float, int, str]]:
@@ -243,7 +262,10 @@ def block_bytes_per_token(w: Workload, layout: Layout) -> float:
     shape = w.shape
     if shape.arch == "gpt":
         return _per_token(gpt_block(shape, w), layout)
-    return _per_token(llama_block(shape, Precision.of(w, layout.fsdp)), layout)
+    prec = Precision.of(w, layout.fsdp)
+    if w.compiled:
+        return _per_token(compiled_llama_block(shape, prec), layout)
+    return _per_token(llama_block(shape, prec, fused_norm=w.device == "cuda"), layout)
 
 
 def checkpointed_block_bytes_per_token(w: Workload, layout: Layout) -> float:
@@ -253,16 +275,30 @@ def checkpointed_block_bytes_per_token(w: Workload, layout: Layout) -> float:
 
 
 def ends_bytes_per_token(w: Workload, layout: Layout, first: bool, last: bool) -> float:
-    """The token ids (first stage); the final norm, the output layer's input and the log-softmax of
-    the loss with its targets (last stage)."""
+    """The token ids (first stage); the final norm, the output layer's input and what the loss keeps
+    with its targets (last stage): eager, the fp32 log-softmax; compiled, the logits themselves."""
     total = 8.0 if first else 0.0
     if last:
         h, t = w.shape.dim, layout.tp
-        linear_input = 4 if w.dtype == "fp32" else 2
+        linear_input = _half_bytes(w)
         sp = t if layout.sequence_parallel else 1
-        vocab = w.shape.vocab_size / (t if layout.loss_parallel else 1)
-        total += (2 * h * 4 + 4) / sp + h * linear_input + 4 * vocab + 8
+        norm = (h * 4 + 4) if w.device == "cuda" or w.compiled else (2 * h * 4 + 4)
+        loss = linear_input if w.compiled else 4
+        total += norm / sp + h * linear_input + loss * _vocab(w, layout) + 8
     return total
+
+
+def _vocab(w: Workload, layout: Layout) -> float:
+    """Logit columns one rank holds: the vocabulary, split under loss parallelism."""
+    return w.shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
+
+
+def logits_working_bytes_per_token(w: Workload, layout: Layout) -> float:
+    """On top of what the loss saved, at its backward: eager, the logits' fp32 copy and the two fp32
+    gradients of log-softmax (the logits themselves are gone); compiled, one gradient of the logits,
+    computed in one fused kernel."""
+    half = _half_bytes(w)
+    return _vocab(w, layout) * (half if w.compiled else 4 + 2 * half)
 
 
 def in_flight(layout: Layout, micro_batches: int) -> float:
@@ -298,8 +334,7 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str,
         w, layout, first, last
     )
     recompute = tokens * full if checkpointed else 0.0
-    vocab = w.shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
-    logits = tokens * vocab * (4 + (4 if w.dtype == "fp32" else 2) * 2) if last else 0.0
+    logits = tokens * logits_working_bytes_per_token(w, layout) if last else 0.0
     return {"saved": saved, "per_micro_batch": per_micro_batch, "transient": max(recompute, logits)}
 
 
@@ -334,22 +369,28 @@ def grads_resident(w: Workload, layout: Layout) -> bool:
 
 
 def estimate_memory(
-    w: Workload, layout: Layout, runtime_gib: float = 0.0, fragmentation: float = 0.0
+    w: Workload, layout: Layout, runtime_gib: float = 0.0, fragmentation: float = 0.0, first_step: bool = False
 ) -> dict[str, float]:
     """The busiest rank's bytes, itemised (params, grads, optimizer, activations, other) and its
     peak (total): parameters and optimizer states always, plus either the activations with their
     working set (and the gradients, where they are resident) or, at the end of backward, all the
-    gradients with the last recomputed block."""
+    gradients with the last recomputed block. `first_step`: the peak of the first step, before
+    AdamW has created its moments (a run's peak from the second step on is the default)."""
     worst: dict[str, float] = {}
     for pp_rank in range(layout.pp):
-        item = rank_memory(w, layout, pp_rank, runtime_gib, fragmentation)
+        item = rank_memory(w, layout, pp_rank, runtime_gib, fragmentation, first_step)
         if item["total"] > worst.get("total", -1):
             worst = item
     return worst
 
 
 def rank_memory(
-    w: Workload, layout: Layout, pp_rank: int, runtime_gib: float = 0.0, fragmentation: float = 0.0
+    w: Workload,
+    layout: Layout,
+    pp_rank: int,
+    runtime_gib: float = 0.0,
+    fragmentation: float = 0.0,
+    first_step: bool = False,
 ) -> dict[str, float]:
     """The bytes of pipeline rank `pp_rank`'s largest shard (tp, dp coordinates 0), itemised, with
     its peak (see estimate_memory)."""
@@ -361,11 +402,14 @@ def rank_memory(
     )
     resident = states["grads"] if grads_resident(w, layout) else 0
     recompute = act["transient"] if layout.ac != "none" else 0.0
+    moments = 0 if first_step else states["optimizer"]
     peak = (
         states["params"]
-        + states["optimizer"]
+        + moments
         + other
         - act["transient"]
         + max(act["saved"] + act["transient"] + resident, states["grads"] + recompute)
     )
+    if first_step:  # the step ends with parameters, gradients and the moments AdamW just made
+        peak = max(peak, sum(states.values()))
     return {**states, "activations": act["saved"], "other": other, "total": peak}

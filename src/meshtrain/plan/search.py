@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
-from meshtrain.config import Config
+from meshtrain.config import SINGLE_STAGE_SCHEDULES, Config
 from meshtrain.errors import ConfigError
 from meshtrain.plan.hardware import Device
 from meshtrain.plan.layout import AC_MODES, Layout, Workload, to_config
@@ -36,6 +36,7 @@ class Estimate:
             "ac": lay.ac,
             "pp_schedule": lay.pp_schedule,
             "virtual_stages": lay.virtual_stages,
+            "sequence_parallel": lay.sequence_parallel,
             "fits": self.fits,
             "params": self.params,
             "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
@@ -85,9 +86,28 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+VIRTUAL_STAGES = tuple(range(2, 9))  # large runs interleave up to 8 (Llama 3 405B: 126 layers, PP 16)
+
+
+def schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) to try: 1F1B, and interleaved 1F1B with several stages per
+    rank (2 to 8) while every stage keeps a layer; a fixed schedule or stage count narrows that."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    name, v = fixed.get("pp_schedule"), fixed.get("virtual_stages")
+    if name in SINGLE_STAGE_SCHEDULES or (name is None and v == 1):
+        return [(name or "1f1b", 1)]
+    if name == "zbv":
+        return [("zbv", 2)]
+    stages = [v] if v is not None else [s for s in VIRTUAL_STAGES if pp * s <= n_layers]
+    if name is None:
+        return [("1f1b", 1), *(("interleaved_1f1b", s) for s in stages)]
+    return [(name, s) for s in stages] or [(name, 2)]
+
+
 def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[Layout]:
     """Every combination of the free knobs; `fixed` pins any of tp, pp, zero, dp_replicate,
-    micro_batch, ac, pp_schedule, virtual_stages."""
+    micro_batch, ac, pp_schedule, virtual_stages, sequence_parallel."""
 
     def options(name, values):
         return [fixed[name]] if fixed.get(name) is not None else values
@@ -105,11 +125,9 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[
                     r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and dp // r * tp == gpus_per_node
                 ]
                 micro = [b for b in (1, 2, 4, 8, 16, 32) if w.global_batch % (b * dp) == 0]
-                schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
-                if fixed.get("pp_schedule") is not None or fixed.get("virtual_stages") is not None:
-                    schedules = [(fixed.get("pp_schedule") or "1f1b", fixed.get("virtual_stages") or 1)]
+                pipelines = schedules(pp, w.shape.n_layers, fixed)
                 for r, mb, (schedule, v) in itertools.product(
-                    options("dp_replicate", replicate), options("micro_batch", micro), schedules
+                    options("dp_replicate", replicate), options("micro_batch", micro), pipelines
                 ):
                     out.append(
                         Layout(
@@ -122,6 +140,7 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[
                             ac=ac,
                             pp_schedule=schedule,
                             virtual_stages=v,
+                            sequence_parallel=fixed.get("sequence_parallel", True) is not False,
                         )
                     )
     return out

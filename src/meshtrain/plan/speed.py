@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from meshtrain.plan.hardware import Device
 from meshtrain.plan.layout import Layout, Workload
-from meshtrain.plan.memory import STATE_BYTES, activation_bytes, stage_sums
+from meshtrain.plan.memory import (
+    STATE_BYTES,
+    block_bytes_per_token,
+    ends_bytes_per_token,
+    logits_working_bytes_per_token,
+    stage_sums,
+)
 
 
 def _bandwidth(group_span: int, dev: Device, inter_gbps: float) -> float:
@@ -20,10 +26,40 @@ def _bandwidth(group_span: int, dev: Device, inter_gbps: float) -> float:
     return dev.intra_node_gbps if group_span <= dev.gpus_per_node else inter_gbps
 
 
+MEMORY_PASSES = 6
+
+
+def gemm_efficiency(dev: Device, width: int) -> float:
+    """The sustained share of the peak a matmul whose narrowest dimension (hidden size per TP rank)
+    is `width` reaches: large GEMMs `matmul_efficiency`, smaller ones less (tiles and waves left
+    part-empty, the same fixed costs over less work), as width / (width + gemm_half_width)."""
+    return dev.matmul_efficiency * width / (width + dev.gemm_half_width)
+
+
+def attention_efficiency(dev: Device, head_dim: int) -> float:
+    """Flash attention's share of the peak, `attention_efficiency` at head dimension 128: each tile
+    of scores costs the same softmax and bookkeeping whatever its depth, so a head of 64 gets 3/4 of
+    it (FlashAttention-2, Dao 2023, figures 5-7: 64 versus 128 on A100 and H100)."""
+    return dev.attention_efficiency * head_dim / (head_dim + 64) * (128 + 64) / 128
+
+
+def memory_traffic_per_token(w: Workload, layout: Layout, pp_rank: int, layers: int, recomputed: int) -> float:
+    """Bytes the memory-bound kernels (norms, rotary, SwiGLU, softmax, casts, the loss) move per token
+    of a micro-batch: every tensor a block keeps is written in forward, read in backward and its
+    gradient written (three passes), once more for a recomputed block; on the last stage three passes
+    over what the loss keeps and its working set (eager: fp32 copies; compiled: one fused kernel)."""
+    block = block_bytes_per_token(w, layout)
+    total = (MEMORY_PASSES * layers + recomputed) * block
+    if layout.holds_last_stage(pp_rank):
+        loss = ends_bytes_per_token(w, layout, False, True) + logits_working_bytes_per_token(w, layout)
+        total += MEMORY_PASSES * loss
+    return total
+
+
 def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float, pp_rank: int) -> dict[str, float]:
-    """One micro-batch's forward + backward on one pipeline rank: matmuls (recomputation included),
-    memory-bound work (writing, reading and differentiating every saved activation), TP collectives
-    and the sends to the neighbouring stages."""
+    """One micro-batch's forward + backward on one pipeline rank: matmuls at their shape's efficiency
+    and attention at the device's attention efficiency (recomputation included), memory-bound work,
+    TP collectives and the sends to the neighbouring stages."""
     shape, t, s, h = w.shape, layout.tp, w.seq_len, w.shape.dim
     dtype = "fp32" if w.dtype == "fp32" or w.fp32_arithmetic else w.dtype
     act_bytes = 4 if w.dtype == "fp32" else 2
@@ -33,9 +69,12 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     head = shape.vocab_size * h if layout.holds_last_stage(pp_rank) else 0
     attention = 12 * h * s  # scores and weighted sum, forward + backward
     recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}.get(layout.ac, 0)
-    flops = tokens * (len(layers) * (6 * block + attention) + 6 * head + recomputed * (2 * block + attention / 3))
-    compute = flops / t / (dev.peak(dtype) * 1e12 * dev.matmul_efficiency)
-    memory_bound = 3 * activation_bytes(w, layout, pp_rank)["per_micro_batch"] / (dev.memory_gbs * 1e9)
+    peak = dev.peak(dtype) * 1e12
+    gemm = tokens * (6 * (len(layers) * block + head) + 2 * recomputed * block)
+    attend = tokens * attention * (len(layers) + recomputed / 3)
+    compute = (gemm / gemm_efficiency(dev, h // t) + attend / attention_efficiency(dev, shape.head_dim)) / t / peak
+    traffic = tokens * memory_traffic_per_token(w, layout, pp_rank, len(layers), recomputed)
+    memory_bound = traffic / (dev.memory_gbs * 1e9)
     tp_comm = 0.0
     if t > 1:  # 4 all-reduces (or reduce-scatter + all-gather pairs) per block and pass: 8 b s h (t-1)/t
         passes = len(layers) + recomputed / 2

@@ -191,9 +191,13 @@ def warn_skips(step: int, skipped: int, reported: int) -> int:
     return skipped
 
 
-def report_memory(s: TrainState, metrics: MetricsLogger) -> None:
-    """Every rank's parameter, gradient and optimizer bytes and peak memory: logged and memory.json."""
+def report_memory(s: TrainState, metrics: MetricsLogger, quiet: bool = False) -> None:
+    """Every rank's parameter, gradient and optimizer bytes and peak memory: logged (unless `quiet`)
+    and written to memory.json."""
     report = gather_memory_report(s.model.parameters(), s.optimizer)
+    if quiet:
+        metrics.write_json("memory.json", report)
+        return
     for rank, line in enumerate(report):
         log.info(format_memory(rank, line))
     if s.cfg.run.plan_check:
@@ -309,6 +313,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
             )
         if step == start_step + 1:  # gradients and optimizer states exist now
             report_memory(s, metrics)
+        elif step == start_step + 2:  # the peak of a step that begins with AdamW's moments: the run's peak
+            report_memory(s, metrics, quiet=True)
         s.scheduler.step()
         meter.add(t.global_batch_size * t.seq_len)
         metrics.advance(step)
