@@ -77,13 +77,10 @@ def parallelize(
         loss_fn = torch.compile(loss_fn)
     if dims.pp > 1:
         loss_fn = ScaledLoss(loss_fn)
-        staged = pipeline_stage_modules(
-            model, dims.rank_in("pp"), dims.pp, parallel.pp_virtual_stages, parallel.pp_schedule
-        )
-        n_stages = dims.pp * (len(staged))
+        staged = pipeline_stage_modules(model, dims.layout, dims.rank_in("pp"))
     else:
-        staged, n_stages = [(0, model)], 1
-    fsdp = dims.zero >= 2 and dims.dp > 1
+        staged = [(0, model)]
+    n_stages, fsdp = dims.layout.n_stages, dims.layout.fsdp
     parts = []
     for _, part in staged:
         if wants_fp32_compute(training, device):

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 from meshtrain.config import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES
+from meshtrain.layout import Layout, split_layers
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -30,31 +31,12 @@ SCHEDULES = {
 assert tuple(SCHEDULES) == PP_SCHEDULES
 
 
-def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(virtual)]
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Contiguous, as even as possible; earlier stages take the remainder."""
-    base, extra = divmod(n_layers, n_stages)
-    bounds, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        bounds.append(list(range(start, start + size)))
-        start += size
-    return bounds
-
-
-def pipeline_stage_modules(
-    model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule: str
-) -> list[tuple[int, nn.Module]]:
+def pipeline_stage_modules(model: nn.Module, layout: Layout, pp_rank: int) -> list[tuple[int, nn.Module]]:
     """(stage index, module) for each stage this rank holds, cut from a meta-device model."""
-    n_stages = pp * (1 if schedule in SINGLE_STAGE_SCHEDULES else virtual)
+    n_stages = layout.n_stages
     layers = split_layers(len(model.layers), n_stages)
     parts = []
-    for stage in stage_ids(pp_rank, pp, n_stages // pp, schedule):
+    for stage in layout.stage_ids(pp_rank):
         part = copy.deepcopy(model)
         keep = {str(i) for i in layers[stage]}
         for name in list(part.layers):

@@ -144,7 +144,7 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None, layout:
     try:
         args = check_training(cfg, world, vocab)
         t = cfg.training
-        dims = ParallelDims.from_config(cfg.parallel, world)
+        dims = ParallelDims.from_config(cfg, world)
         dims.build_mesh(device.type)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with torch.device("meta"):

@@ -15,6 +15,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from meshtrain.layout import zero1_partition
 from meshtrain.plan.layout import Layout, Workload
 from meshtrain.plan.shapes import Param, Shape
 
@@ -61,19 +62,6 @@ def _stage_params(shape: Shape, pipeline: Layout, pp_rank: int) -> tuple[Param, 
     if shape.arch == "gpt" and pipeline.pp > 1 and "head" in owners:  # Megatron keeps a copy of the
         params += (Param("output.weight", (shape.vocab_size, shape.dim), "head", 0),)  # embedding on the last stage
     return params
-
-
-def _zero1_share(numels: list[tuple[int, bool]], ranks: int, rank: int) -> int:
-    """ZeroRedundancyOptimizer's partition: matrices, then vectors (two param groups); in each,
-    largest first, every tensor to the rank holding the fewest elements so far."""
-    sizes = [0] * ranks
-    mine = 0
-    for matrices in (True, False):
-        for n in sorted((n for n, is_matrix in numels if is_matrix == matrices), reverse=True):
-            target = sizes.index(min(sizes))
-            sizes[target] += n
-            mine += n if target == rank else 0
-    return mine
 
 
 def model_state_bytes(shape: Shape, layout: Layout, rank: int = 0) -> dict[str, int]:
@@ -134,7 +122,7 @@ def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int
     params = stage_params(shape, layout, c["pp"])
     local = [(local_numel(p, layout, c["tp"], c["dp_shard"]), len(p.shape) >= 2) for p in params]
     held = sum(n for n, _ in local)
-    moments = _zero1_share(local, layout.dp, c["dp"]) if layout.zero == 1 and layout.dp > 1 else held
+    moments = zero1_partition(local, layout.dp)[c["dp"]] if layout.zero == 1 and layout.dp > 1 else held
     grads = held
     if layout.tp > 1 and not layout.fsdp:  # DTensor's vocabulary-parallel embedding: its gradient comes back whole
         grads += sum(p.numel - n for p, (n, _) in zip(params, local, strict=True) if p.name == "tok_embeddings.weight")

@@ -62,11 +62,9 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
     """Why meshtrain would refuse this layout ("" if it would not): the trainer's own checks for
     the Llama it trains; the divisibility rules of Megatron for a GPT shape."""
     if base is not None:
-        from meshtrain.parallel.mesh import ParallelDims
-
         cfg = to_config(layout, w, base)
         try:
-            ParallelDims.from_config(cfg.parallel, layout.world).validate(args, cfg)
+            Layout.from_config(cfg, layout.world).validate(args, cfg)
         except ConfigError as e:
             return str(e)
         return ""

@@ -17,6 +17,7 @@ from meshtrain.data import Blend, DistributedLoader, prepare, read_manifest, std
 from meshtrain.errors import DataError
 from meshtrain.launch import LaunchEnv, detect
 from meshtrain.launch.distributed import init_distributed
+from meshtrain.layout import Layout
 from meshtrain.logs import log
 from meshtrain.model import Llama, ModelArgs, num_params
 from meshtrain.optim import build_optimizer
@@ -37,7 +38,7 @@ def check_training(cfg: Config, world_size: int, data_vocab_size: int | None = N
     """Every check that needs the resolved model, the world size or the data; before any work."""
     args = model_args(cfg, data_vocab_size)
     check_model_args(args, cfg, data_vocab_size)
-    ParallelDims.from_config(cfg.parallel, world_size).validate(args, cfg)
+    Layout.from_config(cfg, world_size).validate(args, cfg)
     return args
 
 
@@ -156,7 +157,7 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     args = check_training(cfg, env.world_size, dataset.vocab_size if dataset else None)
     t = cfg.training
     torch.manual_seed(t.seed)
-    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+    dims = ParallelDims.from_config(cfg, env.world_size)
     dims.build_mesh(device.type)
     if env.rank == 0:
         from meshtrain.plan.check import warn_if_too_big
