@@ -153,14 +153,15 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None, layout:
         with fake:
             optimizer, _ = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
         c = layout.coordinates(rank)
-        planned = rank_memory(workload_of(cfg, args, device), layout, c["pp"])
+        workload = workload_of(cfg, args, device)
+        planned = rank_memory(workload, layout, c["pp"])
         report = RankReport(rank, c, {}, planned)
         context = lambda: step_context(model, dims, t, device)  # noqa: E731
         with fake, _no_gradient_sync(model):
             if model.schedule is None:
                 _measure_step(model, optimizer, dims, t, context, report, args.vocab_size)
             else:
-                _measure_stages(model, optimizer, dims, t, context, report, args, layout)
+                _measure_stages(model, optimizer, dims, t, context, report, args, layout, workload)
             report.built |= model_state_bytes(model.parameters(), optimizer)
         return report
     finally:
@@ -182,9 +183,26 @@ def _tokens(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.zeros(batch, seq, dtype=torch.long), torch.ones(batch, seq, dtype=torch.long)
 
 
+def _states(model, optimizer) -> list[torch.Tensor]:
+    """Parameters, their gradients and the optimizer's states: what a step starts with."""
+    from meshtrain.optim import local_optimizer
+
+    params = model.parameters()
+    moments = [v for s in local_optimizer(optimizer).state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [*params, *(p.grad for p in params if p.grad is not None), *moments]
+
+
+def _grad_bytes(model, optimizer) -> int:
+    from meshtrain.parallel.memory import model_state_bytes
+
+    return model_state_bytes(model.parameters(), optimizer)["grads"]
+
+
 def _measure_step(model, optimizer, dims, t, context, report: RankReport, vocab: int) -> None:
-    """One micro-batch's saved activations, then a training step (its gradients and optimizer states)."""
-    from meshtrain.plan.measure import SavedActivations
+    """One micro-batch's saved activations; then two training steps: the first makes the gradients
+    and AdamW's moments, the second, which starts with them as every later step does, is the one
+    whose peak of live bytes is measured."""
+    from meshtrain.plan.measure import PeakLiveBytes, SavedActivations
     from meshtrain.train.step import train_step
 
     (part,) = model.parts
@@ -194,14 +212,44 @@ def _measure_step(model, optimizer, dims, t, context, report: RankReport, vocab:
     report.built["activations"] = saved.bytes
     inputs, targets = _tokens(t.global_batch_size // dims.dp, t.seq_len, vocab)
     n_targets = t.global_batch_size * t.seq_len
-    train_step(model, optimizer, inputs, targets, t, torch.device("cpu"), context, None, n_targets, dims.dp)
+    for measured in (False, True):
+        with PeakLiveBytes(_states(model, optimizer)) if measured else contextlib.nullcontext() as peak:
+            train_step(model, optimizer, inputs, targets, t, torch.device("cpu"), context, None, n_targets, dims.dp)
+    report.built["total"] = peak.peak
+    if hasattr(part, "no_sync"):  # DDP ran under no_sync (its reducer cannot run on fake tensors)
+        report.built["total"] += _grad_bytes(model, optimizer)
+        report.notes.append("DDP: its gradient buckets (the gradients' size) added by rule")
 
 
-def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args, layout: Layout) -> None:
+def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args, layout: Layout, workload) -> None:
     """Each stage of this pipeline rank: one micro-batch forward (its saved bytes) and backward, then
-    the optimizer step."""
+    the optimizer step; twice, the second step's peak of live bytes measured."""
+    from meshtrain.parallel.memory import model_state_bytes
+    from meshtrain.plan.measure import PeakLiveBytes
+    from meshtrain.plan.memory import in_flight, resident_grad_bytes
+
+    _stages_step(model, optimizer, dims, t, context, args, layout)
+    with PeakLiveBytes(_states(model, optimizer)) as peak:
+        whole, blocks = _stages_step(model, optimizer, dims, t, context, args, layout)
+    # The schedule holds the blocks' activations of several micro-batches at once (the embedding's
+    # and the head's of one): the measured bytes of one, times the micro-batches in flight.
+    flight = in_flight(layout, t.global_batch_size // (t.micro_batch_size * dims.dp))
+    report.built["activations"] = whole + blocks * (flight - 1)
+    # ... and the gradients made by earlier micro-batches, where the schedule has a steady phase
+    grads = model_state_bytes(model.parameters(), optimizer)["grads"]
+    grads = resident_grad_bytes(workload, layout, report.coordinates["pp"], grads)
+    report.built["total"] = peak.peak + blocks * (flight - 1) + grads
+    report.notes.append(
+        f"pipeline: one micro-batch's saved bytes and peak measured; x {flight:g} micro-batches in flight"
+        + (" with the gradients of earlier ones" if grads else "")
+        + " (the schedule's rule)"
+    )
+
+
+def _stages_step(model, optimizer, dims, t, context, args, layout: Layout) -> tuple[int, int]:
+    """One micro-batch through this rank's stages, forward and backward, and the optimizer step: the
+    bytes the stages saved, and the part of them the transformer blocks saved."""
     from meshtrain.plan.measure import SavedActivations
-    from meshtrain.plan.memory import in_flight
 
     mb = t.micro_batch_size
     # what a stage receives from the one before: the sequence split over TP under sequence parallelism
@@ -222,13 +270,7 @@ def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args
         with context():
             out.backward(None if last else torch.zeros_like(out))
     optimizer.step()
-    # The schedule holds the blocks' activations of several micro-batches at once (the embedding's
-    # and the head's of one): the measured bytes of one, times the micro-batches in flight.
-    flight = in_flight(layout, t.global_batch_size // (mb * dims.dp))
-    report.built["activations"] = whole + blocks * (flight - 1)
-    report.notes.append(
-        f"pipeline: the saved bytes of one micro-batch measured, x {flight:g} in flight (the schedule's)"
-    )
+    return whole, blocks
 
 
 @contextlib.contextmanager

@@ -91,30 +91,56 @@ class SavedActivations:
 
 class PeakLiveBytes(TorchDispatchMode):
     """The largest sum of live tensor storages seen after any operator: `existing` tensors (the
-    parameters) plus every storage an operator creates, tracked by weak reference so that a freed
-    one stops counting at the next operator (an in-place update of an existing one counts once)."""
+    parameters, gradients, optimizer states) plus every storage an operator creates, real or fake.
+
+    Storages are held by weak reference, with their size as of the last look: a freed one stops
+    counting, and one resized in place (FSDP frees and re-allocates its all-gathered weights by
+    resizing their storage) counts its new size. Looking at every storage after every operator would
+    cost O(live) per operator; instead the exact sum is refreshed only when the bytes added since the
+    last refresh could have lifted it above the peak."""
 
     def __init__(self, existing: list[torch.Tensor] = ()):
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._added = 0
         for t in existing:
             self._track(t)
-        self.peak = self.live_bytes
+        self._exact = self._added
+        self._added = 0
+        self.peak = self._exact
 
     def _track(self, t: torch.Tensor) -> None:
         storage = _local(t).untyped_storage()
-        if storage.nbytes() and storage._cdata not in self._live:
-            self._live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        size, known = storage.nbytes(), self._live.get(storage._cdata)
+        if known is None:
+            if size:
+                self._live[storage._cdata] = (StorageWeakRef(storage), size)
+                self._added += size
+        elif size > known[1]:  # grown in place since the last look
+            self._live[storage._cdata] = (known[0], size)
+            self._added += size - known[1]
+
+    def _refresh(self) -> None:
+        live: dict[int, tuple[StorageWeakRef, int]] = {}
+        for key, (ref, _) in self._live.items():
+            if not ref.expired():
+                size = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                if size:
+                    live[key] = (ref, size)
+        self._live = live
+        self._exact, self._added = sum(n for _, n in live.values()), 0
 
     @property
     def live_bytes(self) -> int:
-        return sum(n for _, n in self._live.values())
+        self._refresh()
+        return self._exact
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 self._track(t)
-        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
-        self.peak = max(self.peak, self.live_bytes)
+        if self._exact + self._added > self.peak:
+            self._refresh()
+            self.peak = max(self.peak, self._exact)
         return out

@@ -282,11 +282,13 @@ def _vocab(w: Workload, layout: Layout) -> float:
 
 
 def logits_working_bytes_per_token(w: Workload, layout: Layout) -> float:
-    """On top of what the loss saved, at its backward: eager, the logits' fp32 copy and the two fp32
-    gradients of log-softmax (the logits themselves are gone); compiled, one gradient of the logits,
-    computed in one fused kernel."""
-    half = _half_bytes(w)
-    return _vocab(w, layout) * (half if w.compiled else 4 + 2 * half)
+    """On top of what the loss saved, at its backward: eager, log-softmax's two fp32 gradients (its
+    output's, from nll_loss, and its input's; the logits and their fp32 copy are gone by then), one
+    under loss parallelism (DTensor's vocabulary-parallel loss makes the input's in one step);
+    compiled, one gradient of the logits, computed in one fused kernel."""
+    if w.compiled:
+        return _vocab(w, layout) * _half_bytes(w)
+    return _vocab(w, layout) * (4 if layout.tp > 1 and layout.loss_parallel else 8)
 
 
 def in_flight(layout: Layout, micro_batches: int) -> float:
@@ -323,7 +325,16 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str,
     )
     recompute = tokens * full if checkpointed else 0.0
     logits = tokens * logits_working_bytes_per_token(w, layout) if last else 0.0
-    return {"saved": saved, "per_micro_batch": per_micro_batch, "transient": max(recompute, logits)}
+    return {
+        "saved": saved,
+        "per_micro_batch": per_micro_batch,
+        "recompute": recompute,
+        "logits": logits,
+        # at the output layer's backward: the logits' gradient; what the loss saved is freed by then
+        "logits_grad": tokens * _vocab(w, layout) * _half_bytes(w) if last else 0.0,
+        "loss_freed": tokens * _vocab(w, layout) * (_half_bytes(w) if w.compiled else 4) if last else 0.0,
+        "transient": max(recompute, logits),
+    }
 
 
 def _half_bytes(w: Workload) -> int:
@@ -333,27 +344,74 @@ def _half_bytes(w: Workload) -> int:
 def other_bytes(
     w: Workload, layout: Layout, pp_rank: int, runtime_gib: float, fragmentation: float, activations: float
 ) -> float:
-    """Buffers besides model states and saved activations, on one rank: autocast's bf16 weight
-    copies (kept for the step), FSDP's gathered parameters (ZeRO-3: the outer group and two blocks,
-    the one computing and the one prefetched; ZeRO-2: the whole stage until backward ends) and one
-    block's unsharded fp32 gradients before the reduce-scatter, the runtime's own memory (CUDA
-    context, NCCL) and the caching allocator's fragmentation, as a fraction of the activations."""
-    sums = stage_sums(w.shape, layout, pp_rank)
+    """Buffers besides model states, saved activations and FSDP's gathered parameters, on one rank
+    for the whole step: autocast's bf16 weight copies, DDP's gradient buckets (allocated with the
+    reducer and kept; the gradients are views of them except while micro-batches accumulate under
+    no_sync), the runtime's own memory (CUDA context, NCCL) and the caching allocator's
+    fragmentation, as a fraction of the activations."""
     total = 0.0
     if w.dtype != "fp32" and not layout.fsdp and w.shape.arch == "llama":
-        total += 2 * sums.linear
-    if layout.fsdp:
-        largest = max(sums.blocks, default=0)
-        gathered = sums.total if layout.zero == 2 else sums.outer + 2 * largest
-        total += gathered * _half_bytes(w) + largest * 4
+        total += 2 * stage_sums(w.shape, layout, pp_rank).linear
+    if ddp_buckets(layout):
+        total += STATE_BYTES["grads"] * stage_sums(w.shape, layout, pp_rank).total
     return total + runtime_gib * 2**30 + fragmentation * activations
 
 
+def ddp_buckets(layout: Layout) -> bool:
+    """Whether the trainer wraps the model in DDP: replicas (ZeRO-0/1) without pipelining."""
+    return layout.dp > 1 and not layout.fsdp and layout.pp == 1
+
+
+def fsdp_gathered_bytes(w: Workload, layout: Layout, pp_rank: int) -> dict[str, float]:
+    """FSDP's all-gathered parameters at the moments a step peaks. At the loss's backward: ZeRO-2
+    keeps the whole stage gathered from forward to backward, ZeRO-3 only the last block (resharding
+    it would mean gathering it again at once). Then ZeRO-3 gathers the root group (embedding, norm,
+    output) again for the output layer's backward: twice its size while the all-gather's buffer is
+    copied out into the parameters. In the blocks' backward: the root group (kept until the
+    embedding's backward), the block computing and the one prefetched, and one block's unsharded fp32
+    gradients before their reduce-scatter."""
+    if not layout.fsdp:
+        return {"loss": 0.0, "root": 0.0, "blocks": 0.0}
+    sums = stage_sums(w.shape, layout, pp_rank)
+    largest, half = max(sums.blocks, default=0), _half_bytes(w)
+    if layout.zero == 2:
+        return {"loss": sums.total * half, "root": 0.0, "blocks": sums.total * half + largest * 4}
+    return {
+        "loss": largest * half,
+        "root": (2 * sums.outer + largest) * half,
+        "blocks": (sums.outer + 2 * largest) * half + largest * 4,
+    }
+
+
+def unsharded_grad_bytes(w: Workload, layout: Layout, pp_rank: int) -> float:
+    """FSDP reduce-scatters only after a step's last micro-batch: until then each rank accumulates
+    whole (unsharded) fp32 gradients of its stage, and under TP the vocabulary-parallel embedding's
+    comes back whole from DTensor."""
+    grads = stage_sums(w.shape, layout, pp_rank).total
+    if layout.tp > 1 and layout.holds_first_stage(pp_rank):
+        grads += (w.shape.vocab_size - w.shape.vocab_size // layout.tp) * w.shape.dim
+    return STATE_BYTES["grads"] * grads
+
+
+def resident_grad_bytes(w: Workload, layout: Layout, pp_rank: int, grads: float) -> float:
+    """Gradient bytes alive while the most activations are (`grads`: the rank's sharded gradients):
+    none, those, or FSDP's unsharded ones while it accumulates micro-batches."""
+    if not grads_resident(w, layout):
+        return 0.0
+    return unsharded_grad_bytes(w, layout, pp_rank) if layout.fsdp and w.micro_batches(layout) > 1 else grads
+
+
 def grads_resident(w: Workload, layout: Layout) -> bool:
-    """Whether gradients already exist while a micro-batch's activations are live: with several
-    micro-batches per step (accumulation, pipelining), and under DDP, whose buckets are the
-    gradients from the start. Otherwise they appear as backward frees the activations."""
-    return w.micro_batches(layout) > 1 or (layout.dp > 1 and not layout.fsdp)
+    """Whether gradients already exist while the most activations are live: with gradient
+    accumulation (the micro-batches after the first), and in a pipeline schedule with a steady phase
+    (1F1B with more micro-batches than it keeps in flight: a backward has run when the next forward
+    fills the pipeline again). Not under
+    GPipe, whose first backward comes after every forward; otherwise gradients appear as backward
+    frees the activations (DDP's buckets, which they are views of, are counted under "other")."""
+    m = w.micro_batches(layout)
+    if layout.pp > 1:
+        return layout.pp_schedule != "gpipe" and m > in_flight(layout, m)
+    return m > 1
 
 
 def estimate_memory(
@@ -385,19 +443,19 @@ def rank_memory(
     rank = pp_rank * layout.dp * layout.tp
     states = model_state_bytes(w.shape, layout, rank)
     act = activation_bytes(w, layout, pp_rank)
-    other = act["transient"] + other_bytes(
-        w, layout, pp_rank, runtime_gib, fragmentation, act["saved"] + act["transient"]
-    )
-    resident = states["grads"] if grads_resident(w, layout) else 0
-    recompute = act["transient"] if layout.ac != "none" else 0.0
+    buffers = other_bytes(w, layout, pp_rank, runtime_gib, fragmentation, act["saved"] + act["transient"])
+    gathered = fsdp_gathered_bytes(w, layout, pp_rank)
+    resident = resident_grad_bytes(w, layout, pp_rank, states["grads"])
     moments = 0 if first_step else states["optimizer"]
-    peak = (
-        states["params"]
-        + moments
-        + other
-        - act["transient"]
-        + max(act["saved"] + act["transient"] + resident, states["grads"] + recompute)
+    saved, recompute = act["saved"], act["recompute"]
+    working = max(
+        saved + act["logits"] + gathered["loss"] + resident,  # the loss's backward
+        saved - act["loss_freed"] + act["logits_grad"] + gathered["root"] + resident,  # ZeRO-3 regathers the root
+        saved + recompute + gathered["blocks"] + resident,  # the blocks' backward (an upper bound)
+        states["grads"] + recompute + gathered["blocks"],  # the end of backward
     )
+    peak = states["params"] + moments + buffers + working
+    other = buffers + max(act["logits"] + gathered["loss"], gathered["root"], recompute + gathered["blocks"])
     if first_step:  # the step ends with parameters, gradients and the moments AdamW just made
         peak = max(peak, sum(states.values()))
     return {**states, "activations": act["saved"], "other": other, "total": peak}
