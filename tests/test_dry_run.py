@@ -130,7 +130,8 @@ def test_dry_run_peaks_match_real_runs(tmp_path):
 
 def test_llama3_405b_on_16384_ranks_from_the_command_line(tmp_path, cli_env):
     """TP 8, PP 16, DP 128, sequence 8192: built and measured for its first and last pipeline
-    stage in seconds, on the fake tensors' shapes alone."""
+    stage in seconds, on the fake tensors' shapes alone; states, activations and peak beside the
+    planner's."""
     args = ["train", "--model.preset", "llama3-405b", *BIG, "--parallel.tp", "8", "--parallel.pp", "16"]
     args += ["--parallel.zero", "3", "--training.seq_len", "8192", "--training.global_batch_size", "2048"]
     args += ["--data.path", str(tmp_path / "data"), "--dry-run", "16384", "--json"]
@@ -142,6 +143,7 @@ def test_llama3_405b_on_16384_ranks_from_the_command_line(tmp_path, cli_env):
         assert r["built"]["params"] == r["planned"]["params"]
         assert r["built"]["optimizer"] == r["planned"]["optimizer"]
         assert r["built"]["activations"] == pytest.approx(r["planned"]["activations"], rel=0.05)
+        assert r["built"]["total"] == pytest.approx(r["planned"]["total"], rel=0.05)
         assert r["coordinates"]["tp"] == 0 and r["coordinates"]["dp"] == 0
     # 405B / (8 x 16) in bf16 storage... fp32 master weights: ~3.2B parameters of a stage / 8 (TP) / 128 (FSDP)
     assert 50 * 2**20 < out["ranks"][0]["built"]["params"] < 200 * 2**20
