@@ -193,6 +193,7 @@ def _states(model, optimizer) -> list[torch.Tensor]:
 
 
 def _grad_bytes(model, optimizer) -> int:
+    """The gradient bytes this rank holds after a step."""
     from meshtrain.parallel.memory import model_state_bytes
 
     return model_state_bytes(model.parameters(), optimizer)["grads"]
@@ -224,7 +225,6 @@ def _measure_step(model, optimizer, dims, t, context, report: RankReport, vocab:
 def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args, layout: Layout, workload) -> None:
     """Each stage of this pipeline rank: one micro-batch forward (its saved bytes) and backward, then
     the optimizer step; twice, the second step's peak of live bytes measured."""
-    from meshtrain.parallel.memory import model_state_bytes
     from meshtrain.plan.measure import PeakLiveBytes
     from meshtrain.plan.memory import in_flight, resident_grad_bytes
 
@@ -236,8 +236,7 @@ def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args
     flight = in_flight(layout, t.global_batch_size // (t.micro_batch_size * dims.dp))
     report.built["activations"] = whole + blocks * (flight - 1)
     # ... and the gradients made by earlier micro-batches, where the schedule has a steady phase
-    grads = model_state_bytes(model.parameters(), optimizer)["grads"]
-    grads = resident_grad_bytes(workload, layout, report.coordinates["pp"], grads)
+    grads = resident_grad_bytes(workload, layout, report.coordinates["pp"], _grad_bytes(model, optimizer))
     report.built["total"] = peak.peak + blocks * (flight - 1) + grads
     report.notes.append(
         f"pipeline: one micro-batch's saved bytes and peak measured; x {flight:g} micro-batches in flight"

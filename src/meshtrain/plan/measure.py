@@ -130,11 +130,6 @@ class PeakLiveBytes(TorchDispatchMode):
         self._live = live
         self._exact, self._added = sum(n for _, n in live.values()), 0
 
-    @property
-    def live_bytes(self) -> int:
-        self._refresh()
-        return self._exact
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:

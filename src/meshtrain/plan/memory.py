@@ -405,9 +405,9 @@ def grads_resident(w: Workload, layout: Layout) -> bool:
     """Whether gradients already exist while the most activations are live: with gradient
     accumulation (the micro-batches after the first), and in a pipeline schedule with a steady phase
     (1F1B with more micro-batches than it keeps in flight: a backward has run when the next forward
-    fills the pipeline again). Not under
-    GPipe, whose first backward comes after every forward; otherwise gradients appear as backward
-    frees the activations (DDP's buckets, which they are views of, are counted under "other")."""
+    fills the pipeline again). Not under GPipe, whose first backward comes after every forward;
+    otherwise gradients appear as backward frees the activations (DDP's buckets, which they are
+    views of, are counted under "other")."""
     m = w.micro_batches(layout)
     if layout.pp > 1:
         return layout.pp_schedule != "gpipe" and m > in_flight(layout, m)

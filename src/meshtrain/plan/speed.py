@@ -45,9 +45,10 @@ def attention_efficiency(dev: Device, head_dim: int) -> float:
 
 def memory_traffic_per_token(w: Workload, layout: Layout, pp_rank: int, layers: int, recomputed: int) -> float:
     """Bytes the memory-bound kernels (norms, rotary, SwiGLU, softmax, casts, the loss) move per token
-    of a micro-batch: every tensor a block keeps is written in forward, read in backward and its
-    gradient written (three passes), once more for a recomputed block; on the last stage three passes
-    over what the loss keeps and its working set (eager: fp32 copies; compiled: one fused kernel)."""
+    of a micro-batch: MEMORY_PASSES over every tensor a block keeps (written and read in forward, read
+    again in backward, its gradient written and read, and the temporaries around them; fitted, see
+    docs/planning.md), one more for a recomputed block; on the last stage as many over what the loss
+    keeps and its working set (eager: fp32 copies; compiled: one fused kernel)."""
     block = block_bytes_per_token(w, layout)
     total = (MEMORY_PASSES * layers + recomputed) * block
     if layout.holds_last_stage(pp_rank):
