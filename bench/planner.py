@@ -1,7 +1,7 @@
 """The planner against what was measured: meshtrain's steps on one H100 and published large runs
 (plan/reference.py). No device is needed: it prints prediction, reference and error per row."""
 
-from meshtrain.plan.reference import H100_STEPS, LLAMA3_405B, MEGATRON_2021, h100_step, plan_published
+from bench.reference import H100_STEPS, LLAMA3_405B, MEGATRON_2021, h100_step, plan_published
 
 
 def main(args=None) -> None:

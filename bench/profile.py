@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import device, markdown, write_results
 from bench.throughput import EMULATED_BF16, bf16_kernel_slowdown, hf_step, meshtrain_config, meshtrain_step
 from meshtrain.config import load_config
-from meshtrain.plan.shapes import Shape
+from meshtrain.model.shapes import Shape
 
 CATEGORIES = ("matmul", "attention", "optimizer", "compiled", "other")
 # Ops that only make views or allocate: host work, not computation.

@@ -34,8 +34,8 @@ from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
 from meshtrain.hardware import bf16_slowdown, device_peak_tflops, mfu_peak_tflops
 from meshtrain.interop.hf import hf_config
+from meshtrain.model.shapes import Shape
 from meshtrain.parallel import arithmetic_dtype
-from meshtrain.plan.shapes import Shape
 from meshtrain.train import build
 
 NATIVE = "meshtrain+compile/bf16-kernels"

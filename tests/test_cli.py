@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from meshtrain.cli import _parser, main
+from meshtrain.cli import build_parser, main
 from meshtrain.config import Config, load_config, parse_size
 from meshtrain.errors import ConfigError
 
@@ -25,7 +25,7 @@ SUBCOMMANDS = {
 
 
 def subparser(path: str) -> argparse.ArgumentParser:
-    parser = _parser()
+    parser = build_parser()
     for name in path.split():
         action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = action.choices[name]
@@ -87,7 +87,7 @@ def test_flags_with_one_meaning_everywhere():
     [
         (["jobscript", "slurm", "--config", "configs/tiny.toml", "--gpus", "16", "--nodes", "2"], "--gpus"),
         (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--gpus", "0"], "--gpus: 0 must be at least 1"),
-        (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--seq-len", "0"], "0 must be at least 1"),
+        (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--seq-len", "0"], "training.seq_len = 0 must be positive"),
         (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--config", "configs/tiny.toml"], "not allowed with"),
         (["plan", "--gpu", "h100-80gb", "--model", "tiny", "--efficiency", "0"], "--efficiency"),
         (["train", "--nnodes", "2"], "--nnodes"),

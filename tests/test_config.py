@@ -1,8 +1,8 @@
 import pytest
 
-from meshtrain.config import config_keys, load_config, parse_overrides, resolved, to_toml
+from meshtrain.config import check_model_args, config_keys, load_config, parse_overrides, resolved, to_toml
 from meshtrain.errors import ConfigError
-from meshtrain.train import check_training
+from meshtrain.train import model_args, preflight
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -56,22 +56,22 @@ def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):
 
 def test_batch_must_divide_over_data_parallel_ranks():
     cfg = load_config(None, ["--training.global_batch_size", "16", "--training.micro_batch_size", "8"])
-    check_training(cfg, world_size=2)
+    preflight(cfg, 2)
     with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*micro_batch_size \(8\).*\(3\) = 24"):
-        check_training(cfg, world_size=3)
+        preflight(cfg, 3)
 
 
 def test_compile_with_tensor_parallel_and_fsdp_is_rejected():
     cfg = load_config(None, ["--training.compile", "true", "--parallel.tp", "2", "--parallel.zero", "3"])
-    check_training(cfg, world_size=2)  # TP alone compiles (the whole model)
+    preflight(cfg, 2)  # TP alone compiles (the whole model)
     with pytest.raises(ConfigError, match=r"training.compile = true with parallel.tp = 2 and FSDP over 2"):
-        check_training(cfg, world_size=4)
+        preflight(cfg, 4)
 
 
 def test_model_vocab_smaller_than_data_is_rejected():
     cfg = load_config(None, ["--model.vocab_size", "100"])
     with pytest.raises(ConfigError, match=r"model's vocabulary \(100\) is smaller than the data's \(512\)"):
-        check_training(cfg, 1, data_vocab_size=512)
+        check_model_args(model_args(cfg, 512), cfg, 512)
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -96,11 +96,11 @@ def test_every_key_is_documented_and_listed_in_train_help():
     import sys
 
     keys = config_keys()
-    assert len(keys) > 50 and all(doc for _, _, _, doc in keys), [k for k, _, _, d in keys if not d]
+    assert len(keys) > 50 and all(d.doc for d in keys.values()), [k for k, d in keys.items() if not d.doc]
     help_text = subprocess.run(
         [sys.executable, "-m", "meshtrain", "train", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for key, _, _, _ in keys:
+    for key in keys:
         assert f"--{key} " in help_text, key
     assert "Optimizer steps of the schedule. (default: 100)" in " ".join(help_text.split())
 

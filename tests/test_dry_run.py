@@ -8,10 +8,11 @@ import pytest
 
 from conftest import run_cli
 from meshtrain.config import load_config
+from meshtrain.layout import Layout
 from meshtrain.model.presets import PRESETS
-from meshtrain.plan import Shape, Workload, activation_bytes
-from meshtrain.plan.dry_run import busiest_ranks, dry_run
-from meshtrain.plan.layout import Layout
+from meshtrain.model.shapes import Shape
+from meshtrain.plan import Workload, activation_bytes
+from meshtrain.train.dry_run import busiest_ranks, dry_run
 
 TINY = ["--model.preset", "tiny", "--model.n_layers", "4", "--training.seq_len", "256"]
 TINY += ["--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--data.corpus", "stdlib"]
@@ -89,15 +90,15 @@ def _real_peaks(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from meshtrain.optim import local_optimizer
-    from meshtrain.plan.measure import PeakLiveBytes
     from meshtrain.train import build
+    from meshtrain.train.measure import PeakLiveBytes
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     peaks = {}
     for name, overrides in REAL.items():
         state = build(load_config(None, overrides), with_data=False)
-        dp = state.dims.dp
+        dp = state.layout.dp
         batch = torch.randint(0, 8192, (8 // dp, 257), generator=torch.Generator().manual_seed(rank))
         state.step(batch[:, :-1], batch[:, 1:])
         params = state.model.parameters()
@@ -160,11 +161,12 @@ def test_plan_verify_adds_what_the_built_job_holds(cli_env):
     assert "built" in layouts[0] and "built" in layouts[1] and "built" not in layouts[2]
     for layout in layouts[:2]:
         planned, built = layout["memory_gib"], layout["built"]
-        assert set(built) == {*planned, "rank"}
+        assert set(built) == {*planned, "rank", "planned"} and set(built["planned"]) == set(planned)
         for key in ("params", "grads", "optimizer"):
             assert built[key] == pytest.approx(planned[key], rel=0.01, abs=2e-3), (layout["layout"], key)
+            assert built[key] == pytest.approx(built["planned"][key], rel=1e-3, abs=1e-3), (layout["layout"], key)
         # The dry run runs the host's (CPU) kernels: its composite RMSNorm saves more than CUDA's fused one.
         lay = Layout(**layout["layout"])
-        w = Workload(Shape.from_args(PRESETS["small"]), 1024, 32, "bf16", device="cpu")
+        w = Workload(Shape.from_args(PRESETS["small"]), 1024, "bf16", device="cpu")
         cpu_kernels = activation_bytes(w, lay, lay.coordinates(built["rank"])["pp"])["saved"]
         assert built["activations"] * 2**30 == pytest.approx(cpu_kernels, rel=0.05), layout["layout"]

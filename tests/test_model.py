@@ -6,7 +6,7 @@ import torch
 
 from meshtrain.model import PRESETS, Llama, ModelArgs, num_params
 from meshtrain.model.llama import apply_rope, precompute_rope
-from meshtrain.plan.shapes import Shape
+from meshtrain.model.shapes import Shape
 
 ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=32)
 

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from conftest import assert_same_run, read_metrics, run_cli, train_args
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
-from meshtrain.train import check_training
+from meshtrain.train import preflight
 
 # 4 layers so that 2 pipeline ranks x 2 virtual stages each get one; micro-batch 2 so every
 # layout has enough micro-batches for its schedule.
@@ -182,7 +182,7 @@ def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_
 )
 def test_layout_errors_name_the_numbers(world, overrides, fragment):
     with pytest.raises(ConfigError) as e:
-        check_training(load_config(None, overrides), world_size=world)
+        preflight(load_config(None, overrides), world)
     assert fragment in str(e.value)
 
 
@@ -192,7 +192,9 @@ def test_planner_predicts_the_model_state_bytes_of_every_layout(reference, layou
     (and the single process) against what the run measured on its tensors (memory.json), within 2%."""
     import json
 
-    from meshtrain.plan import Layout, Shape, model_state_bytes
+    from meshtrain.layout import Layout
+    from meshtrain.model.shapes import Shape
+    from meshtrain.plan import model_state_bytes
 
     for name in [None, *LAYOUTS]:
         run_dir = reference if name is None else layout_run(name)[0]
@@ -215,7 +217,7 @@ def test_dry_run_states_equal_what_each_rank_of_the_real_run_held(name, layout_r
     same parameter, gradient and optimizer bytes, to the byte."""
     import json
 
-    from meshtrain.plan.dry_run import dry_run
+    from meshtrain.train.dry_run import dry_run
 
     run_dir = layout_run(name)[0]
     ranks = json.loads((run_dir / "memory.json").read_text())

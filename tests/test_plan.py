@@ -10,13 +10,15 @@ import json
 import pytest
 import torch
 
+from bench.reference import H100_STEPS, LLAMA3_405B, MEGATRON_2021, h100_step, plan_published
 from meshtrain.config import load_config
+from meshtrain.layout import Layout
 from meshtrain.model import Llama
+from meshtrain.model.shapes import Shape
 from meshtrain.parallel import apply_ac, apply_fp32_compute
-from meshtrain.plan import Layout, Shape, Workload, activation_bytes, estimate_memory
-from meshtrain.plan.measure import PeakLiveBytes, SavedActivations
-from meshtrain.plan.reference import H100_STEPS, LLAMA3_405B, MEGATRON_2021, h100_step, plan_published
+from meshtrain.plan import Workload, activation_bytes, estimate_memory
 from meshtrain.train import build as build_state
+from meshtrain.train.measure import PeakLiveBytes, SavedActivations
 from meshtrain.train.step import cross_entropy
 
 
@@ -59,7 +61,6 @@ def workload(cfg, path: str) -> Workload:
     return Workload(
         Shape.from_args(cfg.model_args()),
         t.seq_len,
-        t.global_batch_size,
         "fp32" if path == "fp32" else "bf16",
         path == "fp32-arithmetic",
         device="cpu",
@@ -92,11 +93,12 @@ def test_saved_activations_match_the_tensors_autograd_keeps(size, micro, seq, ac
     with SavedActivations(model) as saved, autocast:
         cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     layout = Layout(
-        micro_batch=micro,
-        ac=ac,
+        global_batch_size=micro,
+        micro_batch_size=micro,
+        activation_checkpointing=ac,
         ac_every=cfg.training.ac_every,
         zero=3 if path == "fsdp-bf16" else 0,
-        dp=2 if path == "fsdp-bf16" else 1,
+        dp_shard=2 if path == "fsdp-bf16" else 1,
     )
     w = workload(cfg, path)
     predicted = activation_bytes(w, layout)["saved"]
@@ -162,7 +164,9 @@ def test_saved_activations_under_tensor_parallelism(tmp_path):
     mp.spawn(_tp_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2)
     for (size, micro, seq, ac, sp), measured in zip(TP_CASES, json.loads(out.read_text()), strict=True):
         cfg = load_config(None, [*model_overrides(*SIZES[size], seq=seq), "--training.seq_len", str(seq)])
-        layout = Layout(tp=2, micro_batch=micro, ac=ac, sequence_parallel=sp)
+        layout = Layout(
+            tp=2, global_batch_size=micro, micro_batch_size=micro, activation_checkpointing=ac, sequence_parallel=sp
+        )
         predicted = activation_bytes(workload(cfg, "fp32"), layout)["saved"]
         assert predicted == pytest.approx(measured, rel=0.10), (size, micro, seq, ac, sp, predicted, measured)
 
@@ -208,7 +212,7 @@ def test_peak_bytes_of_a_training_step(size, micro, accumulation, seq, ac, path)
     with PeakLiveBytes(state.model.parameters()) as tracker:
         for _ in range(2):
             state.step(batch[:, :-1], batch[:, 1:])
-    layout = Layout(micro_batch=micro, ac=ac, ac_every=cfg.training.ac_every)
+    layout = Layout(micro_batch_size=micro, activation_checkpointing=ac, ac_every=cfg.training.ac_every)
     predicted = estimate_memory(workload(cfg, path), layout)["total"]
     assert predicted == pytest.approx(tracker.peak, rel=0.15), (predicted, tracker.peak)
 
@@ -371,7 +375,7 @@ def test_bad_plan_requests_get_one_line(args, message, cli_env, tmp_path):
 
 def test_training_warns_before_a_layout_that_will_not_fit(caplog):
     from meshtrain.model.presets import PRESETS
-    from meshtrain.plan.check import warn_if_too_big
+    from meshtrain.train.preflight import warn_if_too_big
 
     cfg = load_config(None, ["--model.preset", "llama3-70b", "--training.seq_len", "4096"])
     with caplog.at_level("WARNING", logger="meshtrain"):
@@ -403,8 +407,10 @@ def test_predicted_step_times_follow_the_work_a_real_step_does():
         with FlopCounterMode(display=False) as counter:
             state.step(batch[:, :-1], batch[:, 1:])
         flops[ac] = counter.get_total_flops()
-        w = Workload(Shape.from_args(cfg.model_args()), 128, 8, "fp32", device="cpu")
-        predicted[ac] = step_time(w, Layout(micro_batch=8, ac=ac), dev, inter)["step_time_s"]
+        w = Workload(Shape.from_args(cfg.model_args()), 128, "fp32", device="cpu")
+        predicted[ac] = step_time(
+            w, Layout(global_batch_size=8, micro_batch_size=8, activation_checkpointing=ac), dev, inter
+        )["step_time_s"]
     assert sorted(flops, key=flops.get) == sorted(predicted, key=predicted.get) == ["none", "selective", "full"]
 
 
@@ -444,8 +450,8 @@ def test_saved_activations_of_compiled_blocks():
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     with SavedActivations(model) as saved, autocast:
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-    w = Workload(Shape.from_args(cfg.model_args()), seq, micro, "bf16", device="cpu", compiled=True)
-    predicted = activation_bytes(w, Layout(micro_batch=micro))["saved"]
+    w = Workload(Shape.from_args(cfg.model_args()), seq, "bf16", device="cpu", compiled=True)
+    predicted = activation_bytes(w, Layout(global_batch_size=micro, micro_batch_size=micro))["saved"]
     # The bf16 weights (the graphs keep them; autocast's cache the output layer's): "other" in the planner
     predicted += 2 * sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "tok_" not in name)
     assert predicted == pytest.approx(saved.bytes, rel=0.10), (predicted, saved.bytes)

@@ -13,9 +13,10 @@ activations between neighbours. DP = WORLD / (TP x PP) (Megatron's rule).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from meshtrain.config import SINGLE_STAGE_SCHEDULES, Config, micro_batches
+from meshtrain.config import SINGLE_STAGE_SCHEDULES, Config, section_of
 from meshtrain.errors import ConfigError
 
 AC_MODES = ("none", "selective", "full")
@@ -45,29 +46,48 @@ def zero1_partition(sizes: list[tuple[int, bool]], ranks: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Layout:
-    """The parallel degrees and per-rank batch settings: the [parallel] and [training] knobs that
-    decide who holds and computes what."""
+    """Who holds and computes what: the [parallel] keys and the [training] keys that split the batch
+    and recompute activations, each field named as its config key (`Layout.from_config` reads them,
+    `apply_to` writes them back), resolved for one world size."""
 
     tp: int = 1
     pp: int = 1
-    dp: int = 1
     dp_replicate: int = 1
+    dp_shard: int = 1  # resolved: parallel.dp_shard = 0 is world / (tp x pp x dp_replicate)
     zero: int = 0
-    micro_batch: int = 1
-    ac: str = "none"
-    ac_every: int = 2
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    global_batch_size: int = 1
+    micro_batch_size: int = 1
+    activation_checkpointing: str = "none"
+    ac_every: int = 2
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: where batches split (replicas x shards)."""
+        return self.dp_replicate * self.dp_shard
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
     @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
+    def micro_batches(self) -> int:
+        """Micro-batches per step on one rank: accumulation steps, or the pipeline schedule's."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def ddp(self) -> bool:
+        """The model is wrapped in DDP: replicas (ZeRO-0/1) without pipelining."""
+        return self.dp > 1 and not self.fsdp and self.pp == 1
+
+    @property
+    def averages_after_backward(self) -> bool:
+        """Pipeline stages replicated by plain data parallelism average their gradients after the
+        schedule's backward (DDP's reducer cannot follow a schedule's several forwards)."""
+        return self.dp > 1 and not self.fsdp and self.pp > 1
 
     @property
     def fsdp(self) -> bool:
@@ -76,7 +96,7 @@ class Layout:
 
     @property
     def stages_per_rank(self) -> int:
-        return 1 if self.pp == 1 or self.pp_schedule in SINGLE_STAGE_SCHEDULES else self.virtual_stages
+        return 1 if self.pp == 1 or self.pp_schedule in SINGLE_STAGE_SCHEDULES else self.pp_virtual_stages
 
     @property
     def n_stages(self) -> int:
@@ -120,13 +140,13 @@ class Layout:
         if self.dp > 1:
             text += f", ZeRO-{self.zero}" + (f" (replicate {self.dp_replicate})" if self.dp_replicate > 1 else "")
         if self.pp > 1:
-            text += f", {self.pp_schedule}" + (f" v{self.virtual_stages}" if self.stages_per_rank > 1 else "")
-        return f"{text}, micro-batch {self.micro_batch}, AC {self.ac}"
+            text += f", {self.pp_schedule}" + (f" v{self.pp_virtual_stages}" if self.stages_per_rank > 1 else "")
+        return f"{text}, micro-batch {self.micro_batch_size}, AC {self.activation_checkpointing}"
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Layout":
         """The layout of a config on `world` ranks, with the reasons when its degrees do not fit."""
-        p, t = cfg.parallel, cfg.training  # single values are checked by config.validate
+        p = cfg.parallel  # single values are checked by config.validate
         if world % (p.tp * p.pp):
             raise ConfigError(
                 f"world size {world} is not divisible by parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = "
@@ -138,6 +158,11 @@ class Layout:
             raise ConfigError(
                 f"the data-parallel degree world / (tp x pp) = {dp} is not divisible by parallel.dp_replicate "
                 f"({p.dp_replicate})"
+            )
+        if p.dp_shard and p.dp_shard != dp // p.dp_replicate:
+            raise ConfigError(
+                f"parallel.dp_shard = {p.dp_shard} does not fit {world} ranks: world / (tp x pp x dp_replicate) = "
+                f"{dp // p.dp_replicate}; leave it 0 to derive it"
             )
         if p.dp_replicate > 1 and p.zero < 2:
             raise ConfigError(
@@ -154,20 +179,15 @@ class Layout:
                 f"parallel.zero = {p.zero} (DDP) cannot replicate tensor-parallel (DTensor) parameters: "
                 "use parallel.zero = 2 or 3 with parallel.tp > 1 (zero 0/1 work with pp and plain data parallel)"
             )
-        return cls(
-            tp=p.tp,
-            pp=p.pp,
-            dp=dp,
-            dp_replicate=p.dp_replicate,
-            zero=p.zero,
-            micro_batch=t.micro_batch_size,
-            ac=t.activation_checkpointing,
-            ac_every=t.ac_every,
-            pp_schedule=p.pp_schedule,
-            virtual_stages=p.pp_virtual_stages,
-            sequence_parallel=p.sequence_parallel,
-            loss_parallel=p.loss_parallel,
-        )
+        values = {name: getattr(getattr(cfg, section), name) for name, section in _KEYS.items()}
+        return cls(**values | {"dp_shard": dp // p.dp_replicate})
+
+    def apply_to(self, cfg: Config) -> Config:
+        """`cfg` with this layout's keys; parallel.dp_shard 0, derived from the world size it runs on."""
+        values: dict[str, dict] = {}
+        for name, section in _KEYS.items():
+            values.setdefault(section, {})[name] = 0 if name == "dp_shard" else getattr(self, name)
+        return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v) for s, v in values.items()})
 
     def validate(self, args, cfg: Config) -> None:
         """The layout against the model's shape (`args`: ModelArgs), the batch and the schedule."""
@@ -179,13 +199,13 @@ class Layout:
                 "fails in torch 2.13 (FSDP hooks inside the whole-model graph that TP needs); compile TP alone or "
                 "TP x PP, or run TP x FSDP eagerly"
             )
-        per_step = t.micro_batch_size * self.dp
-        if t.global_batch_size % per_step:
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
             raise ConfigError(
-                f"training.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel degree ({self.dp}) = {per_step}"
+                f"training.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"training.micro_batch_size ({self.micro_batch_size}) x data-parallel degree ({self.dp}) = {per_step}"
             )
-        self._validate_schedule(cfg.parallel.pp_microbatches, micro_batches(t, self.dp))
+        self._validate_schedule(cfg.parallel.pp_microbatches)
 
     def _validate_model(self, args) -> None:
         if args.n_heads % self.tp or args.n_kv_heads % self.tp:
@@ -200,11 +220,11 @@ class Layout:
                 f"model.vocab_multiple ({args.vocab_multiple}) must be a multiple of parallel.tp ({self.tp}) so "
                 "the padded vocabulary splits evenly"
             )
-        stages = self.pp * self.virtual_stages
+        stages = self.pp * self.pp_virtual_stages
         if self.pp > 1 and args.n_layers < stages:
             raise ConfigError(
                 f"model.n_layers ({args.n_layers}) must be at least parallel.pp x parallel.pp_virtual_stages = "
-                f"{self.pp} x {self.virtual_stages} = {stages} (one layer per pipeline stage)"
+                f"{self.pp} x {self.pp_virtual_stages} = {stages} (one layer per pipeline stage)"
             )
         if self.pp > 1 and args.tie_embeddings:
             raise ConfigError(
@@ -212,16 +232,17 @@ class Layout:
                 "output live on different pipeline stages"
             )
 
-    def _validate_schedule(self, pp_microbatches: int, n_microbatches: int) -> None:
-        """n_microbatches = local batch / micro batch: what the schedule splits each step into."""
+    def _validate_schedule(self, pp_microbatches: int) -> None:
+        """The schedule against the micro-batches it splits each step into (local batch / micro batch)."""
         if self.pp == 1:
             return
+        n_microbatches = self.micro_batches
         if pp_microbatches and pp_microbatches != n_microbatches:
             raise ConfigError(
                 f"parallel.pp_microbatches ({pp_microbatches}) does not match the local batch / "
                 f"training.micro_batch_size = {n_microbatches}; leave it 0 to derive it"
             )
-        v, schedule = self.virtual_stages, self.pp_schedule
+        v, schedule = self.pp_virtual_stages, self.pp_schedule
         if schedule in SINGLE_STAGE_SCHEDULES and v != 1:
             raise ConfigError(
                 f"parallel.pp_schedule = {schedule!r} runs one stage per rank: set "
@@ -245,3 +266,6 @@ class Layout:
                 f"parallel.pp_schedule = {schedule!r} needs a number of micro-batches "
                 f"divisible by parallel.pp ({self.pp}), got {n_microbatches}"
             )
+
+
+_KEYS = {f.name: section_of(f.name) for f in dataclasses.fields(Layout)}  # field -> its config section

@@ -1,12 +1,16 @@
-"""One typed config tree: the schema (documented dataclasses), reading (TOML + dotted overrides) and
-value checks. Every failure is one line naming the key, the value and what is allowed."""
+"""One typed config tree: the schema (documented, declared dataclasses), reading (TOML + dotted
+overrides) and checks. Every failure is one line naming the key, the value and what is allowed."""
 
-from meshtrain.config.checks import check_model_args, parse_data_path, parse_duration, parse_size, validate
-from meshtrain.config.loading import describe_type, load_config, parse_overrides, set_dotted, set_value
+from meshtrain.config.checks import check_model_args
+from meshtrain.config.grammar import parse_data_path, parse_duration, parse_size
+from meshtrain.config.loading import load_config, parse_overrides, set_dotted, set_value
+from meshtrain.config.options import Declared, declared, field_docs, option
 from meshtrain.config.schema import (
+    DEVICES,
     LAUNCHERS,
     LOG_LEVELS,
     PP_SCHEDULES,
+    SECTIONS,
     SINGLE_STAGE_SCHEDULES,
     CheckpointConfig,
     Config,
@@ -17,38 +21,40 @@ from meshtrain.config.schema import (
     RunConfig,
     TrainingConfig,
     config_keys,
-    field_docs,
-    micro_batches,
     resolved,
+    section_of,
     to_toml,
 )
 
 __all__ = [
+    "DEVICES",
     "LAUNCHERS",
     "LOG_LEVELS",
     "PP_SCHEDULES",
+    "SECTIONS",
     "SINGLE_STAGE_SCHEDULES",
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "Declared",
     "LaunchConfig",
     "ModelConfig",
     "ParallelConfig",
     "RunConfig",
     "TrainingConfig",
     "check_model_args",
-    "parse_data_path",
     "config_keys",
-    "describe_type",
+    "declared",
     "field_docs",
     "load_config",
-    "micro_batches",
+    "option",
+    "parse_data_path",
     "parse_duration",
     "parse_overrides",
     "parse_size",
     "resolved",
+    "section_of",
     "set_dotted",
     "set_value",
     "to_toml",
-    "validate",
 ]

@@ -1,20 +1,21 @@
-"""The config tree: one dataclass per section, each field documented by the string under it (that
-docstring is its `meshtrain train --help` line). It reads only the model's shape (ModelArgs, the
-presets) from model/; the checks live in checks.py, reading in loading.py."""
+"""The config tree: one dataclass per section. Each field is declared once: its annotation is its
+type, `option(...)` its bounds and grammar, the string under it its `meshtrain train --help` line; the
+loader, the CLI and jobscript all check values against that declaration (config/options.py). It reads
+only the model's shape (ModelArgs, the presets) from model/; checks across keys live in checks.py."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import textwrap
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
 
+from meshtrain.config.checks import check_across_keys
+from meshtrain.config.grammar import parse_data_path, parse_duration
+from meshtrain.config.options import declared, option
 from meshtrain.model.llama import ModelArgs
 from meshtrain.model.presets import PRESETS
 
@@ -22,75 +23,86 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others hold several
 LAUNCHERS = ("auto", "torchrun", "azureml", "openmpi", "mpich", "slurm", "single")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_preset(name: str) -> None:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset: use one of {', '.join(PRESETS)}")
+
+
+def check_init_from(value: str) -> None:
+    if value and not (value.startswith("hf:") and Path(value[3:], "config.json").is_file()):
+        raise ValueError('use "hf:DIR" with a local Hugging Face Llama directory (config.json + safetensors)')
 
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"
+    preset: str = option("tiny", check=check_preset)
     """Named shape: tiny, small, gpt2-124m, gpt2-345m, llama3-8b, llama3-70b, llama3-405b."""
-    dim: int | None = None
+    dim: int | None = option(None, gt=0)
     """Hidden size (unset: the preset's)."""
-    n_layers: int | None = None
+    n_layers: int | None = option(None, gt=0)
     """Transformer blocks (unset: the preset's)."""
-    n_heads: int | None = None
+    n_heads: int | None = option(None, gt=0)
     """Attention heads (unset: the preset's)."""
-    n_kv_heads: int | None = None
+    n_kv_heads: int | None = option(None, gt=0)
     """Key/value heads for grouped-query attention (unset: the preset's)."""
-    ffn_dim: int | None = None
+    ffn_dim: int | None = option(None, gt=0)
     """SwiGLU hidden size (unset: the preset's)."""
-    vocab_size: int | None = None
+    vocab_size: int | None = option(None, gt=0)
     """Vocabulary (unset: the prepared data's)."""
-    max_seq_len: int | None = None
+    max_seq_len: int | None = option(None, gt=0)
     """Longest sequence the rotary tables cover (unset: the preset's)."""
-    rope_theta: float | None = None
+    rope_theta: float | None = option(None, gt=0)
     """Rotary base (unset: the preset's)."""
-    norm_eps: float | None = None
+    norm_eps: float | None = option(None, gt=0)
     """RMSNorm epsilon (unset: the preset's)."""
     tie_embeddings: bool | None = None
     """Share the embedding and output matrices (unset: the preset's)."""
-    vocab_multiple: int | None = None
+    vocab_multiple: int | None = option(None, gt=0)
     """Pad embedding/output rows to a multiple of this (Megatron's make-vocab-size-divisible-by); a
     multiple of parallel.tp; stripped on export."""
-    init_from: str = ""
+    init_from: str = option("", check=check_init_from)
     """"hf:DIR": start from a local Hugging Face Llama directory (its config.json replaces the preset)."""
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib"
+    path: str = option("data/stdlib", check=lambda text: parse_data_path(text))
     """A directory written by `meshtrain data prepare`."""
     corpus: Literal["stdlib", ""] = "stdlib"
     """When `path` holds no prepared data: "stdlib" builds it from the Python standard library's source
     (on every machine); "" never builds (an error instead)."""
-    vocab_size: int = 8192
+    vocab_size: int = option(8192, ge=256)
     """BPE vocabulary trained for `corpus`."""
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 100
+    steps: int = option(100, gt=0)
     """Optimizer steps of the schedule."""
-    global_batch_size: int = 16
+    global_batch_size: int = option(16, gt=0)
     """Sequences per optimizer step, over all data-parallel ranks."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = option(8, gt=0)
     """Sequences per forward/backward on one rank (gradient accumulation or pipeline micro-batches)."""
-    seq_len: int = 256
+    seq_len: int = option(256, gt=0)
     """Tokens per sequence."""
-    lr: float = 1e-3
+    lr: float = option(1e-3, gt=0)
     """Peak learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = option(0.1, ge=0, le=1)
     """The cosine decays to lr x this."""
-    warmup_steps: int = 10
+    warmup_steps: int = option(10, ge=0)
     """Linear warm-up steps."""
-    weight_decay: float = 0.1
+    weight_decay: float = option(0.1, ge=0)
     """AdamW weight decay (not on norms)."""
-    beta1: float = 0.9
+    beta1: float = option(0.9, ge=0, lt=1)
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = option(0.95, ge=0, lt=1)
     """AdamW beta2."""
-    grad_clip: float = 1.0
+    grad_clip: float = option(1.0, ge=0)
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
-    seed: int = 0
+    seed: int = option(0, ge=0, lt=2**63)
     """Seed of the weights and the data order."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Training precision: fp32, or bf16 mixed precision (fp32 master weights and optimizer states)."""
@@ -101,20 +113,20 @@ class TrainingConfig:
     bf16 on a GPU."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: "full" every block, "selective" every ac_every-th block."""
-    ac_every: int = 2
+    ac_every: int = option(2, gt=0)
     """With selective checkpointing: checkpoint every this many blocks."""
     compile: bool = False
     """torch.compile the model (whole on one process or under TP, per block with DP/FSDP/PP) and the
     loss; the first step pays the compile."""
-    eval_every: int = 50
+    eval_every: int = option(50, ge=0)
     """Steps between validation passes; 0 = only at the end."""
-    eval_batches: int = 4
+    eval_batches: int = option(4, gt=0)
     """Global batches of validation data per pass."""
-    peak_tflops: float = 0.0
+    peak_tflops: float = option(0.0, ge=0)
     """Per-device peak for MFU; 0 = look up the GPU or measure the CPU."""
-    stop_at_step: int = 0
+    stop_at_step: int = option(0, ge=0)
     """Checkpoint and exit 0 after this step (a long schedule as a chain of jobs); 0: run to the end."""
-    time_limit: str = ""
+    time_limit: str = option("", check=lambda text: parse_duration(text, "training.time_limit"))
     """Wall-clock budget, "HH:MM:SS" or seconds (Slurm --time, ABCI h_rt): checkpoint and exit 75 (not done:
     run again; the generated SGE/Slurm scripts requeue) before it."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
@@ -123,13 +135,16 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
+    tp: int = option(1, gt=0)
     """Tensor-parallel degree (within a node). DP = world / (tp x pp)."""
-    pp: int = 1
+    pp: int = option(1, gt=0)
     """Pipeline-parallel degree."""
-    dp_replicate: int = 1
+    dp_replicate: int = option(1, gt=0)
     """> 1 with zero 2/3: hybrid sharding, shard within groups of DP / dp_replicate and replicate across."""
-    zero: int = 0
+    dp_shard: int = option(0, ge=0)
+    """Ranks each parameter is sharded over (ZeRO-2/3; DDP replicas under zero 0/1); 0: the rest of the world,
+    world / (tp x pp x dp_replicate) (torchtitan's -1); a set value must equal that."""
+    zero: Literal[0, 1, 2, 3] = 0
     """0: DDP; 1: + optimizer states sharded; 2: + gradients sharded (FSDP2); 3: + parameters sharded (FSDP2)."""
     sequence_parallel: bool = True
     """With tp > 1: norms and residuals sharded along the sequence."""
@@ -137,17 +152,17 @@ class ParallelConfig:
     """With tp > 1: cross-entropy on vocabulary-sharded logits."""
     pp_schedule: Literal[PP_SCHEDULES] = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble or zbv."""
-    pp_microbatches: int = 0
+    pp_microbatches: int = option(0, ge=0)
     """0: derived, local batch / training.micro_batch_size (a set value must equal it)."""
-    pp_virtual_stages: int = 1
+    pp_virtual_stages: int = option(1, gt=0)
     """Pipeline stages per rank (interleaved schedules need >= 2, zbv exactly 2)."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
+    every: int = option(0, ge=0)
     """Steps between checkpoints (0: none, except on preemption and planned stops)."""
-    keep: int = 3
+    keep: int = option(3, gt=0)
     """Committed checkpoints kept; older ones are deleted after a newer one commits."""
     async_: bool = False
     """TOML key `async`: DCP async save, training continues while it writes."""
@@ -161,7 +176,7 @@ class CheckpointConfig:
 class LaunchConfig:
     env: Literal[LAUNCHERS] = "auto"
     """Who started the processes: "auto" detects torchrun, Slurm, Open MPI, MPICH, AzureML; or force one."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal[DEVICES] = "auto"
     """"auto": CUDA (NCCL) where there is a GPU, else CPU (gloo); "cpu" forces the CPU on a GPU machine."""
 
 
@@ -169,7 +184,7 @@ class LaunchConfig:
 class RunConfig:
     dir: str = "runs/tiny"
     """Where metrics, TensorBoard events, the resolved config, checkpoints and the weights go."""
-    log_every: int = 10
+    log_every: int = option(10, gt=0)
     """Steps between logged metrics."""
     log_level: Literal[LOG_LEVELS] = "info"
     """Rank 0 prints at this level; other ranks print warnings and errors."""
@@ -180,14 +195,14 @@ class RunConfig:
     save_model: bool = True
     """At the end, write the weights to <dir>/model.safetensors (above save_model_max_gb: export the last
     checkpoint with `meshtrain export` instead)."""
-    save_model_max_gb: float = 8.0
+    save_model_max_gb: float = option(8.0, gt=0)
     """Largest model whose full weights are gathered into one process at the end."""
     plan_check: bool = False
     """Log the planner's prediction (model-state bytes per rank, peak of a step) next to what this run
     measured."""
     sample_prompt: str = "def "
     """After training, rank 0 prints a continuation of this; "" to skip."""
-    sample_tokens: int = 48
+    sample_tokens: int = option(48, gt=0)
     """Tokens in that sample."""
 
 
@@ -202,10 +217,12 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> "Config":
-        """Check every single value and the preset's shape (as load_config does); returns self."""
-        from meshtrain.config.checks import validate
-
-        validate(self)
+        """Check every value against its declaration, then the values against each other and the
+        preset's shape (as load_config does); returns self."""
+        for key, declared_key in config_keys().items():
+            section, _, name = key.partition(".")
+            declared_key.check(getattr(getattr(self, section), ALIASES.get(name, name)))
+        check_across_keys(self)
         return self
 
     def model_args(self, vocab_size: int | None = None, base: ModelArgs | None = None) -> ModelArgs:
@@ -221,42 +238,18 @@ class Config:
 
 
 ALIASES = {"async": "async_"}  # TOML keys that are Python keywords
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+SECTIONS = typing.get_type_hints(Config)
 
 
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (the string literal under each field)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+def section_of(name: str) -> str:
+    """The section that declares a key name (names are unique across [parallel] and [training])."""
+    return next(section for section, cls in SECTIONS.items() if name in {f.name for f in dataclasses.fields(cls)})
 
 
-def config_keys() -> list[tuple[str, Any, Any, str]]:
-    """(dotted key, type, default, help) for every key: the `meshtrain train --help` listing."""
-    inverse = {v: k for k, v in ALIASES.items()}
-    keys = []
-    for section, cls in typing.get_type_hints(Config).items():
-        hints, docs, defaults = typing.get_type_hints(cls), field_docs(cls), cls()
-        for f in dataclasses.fields(cls):
-            keys.append(
-                (
-                    f"{section}.{inverse.get(f.name, f.name)}",
-                    hints[f.name],
-                    getattr(defaults, f.name),
-                    docs.get(f.name, ""),
-                )
-            )
-    return keys
-
-
-def micro_batches(t: TrainingConfig, dp: int) -> int:
-    """Micro-batches per step on one rank: accumulation steps, or the pipeline schedule's micro-batches."""
-    return t.global_batch_size // (t.micro_batch_size * dp)
+def config_keys() -> dict[str, Any]:
+    """Every key as declared (config.options.Declared), by dotted name: the `meshtrain train --help`
+    listing and the declarations the loader checks values against."""
+    return {d.name: d for section, cls in SECTIONS.items() for d in declared(cls, f"{section}.").values()}
 
 
 def to_toml(cfg: Config) -> str:

@@ -25,7 +25,7 @@ def full_state_dict(model: ParallelModel, dims: ParallelDims) -> dict[str, torch
         return {k: v.detach().cpu() for k, v in model.parts[0].state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if dims.pp == 1:
+    if dims.layout.pp == 1:
         return get_model_state_dict(model.parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # Each stage gathers its own weights, then the stages' first replicas send them to rank 0.
     state = {}
@@ -34,7 +34,7 @@ def full_state_dict(model: ParallelModel, dims: ParallelDims) -> dict[str, torch
         state.update({k: v.detach().cpu() for k, v in full.items()})
     if dims.rank_in("dp") or dims.rank_in("tp"):
         return {}
-    gathered = [None] * dims.pp if dist.get_rank() == 0 else None
+    gathered = [None] * dims.layout.pp if dist.get_rank() == 0 else None
     dist.gather_object(state, gathered, dst=0, group=dims.mesh("pp").get_group())
     return {k: v for stage in gathered for k, v in stage.items()} if gathered else {}
 

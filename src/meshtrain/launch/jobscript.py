@@ -5,29 +5,61 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from typing import Literal
 
+from meshtrain.config import option
+from meshtrain.config.options import check_declared
 from meshtrain.errors import MeshtrainError
+
+
+def _check_time(text: str) -> None:
+    from meshtrain.config import parse_duration
+
+    parse_duration(text, "--time")
 
 
 @dataclass
 class JobSpec:
-    config: str
-    nodes: int = 1
-    gpus_per_node: int = 0  # 0: CPU nodes, use procs_per_node
-    procs_per_node: int = 1
-    time: str = "01:00:00"
+    """A job, as `meshtrain jobscript` takes it: every field is a flag, declared once (type, bounds,
+    doc), and checked by the same declarations as the config keys."""
+
+    config: str = option()
+    """The training config the job runs."""
+    nodes: int = option(1, ge=1)
+    """Nodes."""
+    gpus_per_node: int = option(0, ge=0)
+    """GPUs per node (0: CPU nodes, see --procs-per-node)."""
+    procs_per_node: int = option(1, ge=1)
+    """Ranks per node on CPU nodes."""
+    time: str = option("01:00:00", check=_check_time)
+    """Wall-clock limit, HH:MM:SS (also D-HH:MM:SS or seconds)."""
     partition: str = ""
+    """Slurm partition / PBS queue."""
     account: str = ""
+    """Slurm account / PBS project / ABCI group."""
     job_name: str = "meshtrain"
+    """The scheduler's name for the job."""
     container_image: str = ""
+    """pyxis/enroot image for srun."""
     container_mounts: str = ""
+    """pyxis: SRC:DST mounts for the container."""
     container_workdir: str = ""
-    sge_pe: str = ""  # sge: a parallel environment (-pe NAME slots) instead of ABCI's rt_F nodes
-    mode: str = "task-per-rank"  # slurm: "task-per-rank" (srun starts every rank) or "agent-per-node"
-    modules: list[str] = field(default_factory=list)
+    """pyxis: the working directory inside the container."""
+    sge_pe: str = option("", flags=("--pe",))
+    """sge: parallel environment to request, -pe NAME slots (default: ABCI's -l rt_F nodes)."""
+    mode: Literal["task-per-rank", "agent-per-node"] = "task-per-rank"
+    """slurm: one srun task per rank, or one torch elastic agent per node."""
+    modules: list[str] = option(default_factory=list, flags=("--module",))
+    """Environment module to load (repeatable)."""
     instance_type: str = "p5.48xlarge"
+    """pcluster: compute instance type."""
     venv: str = ".venv"
+    """Where meshtrain is installed on the cluster."""
     train_args: list[str] = field(default_factory=list)
+    """Arguments for `meshtrain train` (after -- on the command line)."""
+
+    def __post_init__(self):
+        check_declared(self)
 
     @property
     def per_node(self) -> int:
@@ -56,13 +88,6 @@ class JobSpec:
         if time_limited and not any(a.startswith("--training.time_limit") for a in self.train_args):
             args += ["--training.time_limit", str(int(parse_duration(self.time, "--time")) - self.signal_lead_s)]
         return shlex.join(args + self.train_args)
-
-
-def _check(spec: JobSpec) -> None:
-    if spec.nodes < 1 or spec.per_node < 1:
-        raise MeshtrainError("--nodes and --gpus-per-node/--procs-per-node must be at least 1")
-    if spec.mode not in ("task-per-rank", "agent-per-node"):
-        raise MeshtrainError(f"--mode {spec.mode} is unknown: use task-per-rank or agent-per-node")
 
 
 NCCL_KNOBS = """\
@@ -318,7 +343,6 @@ def render(kind: str, spec: JobSpec) -> dict[str, str]:
     """{file suffix: text}: "" is the main file; pcluster adds ".sbatch", the job for its queue."""
     if kind not in GENERATORS:
         raise MeshtrainError(f"jobscript kind {kind!r} is unknown: use one of {', '.join(GENERATORS)}")
-    _check(spec)
     files = {"": GENERATORS[kind](spec)}
     if kind == "pcluster":
         files[".sbatch"] = slurm(JobSpec(**{**spec.__dict__, "partition": spec.partition or "gpu"}))

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.config import micro_batches
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
@@ -64,60 +63,59 @@ class ParallelModel:
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
-    parallel,
     training,
     device: torch.device,
     loss_fn: Callable,
     materialize: contextlib.AbstractContextManager | None = None,
 ) -> ParallelModel:
-    """`model` is built on the meta device; returns materialised, initialised parts. `materialize`:
-    the context the parameters are allocated and initialised in (a dry run's FakeTensorMode, which
-    allocates nothing)."""
-    if training.compile and dims.tp == 1:  # loss_parallel's DTensor logits stay eager
+    """`model` is built on the meta device; returns materialised, initialised parts. Who holds and
+    computes what comes from the layout (`dims.layout`) alone; from `training` only the arithmetic
+    (dtype, bf16_compute, compile) and the seed of the weights. `materialize`: the context the
+    parameters are allocated and initialised in (a dry run's FakeTensorMode, which allocates nothing)."""
+    layout = dims.layout
+    if training.compile and layout.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
-    if dims.pp > 1:
+    if layout.pp > 1:
         loss_fn = ScaledLoss(loss_fn)
-        staged = pipeline_stage_modules(model, dims.layout, dims.rank_in("pp"))
+        staged = pipeline_stage_modules(model, layout, dims.rank_in("pp"))
     else:
         staged = [(0, model)]
-    n_stages, fsdp = dims.layout.n_stages, dims.layout.fsdp
     parts = []
     for _, part in staged:
         if wants_fp32_compute(training, device):
             apply_fp32_compute(part)
-        if dims.tp > 1:
-            apply_tp(part, dims.mesh("tp"), parallel.sequence_parallel, parallel.loss_parallel)
-        apply_ac(part, training.activation_checkpointing, training.ac_every)
+        if layout.tp > 1:
+            apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
+        apply_ac(part, layout.activation_checkpointing, layout.ac_every)
         if training.compile:
-            apply_compile(part, whole_model=dims.tp > 1 or (dims.dp == 1 and dims.pp == 1))
-        if fsdp:
-            apply_fsdp(part, dims.fsdp_mesh(), dims.zero, torch.bfloat16 if training.dtype == "bf16" else None)
+            apply_compile(part, whole_model=layout.tp > 1 or (layout.dp == 1 and layout.pp == 1))
+        if layout.fsdp:
+            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, torch.bfloat16 if training.dtype == "bf16" else None)
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)
             part.init_weights(training.seed, buffer_device=device)
-        if dims.dp > 1 and not fsdp and dims.pp == 1:
+        if layout.ddp:
             part = apply_ddp(part, dims.mesh("dp"))
         parts.append(part)
     stage_ids = [idx for idx, _ in staged]
     schedule = None
-    if dims.pp > 1:
+    if layout.pp > 1:
         schedule = build_schedule(
             list(zip(stage_ids, parts)),
-            n_stages,
+            layout.n_stages,
             dims.mesh("pp"),
             device,
-            parallel.pp_schedule,
-            micro_batches(training, dims.dp),
+            layout.pp_schedule,
+            layout.micro_batches,
             loss_fn,
         )
-    plain_dp_pipeline = dims.pp > 1 and dims.dp > 1 and not fsdp
     return ParallelModel(
         parts,
         stage_ids,
-        n_stages,
+        layout.n_stages,
         schedule,
-        fsdp,
+        layout.fsdp,
         loss_fn,
-        dims.tp > 1 and parallel.loss_parallel,
-        dims.dp_group if plain_dp_pipeline else None,
+        layout.tp > 1 and layout.loss_parallel,
+        dims.dp_group if layout.averages_after_backward else None,
     )

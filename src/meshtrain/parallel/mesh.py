@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshtrain.config import Config
 from meshtrain.layout import Layout
 
 
@@ -17,30 +16,19 @@ class ParallelDims:
         self.layout = layout
         self._meshes: dict[str, DeviceMesh] = {}
 
-    @classmethod
-    def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
-        return cls(Layout.from_config(cfg, world_size))
-
-    world_size = property(lambda self: self.layout.world)
-    pp = property(lambda self: self.layout.pp)
-    tp = property(lambda self: self.layout.tp)
-    dp = property(lambda self: self.layout.dp)
-    dp_replicate = property(lambda self: self.layout.dp_replicate)
-    dp_shard = property(lambda self: self.layout.dp_shard)
-    zero = property(lambda self: self.layout.zero)
-
     def describe(self) -> str:
         """ "DDP 2", "FSDP 2 x TP 2, ZeRO-3", "single process"."""
-        names = {"dp_shard": "FSDP" if self.zero >= 2 else "DDP", "dp_replicate": "replicate", "tp": "TP", "pp": "PP"}
-        layout = " x ".join(f"{names[n]} {size}" for n, size in self.layout.named_dims()) or "single process"
-        return f"{layout}, ZeRO-{self.zero}" if self.dp > 1 else layout
+        zero = self.layout.zero
+        names = {"dp_shard": "FSDP" if zero >= 2 else "DDP", "dp_replicate": "replicate", "tp": "TP", "pp": "PP"}
+        text = " x ".join(f"{names[n]} {size}" for n, size in self.layout.named_dims()) or "single process"
+        return f"{text}, ZeRO-{zero}" if self.layout.dp > 1 else text
 
     def build_mesh(self, device_type: str) -> None:
         """Build the world mesh (none for one process). Sub-meshes are looked up with `mesh(name)`;
         "dp" is dp_replicate x dp_shard flattened (possibly of size 1): where batches are split
         and losses averaged."""
         self._meshes = {}
-        if self.world_size == 1 and not dist.is_initialized():
+        if self.layout.world == 1 and not dist.is_initialized():
             return
         dims = self.layout.named_dims() or [("dp_shard", 1)]
         names = tuple(n for n, _ in dims)
@@ -63,7 +51,7 @@ class ParallelDims:
     def fsdp_mesh(self) -> DeviceMesh:
         """1-D (dp_shard) for ZeRO-2/3, 2-D (dp_replicate, dp_shard) for hybrid sharding."""
         world = self.mesh("world")
-        return world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
+        return world["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else world["dp_shard"]
 
     def rank_in(self, name: str) -> int:
         mesh = self.mesh(name)
@@ -82,7 +70,7 @@ class ParallelDims:
         if len([n for n in names if n.startswith("dp_")]) > 1:
             dp_axes = [i for i, n in enumerate(names) if n.startswith("dp_")]
             rest = [i for i in range(len(names)) if i not in dp_axes]
-            groups = world.mesh.permute(*rest, *dp_axes).reshape(-1, self.dp).tolist()
+            groups = world.mesh.permute(*rest, *dp_axes).reshape(-1, self.layout.dp).tolist()
             lines.append("dp groups (replicate x shard): " + " ".join(str(g) for g in groups))
         return lines
 

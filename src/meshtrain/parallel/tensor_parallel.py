@@ -18,24 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-# The dimension of each weight that tensor parallelism splits (the planner counts bytes from this
-# table): column-parallel layers split their output features (dim 0), row-parallel ones their
-# input features (dim 1), the embedding its vocabulary rows. Norm weights are replicated.
-COLUMN, ROW = 0, 1
-BLOCK_SHARDED_DIM = {
-    "attention.wq": COLUMN,
-    "attention.wk": COLUMN,
-    "attention.wv": COLUMN,
-    "attention.wo": ROW,
-    "feed_forward.w1": COLUMN,
-    "feed_forward.w2": ROW,
-    "feed_forward.w3": COLUMN,
-}
-SHARDED_DIM = {
-    "tok_embeddings.weight": 0,
-    "output.weight": COLUMN,
-    **{f"{name}.weight": dim for name, dim in BLOCK_SHARDED_DIM.items()},
-}
+from meshtrain.model.shapes import BLOCK_SHARDED_DIM, COLUMN
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

@@ -1,27 +1,26 @@
-"""`meshtrain plan`: per-GPU memory and step time of any layout on any cluster, and the best one.
+"""`meshtrain plan`'s estimator: per-GPU memory and step time of any layout on any cluster, and the
+best one. A pure estimator below the trainer: it reads the model's shape facts (model/shapes.py) and
+the trainer's own Layout, and imports nothing of train/ (the dry run, in train/, holds it to what a
+built job measures; cli/plan.py is the command).
 
-shapes.py    the model's parameter table and FLOPs (Llama as trained; classic GPT)
+workload.py  what is trained beside the layout: model, sequence, precision, kernels
 hardware.py  accelerators and networks (data sheets, overridable; the CPU measured)
-layout.py    the knobs of a layout and of the job
 memory.py    model states (exact), activations (per saved tensor), in-flight micro-batches, buffers
 speed.py     matmuls, memory-bound work, TP/PP/DP communication, bubble, optimizer
 search.py    enumerate, check with the trainer's own rules, estimate, rank
-measure.py   measured saved activations and peak bytes, to hold the model to
+report.py    the table
 """
 
 from meshtrain.plan.hardware import CATALOG, KINDS, device
-from meshtrain.plan.layout import Layout, Workload, to_config
 from meshtrain.plan.memory import activation_bytes, estimate_memory, model_state_bytes
 from meshtrain.plan.search import Estimate, evaluate, search
-from meshtrain.plan.shapes import Shape
 from meshtrain.plan.speed import step_time
+from meshtrain.plan.workload import Workload
 
 __all__ = [
     "CATALOG",
     "KINDS",
     "Estimate",
-    "Layout",
-    "Shape",
     "Workload",
     "activation_bytes",
     "device",
@@ -30,5 +29,4 @@ __all__ = [
     "model_state_bytes",
     "search",
     "step_time",
-    "to_config",
 ]

@@ -15,9 +15,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-from meshtrain.layout import zero1_partition
-from meshtrain.plan.layout import Layout, Workload
-from meshtrain.plan.shapes import Param, Shape
+from meshtrain.layout import Layout, zero1_partition
+from meshtrain.model.shapes import Param, Shape
+from meshtrain.plan.workload import Workload
 
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per local parameter element
 
@@ -49,7 +49,7 @@ def _local_numel(
 def stage_params(shape: Shape, layout: Layout, pp_rank: int) -> tuple[Param, ...]:
     """The parameters of the stages a pipeline rank holds, in the order its optimizer sees them."""
     return _stage_params(
-        shape, Layout(pp=layout.pp, pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages), pp_rank
+        shape, Layout(pp=layout.pp, pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.pp_virtual_stages), pp_rank
     )
 
 
@@ -74,11 +74,11 @@ def _sharding(layout: Layout) -> Layout:
     return Layout(
         tp=layout.tp,
         pp=layout.pp,
-        dp=layout.dp,
         dp_replicate=layout.dp_replicate,
+        dp_shard=layout.dp_shard,
         zero=layout.zero,
         pp_schedule=layout.pp_schedule,
-        virtual_stages=layout.virtual_stages,
+        pp_virtual_stages=layout.pp_virtual_stages,
     )
 
 
@@ -96,7 +96,7 @@ class StageSums:
 def stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
     return _stage_sums(
         shape,
-        Layout(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages),
+        Layout(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.pp_virtual_stages),
         pp_rank,
     )
 
@@ -309,18 +309,18 @@ def in_flight(layout: Layout, micro_batches: int) -> float:
 def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str, float]:
     """Bytes of saved activations on one rank at the peak of a step, and the transient working
     set on top of them (the logits' gradient; one checkpointed block recomputed in backward)."""
-    tokens = layout.micro_batch * w.seq_len
+    tokens = layout.micro_batch_size * w.seq_len
     layers = [n for stage in layout.stage_layers(w.shape.n_layers, pp_rank) for n in stage]
     full, ckpt = block_bytes_per_token(w, layout), checkpointed_block_bytes_per_token(w, layout)
-    if layout.ac == "full":
+    if layout.activation_checkpointing == "full":
         checkpointed = len(layers)
-    elif layout.ac == "selective":
+    elif layout.activation_checkpointing == "selective":
         checkpointed = len(layers[:: layout.ac_every])
     else:
         checkpointed = 0
     first, last = layout.holds_first_stage(pp_rank), layout.holds_last_stage(pp_rank)
     per_micro_batch = tokens * (checkpointed * ckpt + (len(layers) - checkpointed) * full)
-    saved = per_micro_batch * in_flight(layout, w.micro_batches(layout)) + tokens * ends_bytes_per_token(
+    saved = per_micro_batch * in_flight(layout, layout.micro_batches) + tokens * ends_bytes_per_token(
         w, layout, first, last
     )
     recompute = tokens * full if checkpointed else 0.0
@@ -398,7 +398,7 @@ def resident_grad_bytes(w: Workload, layout: Layout, pp_rank: int, grads: float)
     none, those, or FSDP's unsharded ones while it accumulates micro-batches."""
     if not grads_resident(w, layout):
         return 0.0
-    return unsharded_grad_bytes(w, layout, pp_rank) if layout.fsdp and w.micro_batches(layout) > 1 else grads
+    return unsharded_grad_bytes(w, layout, pp_rank) if layout.fsdp and layout.micro_batches > 1 else grads
 
 
 def grads_resident(w: Workload, layout: Layout) -> bool:
@@ -408,7 +408,7 @@ def grads_resident(w: Workload, layout: Layout) -> bool:
     fills the pipeline again). Not under GPipe, whose first backward comes after every forward;
     otherwise gradients appear as backward frees the activations (DDP's buckets, which they are
     views of, are counted under "other")."""
-    m = w.micro_batches(layout)
+    m = layout.micro_batches
     if layout.pp > 1:
         return layout.pp_schedule != "gpipe" and m > in_flight(layout, m)
     return m > 1

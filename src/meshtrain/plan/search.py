@@ -7,10 +7,11 @@ from dataclasses import asdict, dataclass
 
 from meshtrain.config import SINGLE_STAGE_SCHEDULES, Config
 from meshtrain.errors import ConfigError
+from meshtrain.layout import AC_MODES, Layout
 from meshtrain.plan.hardware import Device
-from meshtrain.plan.layout import AC_MODES, Layout, Workload, to_config
 from meshtrain.plan.memory import estimate_memory
 from meshtrain.plan.speed import step_time
+from meshtrain.plan.workload import Workload
 
 GIB = 2**30
 
@@ -25,18 +26,9 @@ class Estimate:
     why_not: str = ""
 
     def as_dict(self) -> dict:
-        lay = self.layout
         return {
-            "tp": lay.tp,
-            "pp": lay.pp,
-            "dp": lay.dp,
-            "dp_replicate": lay.dp_replicate,
-            "zero": lay.zero,
-            "micro_batch": lay.micro_batch,
-            "ac": lay.ac,
-            "pp_schedule": lay.pp_schedule,
-            "virtual_stages": lay.virtual_stages,
-            "sequence_parallel": lay.sequence_parallel,
+            **asdict(self.layout),
+            "dp": self.layout.dp,
             "fits": self.fits,
             "params": self.params,
             "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
@@ -46,7 +38,7 @@ class Estimate:
             "step_time_s": round(self.speed["step_time_s"], 5),
             "seconds": {k: round(v, 5) for k, v in self.speed["seconds"].items()},
             **({"why_not": self.why_not} if self.why_not else {}),
-            "layout": asdict(lay),
+            "layout": asdict(self.layout),
         }
 
 
@@ -62,7 +54,7 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
     """Why meshtrain would refuse this layout ("" if it would not): the trainer's own checks for
     the Llama it trains; the divisibility rules of Megatron for a GPT shape."""
     if base is not None:
-        cfg = to_config(layout, w, base)
+        cfg = layout.apply_to(base)
         try:
             Layout.from_config(cfg, layout.world).validate(args, cfg)
         except ConfigError as e:
@@ -73,9 +65,9 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
         return f"heads, ffn and vocabulary must be divisible by tp {layout.tp}"
     if s.n_layers < layout.pp * layout.stages_per_rank:
         return "fewer layers than pipeline stages"
-    if w.global_batch % (layout.micro_batch * layout.dp):
+    if layout.global_batch_size % (layout.micro_batch_size * layout.dp):
         return "global batch not divisible by micro-batch x dp"
-    if layout.pp > 1 and w.micro_batches(layout) < layout.pp:
+    if layout.pp > 1 and layout.micro_batches < layout.pp:
         return "fewer micro-batches than pipeline stages"
     return ""
 
@@ -92,7 +84,7 @@ def schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
     rank (2 to 8) while every stage keeps a layer; a fixed schedule or stage count narrows that."""
     if pp == 1:
         return [("1f1b", 1)]
-    name, v = fixed.get("pp_schedule"), fixed.get("virtual_stages")
+    name, v = fixed.get("pp_schedule"), fixed.get("pp_virtual_stages")
     if name in SINGLE_STAGE_SCHEDULES or (name is None and v == 1):
         return [(name or "1f1b", 1)]
     if name == "zbv":
@@ -103,9 +95,10 @@ def schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
     return [(name, s) for s in stages] or [(name, 2)]
 
 
-def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[Layout]:
-    """Every combination of the free knobs; `fixed` pins any of tp, pp, zero, dp_replicate,
-    micro_batch, ac, pp_schedule, virtual_stages, sequence_parallel."""
+def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fixed: dict) -> list[Layout]:
+    """Every combination of the free knobs; `fixed` pins any of the Layout's fields by its config key
+    name (tp, pp, zero, dp_replicate, micro_batch_size, activation_checkpointing, ac_every, pp_schedule,
+    pp_virtual_stages, sequence_parallel, loss_parallel)."""
 
     def options(name, values):
         return [fixed[name]] if fixed.get(name) is not None else values
@@ -117,40 +110,52 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, fixed: dict) -> list[
                 continue
             dp = gpus // (tp * pp)
             for zero, ac in itertools.product(
-                options("zero", [0, 1, 2, 3] if dp > 1 else [0]), options("ac", list(AC_MODES))
+                options("zero", [0, 1, 2, 3] if dp > 1 else [0]), options("activation_checkpointing", list(AC_MODES))
             ):
                 replicate = [1] + [
                     r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and dp // r * tp == gpus_per_node
                 ]
-                micro = [b for b in (1, 2, 4, 8, 16, 32) if w.global_batch % (b * dp) == 0]
+                micro = [b for b in (1, 2, 4, 8, 16, 32) if global_batch % (b * dp) == 0]
                 pipelines = schedules(pp, w.shape.n_layers, fixed)
                 for r, mb, (schedule, v) in itertools.product(
-                    options("dp_replicate", replicate), options("micro_batch", micro), pipelines
+                    options("dp_replicate", replicate), options("micro_batch_size", micro), pipelines
                 ):
+                    if dp % r:
+                        continue
                     out.append(
                         Layout(
                             tp=tp,
                             pp=pp,
-                            dp=dp,
                             dp_replicate=r,
+                            dp_shard=dp // r,
                             zero=zero,
-                            micro_batch=mb,
-                            ac=ac,
-                            pp_schedule=schedule,
-                            virtual_stages=v,
                             sequence_parallel=fixed.get("sequence_parallel", True) is not False,
+                            loss_parallel=fixed.get("loss_parallel", True) is not False,
+                            pp_schedule=schedule,
+                            pp_virtual_stages=v,
+                            global_batch_size=global_batch,
+                            micro_batch_size=mb,
+                            activation_checkpointing=ac,
+                            ac_every=fixed.get("ac_every") or 2,
                         )
                     )
     return out
 
 
 def search(
-    w: Workload, dev: Device, inter_gbps: float, gpus: int, fixed: dict, base: Config | None = None, args=None
+    w: Workload,
+    dev: Device,
+    inter_gbps: float,
+    gpus: int,
+    global_batch: int,
+    fixed: dict,
+    base: Config | None = None,
+    args=None,
 ) -> tuple[list[Estimate], dict[str, int]]:
     """Estimates, those that fit best first (by tokens/s), then those that do not (smallest first);
     and how many layouts were dropped for each reason meshtrain would refuse them."""
     estimates, refused = [], {}
-    for layout in candidates(w, gpus, min(gpus, dev.gpus_per_node), fixed):
+    for layout in candidates(w, gpus, min(gpus, dev.gpus_per_node), global_batch, fixed):
         reason = check(w, layout, base, args)
         if reason:
             refused[reason] = refused.get(reason, 0) + 1

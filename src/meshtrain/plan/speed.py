@@ -9,8 +9,8 @@ DP traffic 2 psi (DDP, ZeRO-1/2) and 3 psi (ZeRO-3), Rajbhandari et al. 2020."""
 
 from __future__ import annotations
 
+from meshtrain.layout import Layout
 from meshtrain.plan.hardware import Device
-from meshtrain.plan.layout import Layout, Workload
 from meshtrain.plan.memory import (
     STATE_BYTES,
     block_bytes_per_token,
@@ -18,6 +18,7 @@ from meshtrain.plan.memory import (
     logits_working_bytes_per_token,
     stage_sums,
 )
+from meshtrain.plan.workload import Workload
 
 
 def _bandwidth(group_span: int, dev: Device, inter_gbps: float) -> float:
@@ -64,12 +65,13 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     shape, t, s, h = w.shape, layout.tp, w.seq_len, w.shape.dim
     dtype = "fp32" if w.dtype == "fp32" or w.fp32_arithmetic else w.dtype
     act_bytes = 4 if w.dtype == "fp32" else 2
-    tokens = layout.micro_batch * s
+    tokens = layout.micro_batch_size * s
     layers = [n for stage in layout.stage_layers(shape.n_layers, pp_rank) for n in stage]
     block = stage_sums(shape, layout, pp_rank).block_full
     head = shape.vocab_size * h if layout.holds_last_stage(pp_rank) else 0
     attention = 12 * h * s  # scores and weighted sum, forward + backward
-    recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}.get(layout.ac, 0)
+    recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}
+    recomputed = recomputed.get(layout.activation_checkpointing, 0)
     peak = dev.peak(dtype) * 1e12
     gemm = tokens * (6 * (len(layers) * block + head) + 2 * recomputed * block)
     attend = tokens * attention * (len(layers) + recomputed / 3)
@@ -96,7 +98,7 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
 def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> dict[str, float]:
     """Seconds per optimizer step and what they buy: tokens/s, model TFLOP/s per GPU and MFU."""
     p, dp, t = layout.pp, layout.dp, layout.tp
-    m = w.micro_batches(layout)
+    m = layout.micro_batches
     per_rank = [micro_batch_time(w, layout, dev, inter_gbps, r) for r in sorted({0, p - 1})]
     slowest = max(per_rank, key=lambda x: x["total"])
     bubble = (p - 1) / layout.stages_per_rank * slowest["total"]
@@ -127,7 +129,7 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
     optimizer = moments * 28 / (dev.memory_gbs * 1e9)
 
     step = pipeline + exposed + optimizer
-    tokens_per_s = w.global_batch * w.seq_len / step / layout.world
+    tokens_per_s = layout.global_batch_size * w.seq_len / step / layout.world
     tflops = tokens_per_s * w.shape.flops_per_token(w.seq_len) / 1e12
     return {
         "step_time_s": step,

@@ -1,10 +1,13 @@
-"""Everything a training step needs, built once: who am I -> data -> model on the mesh -> optimizer.
+"""Everything a training step needs, built once: who am I -> data -> preflight -> model on the mesh
+-> optimizer.
 
-`build(cfg)` is what the loop, the tests and the benchmarks use, so all three train the same thing.
+`build(cfg)` is what the loop, the tests and the benchmarks use, so all three train the same thing;
+the dry run builds the same `build_model` on a fake process group and fake tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint import Checkpointer
-from meshtrain.config import Config, check_model_args, micro_batches, parse_data_path
+from meshtrain.config import Config, parse_data_path
 from meshtrain.data import Blend, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
 from meshtrain.errors import DataError
 from meshtrain.launch import LaunchEnv, detect
@@ -22,50 +25,8 @@ from meshtrain.logs import log
 from meshtrain.model import Llama, ModelArgs, num_params
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
+from meshtrain.train.preflight import preflight, warn_if_too_big
 from meshtrain.train.step import cross_entropy, step_context, train_step
-
-
-def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
-    """The model's shape: the preset, or a Hugging Face directory's config.json, with the overrides."""
-    if cfg.model.init_from:
-        from meshtrain.interop.hf import hf_model_args
-
-        return cfg.model_args(base=hf_model_args(cfg.model.init_from.removeprefix("hf:")))
-    return cfg.model_args(data_vocab_size)
-
-
-def check_training(cfg: Config, world_size: int, data_vocab_size: int | None = None) -> ModelArgs:
-    """Every check that needs the resolved model, the world size or the data; before any work."""
-    args = model_args(cfg, data_vocab_size)
-    check_model_args(args, cfg, data_vocab_size)
-    Layout.from_config(cfg, world_size).validate(args, cfg)
-    return args
-
-
-def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
-    """model.init_from: the data must be tokenized with the pretrained model's tokenizer, or every
-    id means another token than the one the weights learned (a silent, wrong fine-tune)."""
-    if not cfg.model.init_from:
-        return
-    from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, template_of
-    from meshtrain.data.prepare import tokenizer_fingerprint
-
-    model_dir = Path(cfg.model.init_from.removeprefix("hf:"))
-    theirs = model_dir / "tokenizer.json"
-    if not theirs.is_file():
-        log.warning(f"{model_dir} has no tokenizer.json: cannot check that {cfg.data.path} was tokenized with it")
-        return
-    if tokenizer_fingerprint(theirs) != tokenizer_fingerprint(dataset.tokenizer_path):
-        raise DataError(
-            f"{cfg.data.path} was tokenized with another tokenizer than model.init_from ({theirs}): prepare the data "
-            f"with it, `meshtrain data prepare --tokenizer {theirs} ...`"
-        )
-    if dataset.template_path and template_of(model_dir) != DEFAULT_CHAT_TEMPLATE:
-        if dataset.template_path.read_text() != template_of(model_dir):
-            raise DataError(
-                f"{cfg.data.path} was rendered with another chat template than model.init_from's ({model_dir}): "
-                f"prepare it with `--tokenizer {theirs}` (which takes the model's template along)"
-            )
 
 
 def ensure_dataset(cfg: Config) -> Blend:
@@ -112,11 +73,15 @@ class TrainState:
     checkpointer: Checkpointer | None = None
 
     @property
+    def layout(self) -> Layout:
+        return self.dims.layout
+
+    @property
     def pp_group(self):
-        return self.dims.mesh("pp").get_group() if self.dims.pp > 1 else None
+        return self.dims.mesh("pp").get_group() if self.layout.pp > 1 else None
 
     def context(self):
-        return step_context(self.model, self.dims, self.cfg.training, self.device)
+        return step_context(self.model, self.cfg.training, self.device)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_targets: int | None = None):
         """One optimizer step (see train.step.train_step); the LR schedule is stepped by the caller.
@@ -126,23 +91,43 @@ class TrainState:
             self.optimizer,
             inputs,
             targets,
+            self.layout,
             self.cfg.training,
             self.device,
             self.context,
             self.pp_group,
             n_targets,
-            self.dims.dp,
         )
 
-    @property
-    def accumulation(self) -> int:
-        return micro_batches(self.cfg.training, self.dims.dp)
+
+def build_model(
+    cfg: Config,
+    args: ModelArgs,
+    layout: Layout,
+    device: torch.device,
+    materialize: contextlib.AbstractContextManager | None = None,
+) -> tuple[ParallelDims, ParallelModel, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, int]:
+    """This rank's part of the job, on the process group that is up: the DeviceMesh, the model built
+    on the meta device with the layout applied, and the optimizer (with its ZeRO-1 partition).
+    `materialize`: the context parameters and optimizer states are allocated in (the dry run's
+    FakeTensorMode: shapes, no memory). Returns the mesh, the model, the optimizer, the LR schedule
+    and the full model's parameter count."""
+    dims = ParallelDims(layout)
+    dims.build_mesh(device.type)
+    with torch.device("meta"):
+        full_model = Llama(args)
+    model = parallelize(full_model, dims, cfg.training, device, cross_entropy, materialize)
+    with materialize or contextlib.nullcontext():
+        dp_group = dims.dp_group if layout.dp > 1 else None
+        optimizer, scheduler = build_optimizer(model.parameters(), cfg.training, layout.zero, dp_group)
+    return dims, model, optimizer, scheduler, num_params(full_model)
 
 
 def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> TrainState:
-    """Start the process group, read the data (rank 0 prepares it first), build the model on the
-    meta device and apply the layout, then the optimizer. Without data, the model's vocabulary is
-    model.vocab_size (or the preset's): for tests and benchmarks that bring their own batches."""
+    """Start the process group, read the data (rank 0 prepares it first), run the preflight, build
+    the model on the meta device and apply the layout, then the optimizer. Without data, the model's
+    vocabulary is model.vocab_size (or the preset's): for tests and benchmarks that bring their own
+    batches."""
     env = env or detect(launcher=cfg.launch.env)
     device = init_distributed(env, cfg.launch.device)
     dataset = None
@@ -153,26 +138,18 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
             dist.barrier()
         dataset = Blend(cfg.data.path, cfg.training.seq_len)
         verify_data(dataset, env.rank, env.world_size)
-        check_init_tokenizer(cfg, dataset)
-    args = check_training(cfg, env.world_size, dataset.vocab_size if dataset else None)
+    args, layout = preflight(cfg, env.world_size, dataset)
     t = cfg.training
     torch.manual_seed(t.seed)
-    dims = ParallelDims.from_config(cfg, env.world_size)
-    dims.build_mesh(device.type)
     if env.rank == 0:
-        from meshtrain.plan.check import warn_if_too_big
-
-        warn_if_too_big(cfg, args, env.world_size, device, env.local_world_size)
-    with torch.device("meta"):
-        full_model = Llama(args)
-    model = parallelize(full_model, dims, cfg.parallel, t, device, cross_entropy)
-    optimizer, scheduler = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
-    state = TrainState(cfg, env, device, dims, args, num_params(full_model), model, optimizer, scheduler, dataset)
+        warn_if_too_big(cfg, args, layout, device, env.local_world_size)
+    dims, model, optimizer, scheduler, n_params = build_model(cfg, args, layout, device)
+    state = TrainState(cfg, env, device, dims, args, n_params, model, optimizer, scheduler, dataset)
     if dataset is not None:
-        state.loader = dataset.loader(t.global_batch_size, dims.dp_rank, dims.dp, t.seed, device.type == "cuda")
+        state.loader = dataset.loader(t.global_batch_size, dims.dp_rank, layout.dp, t.seed, device.type == "cuda")
         for name, source in zip(dataset.names, dataset.sources):
             if len(source.val):  # few and fixed: copied to the device once
-                batches = validation_batches(source.val, t.eval_batches, t.global_batch_size, dims.dp_rank, dims.dp)
+                batches = validation_batches(source.val, t.eval_batches, t.global_batch_size, dims.dp_rank, layout.dp)
                 state.val[name] = [(x.to(device), y.to(device), n) for x, y, n in batches]
         root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
         state.checkpointer = Checkpointer(

@@ -30,9 +30,9 @@ from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.lock import RunLock
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
+from meshtrain.model.shapes import Shape
 from meshtrain.parallel import arithmetic_dtype
 from meshtrain.parallel.memory import format_memory, gather_memory_report
-from meshtrain.plan.shapes import Shape
 from meshtrain.train.build import TrainState, build
 from meshtrain.train.step import evaluate, reduce_loss
 
@@ -87,8 +87,8 @@ def announce(s: TrainState, precision: str) -> None:
     log.info(
         f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
         f"({s.dims.describe()}) | {s.device.type} {precision} | global batch {t.global_batch_size} x "
-        f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.accumulation}"
-        f"{' pipeline micro-batches' if s.dims.pp > 1 else ' accumulation'}) | {t.steps} steps"
+        f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.layout.micro_batches}"
+        f"{' pipeline micro-batches' if s.layout.pp > 1 else ' accumulation'}) | {t.steps} steps"
     )
     for line in s.dims.describe_groups():
         log.info("  " + line)
@@ -125,11 +125,7 @@ def warn_pointless_settings(s: TrainState) -> None:
 def validation_losses(s: TrainState) -> dict:
     """val_loss: the blend's weights over its sources' losses (one source: its loss); for a blend
     also val_loss_by_source."""
-    t = s.cfg.training
-    losses = {
-        name: evaluate(s.model, batches, t.micro_batch_size, s.device, s.dims, s.context)
-        for name, batches in s.val.items()
-    }
+    losses = {name: evaluate(s.model, batches, s.device, s.dims, s.context) for name, batches in s.val.items()}
     weights = dict(zip(s.dataset.names, s.dataset.weights))
     total = sum(weights[name] for name in losses)
     record = {"val_loss": sum(weights[name] * loss for name, loss in losses.items()) / total}
@@ -201,7 +197,7 @@ def report_memory(s: TrainState, metrics: MetricsLogger, quiet: bool = False) ->
     for rank, line in enumerate(report):
         log.info(format_memory(rank, line))
     if s.cfg.run.plan_check:
-        from meshtrain.plan.check import compare
+        from meshtrain.train.preflight import compare
 
         for line in compare(s.cfg, s.args, s.device, report):
             log.info(line)

@@ -7,7 +7,7 @@ gradients is the gradient of that mean, the same for 1 process or N and any micr
 The loader counts the global batch's targets on the host, so no collective or sync is needed.
 
 inputs, targets (this DP rank's slice)  -> the device, once per step
-no PP: micro-batches of training.micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
+no PP: micro-batches of the layout's micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
 PP:    the schedule drives the micro-batches through the stages
 global grad norm -> fused AdamW (clips and skips inside its kernel) -> the LR schedule steps outside
 """
@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.config import TrainingConfig
 from meshtrain.data.loader import IGNORE_INDEX
+from meshtrain.layout import Layout
 from meshtrain.optim import local_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel
 from meshtrain.parallel.data_parallel import average_gradients
@@ -49,10 +50,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=t.is_pinned())
 
 
-def step_context(model: ParallelModel, dims: ParallelDims, training: TrainingConfig, device: torch.device) -> ExitStack:
+def step_context(model: ParallelModel, training: TrainingConfig, device: torch.device) -> ExitStack:
     """Vocabulary-parallel loss under TP; autocast for bf16 unless FSDP casts the parameters itself."""
     stack = ExitStack()
-    if dims.tp > 1 and model.loss_parallel:
+    if model.loss_parallel:
         stack.enter_context(loss_parallel())
     if training.dtype == "bf16" and not model.fsdp:
         stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
@@ -93,12 +94,12 @@ def train_step(
     optimizer,
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    layout: Layout,
     t: TrainingConfig,
     device: torch.device,
     context,
     pp_group=None,
     n_targets: int | None = None,
-    dp: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """forward/backward -> global grad norm -> AdamW, with no host-device sync.
 
@@ -111,7 +112,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = to_device(inputs, device), to_device(targets, device)
     with context():
-        loss = forward_backward(model, inputs, targets, t.micro_batch_size, device, loss_scale(targets, n_targets, dp))
+        scale = loss_scale(targets, n_targets, layout.dp)
+        loss = forward_backward(model, inputs, targets, layout.micro_batch_size, device, scale)
     grad_norm = global_grad_norm(model.parameters(), pp_group)
     skipped = (~torch.isfinite(grad_norm)).float()
     adamw = local_optimizer(optimizer)
@@ -157,28 +159,27 @@ def mean_over(value: torch.Tensor, group) -> float:
 
 def reduce_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
     """The global mean loss: from the last pipeline stage (sum over pp), averaged over DP."""
-    if dims.pp > 1:
+    if dims.layout.pp > 1:
         loss = loss.clone()
         dist.all_reduce(loss, group=dims.mesh("pp").get_group())
     return mean_over(loss, dims.dp_group)
 
 
 @torch.no_grad()
-def evaluate(
-    model: ParallelModel, batches, micro_batch: int, device: torch.device, dims: ParallelDims, context
-) -> float:
+def evaluate(model: ParallelModel, batches, device: torch.device, dims: ParallelDims, context) -> float:
     """The validation loss: each global batch's mean over its targets, averaged over `batches`
     ((inputs, targets, targets in the global batch) of this DP rank)."""
     for part in model.parts:
         part.eval()
     total = torch.zeros((), device=device)
     for inputs, targets, n_targets in batches:
-        scale = loss_scale(targets, n_targets, dims.dp)
+        scale = loss_scale(targets, n_targets, dims.layout.dp)
         inputs, targets = to_device(inputs, device), to_device(targets, device)
         with context():
             if model.schedule is not None:
                 total += pipeline_loss(model, inputs, targets, device, train=False, scale=scale)
                 continue
+            micro_batch = dims.layout.micro_batch_size
             for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
                 total += local_value(model.loss_fn(model.parts[0](x), y)) * scale
     for part in model.parts:

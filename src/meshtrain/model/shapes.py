@@ -1,6 +1,7 @@
-"""The model as the planner sees it: every parameter tensor with its shape, where it lives (the
-embedding stage, a block, the output stage) and which dimension tensor parallelism splits; and
-the FLOPs of a token. Two architectures: the Llama meshtrain trains, and classic GPT (LayerNorm,
+"""The model's shape facts, kept beside the model (as torchtitan keeps its model args): every
+parameter tensor with its shape, where it lives (the embedding stage, a block, the output stage) and
+which dimension tensor parallelism splits; and the FLOPs of a token. The trainer's TP plan, its MFU and
+the planner all read them. Two architectures: the Llama meshtrain trains, and classic GPT (LayerNorm,
 GELU MLP of 4h, learned positions, tied embeddings) for planning published GPT runs."""
 
 from __future__ import annotations
@@ -9,9 +10,28 @@ import functools
 from dataclasses import dataclass
 
 from meshtrain.model.llama import ModelArgs
-from meshtrain.parallel.tensor_parallel import SHARDED_DIM
 
 ARCHS = ("llama", "gpt")
+
+# The dimension of each weight that tensor parallelism splits (parallel/tensor_parallel.py applies it,
+# the planner counts bytes from it): column-parallel layers split their output features (dim 0),
+# row-parallel ones their input features (dim 1), the embedding its vocabulary rows. Norm weights are
+# replicated.
+COLUMN, ROW = 0, 1
+BLOCK_SHARDED_DIM = {
+    "attention.wq": COLUMN,
+    "attention.wk": COLUMN,
+    "attention.wv": COLUMN,
+    "attention.wo": ROW,
+    "feed_forward.w1": COLUMN,
+    "feed_forward.w2": ROW,
+    "feed_forward.w3": COLUMN,
+}
+SHARDED_DIM = {
+    "tok_embeddings.weight": 0,
+    "output.weight": COLUMN,
+    **{f"{name}.weight": dim for name, dim in BLOCK_SHARDED_DIM.items()},
+}
 
 
 @dataclass(frozen=True)

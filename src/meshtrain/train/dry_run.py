@@ -3,11 +3,12 @@ process on torch's fake process group, and measure the busiest ranks' memory wit
 
 For each rank looked at (the first and the last pipeline stage's rank 0, or --dry-run-rank), the
 process joins a fake process group as that rank of WORLD (a collective returns at once and moves
-nothing), runs the trainer's own start-up checks (so a layout the trainer refuses is refused here in
-the same words), builds the DeviceMesh, the model on the meta device, `parallelize()` (TP/SP plans,
-FSDP2 groups, the pipeline split and schedule, DDP) and the optimizer (with its ZeRO-1 partition),
-with every parameter materialised as a FakeTensor: shapes and dtypes, no memory. Then it runs the
-step on fake tensors and measures, with the trackers the planner's tests hold it to (`plan.measure`):
+nothing), after the trainer's own preflight (so a job the trainer refuses is refused here in the
+same words), and runs the trainer's own `build_model`: the DeviceMesh, the model on the meta device,
+`parallelize()` (TP/SP plans, FSDP2 groups, the pipeline split and schedule, DDP) and the optimizer
+(with its ZeRO-1 partition), with every parameter materialised as a FakeTensor: shapes and dtypes,
+no memory. Then it runs the
+step on fake tensors and measures, with the trackers the planner's tests hold it to (`train.measure`):
   - model states: parameter, gradient and optimizer-state bytes this rank holds after a step (what
     a real run writes to memory.json);
   - activations: the bytes autograd saves during one micro-batch's forward (FSDP's all-gathered
@@ -22,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.config import Config
-from meshtrain.errors import MeshtrainError
-from meshtrain.plan.layout import Layout
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.layout import Layout
+from meshtrain.train.preflight import model_args, preflight, prepared_dataset, workload_of
 
 KEYS = ("params", "grads", "optimizer", "activations", "other", "total")
 
@@ -59,40 +60,16 @@ def busiest_ranks(layout: Layout) -> list[int]:
     return [pp_rank * layout.dp * layout.tp for pp_rank in pp_ranks]
 
 
-def data_vocab_size(cfg: Config) -> int | None:
-    """The prepared data's vocabulary (the trainer checks the model against it), after the checks the
-    trainer makes of the data at start-up: None when the data is not prepared yet but the default
-    corpus would be (a dry run prepares nothing)."""
-    from meshtrain.config import parse_data_path
-    from meshtrain.data.prepare import MANIFEST, read_manifest
-    from meshtrain.train.build import check_init_tokenizer
-
-    paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
-    if len(paths) == 1 and not (paths[0] / MANIFEST).is_file() and cfg.data.corpus:
-        return None
-    for path in paths:
-        read_manifest(path)  # the trainer's one-line error for missing or corrupt data
-    from meshtrain.data import Blend
-
-    dataset = Blend(cfg.data.path, cfg.training.seq_len)
-    check_init_tokenizer(cfg, dataset)
-    return dataset.vocab_size
-
-
 def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[RankReport]:
     """The reports of `ranks` (default: the busiest) of a WORLD-rank job; the trainer's one-line
-    error for a layout it would refuse."""
-    from meshtrain.train.build import check_training
-
-    vocab = data_vocab_size(cfg)
-    check_training(cfg, world, vocab)  # the trainer's own refusals, word for word
-    layout = Layout.from_config(cfg, world)
+    error for a job it would refuse (the same preflight, word for word)."""
+    dataset = prepared_dataset(cfg)
+    _, layout = preflight(cfg, world, dataset)
     for rank in ranks or []:
         if not 0 <= rank < world:
-            from meshtrain.errors import ConfigError
-
             raise ConfigError(f"--dry-run-rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
-    return [_in_child(_dry_run_rank, cfg, world, rank, vocab, layout) for rank in ranks or busiest_ranks(layout)]
+    vocab = dataset.vocab_size if dataset is not None else None
+    return [_in_child(_dry_run_rank, cfg, world, rank, vocab) for rank in ranks or busiest_ranks(layout)]
 
 
 def _in_child(fn, *args):
@@ -126,42 +103,31 @@ def _in_child(fn, *args):
     return result
 
 
-def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None, layout: Layout) -> RankReport:
+def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> RankReport:
+    """`build_model` as `rank` of a fake WORLD-rank process group, on fake tensors; then a step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from meshtrain.model import Llama
-    from meshtrain.optim import build_optimizer
-    from meshtrain.parallel import ParallelDims, parallelize
     from meshtrain.parallel.memory import model_state_bytes
-    from meshtrain.plan.check import workload_of
     from meshtrain.plan.memory import rank_memory
-    from meshtrain.train.build import check_training
-    from meshtrain.train.step import cross_entropy, step_context
+    from meshtrain.train.build import build_model
+    from meshtrain.train.step import step_context
 
     device = torch.device("cpu")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        args = check_training(cfg, world, vocab)
-        t = cfg.training
-        dims = ParallelDims.from_config(cfg, world)
-        dims.build_mesh(device.type)
+        args, layout = model_args(cfg, vocab), Layout.from_config(cfg, world)  # preflight passed in the parent
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with torch.device("meta"):
-            full_model = Llama(args)
-        model = parallelize(full_model, dims, cfg.parallel, t, device, cross_entropy, materialize=fake)
-        with fake:
-            optimizer, _ = build_optimizer(model.parameters(), t, dims.zero, dims.dp_group if dims.dp > 1 else None)
+        _, model, optimizer, _, _ = build_model(cfg, args, layout, device, materialize=fake)
         c = layout.coordinates(rank)
         workload = workload_of(cfg, args, device)
-        planned = rank_memory(workload, layout, c["pp"])
-        report = RankReport(rank, c, {}, planned)
-        context = lambda: step_context(model, dims, t, device)  # noqa: E731
+        report = RankReport(rank, c, {}, rank_memory(workload, layout, c["pp"]))
+        context = lambda: step_context(model, cfg.training, device)  # noqa: E731
         with fake, _no_gradient_sync(model):
             if model.schedule is None:
-                _measure_step(model, optimizer, dims, t, context, report, args.vocab_size)
+                _measure_step(model, optimizer, layout, cfg.training, context, report, args.vocab_size)
             else:
-                _measure_stages(model, optimizer, dims, t, context, report, args, layout, workload)
+                _measure_stages(model, optimizer, layout, cfg.training, context, report, args, workload)
             report.built |= model_state_bytes(model.parameters(), optimizer)
         return report
     finally:
@@ -199,11 +165,11 @@ def _grad_bytes(model, optimizer) -> int:
     return model_state_bytes(model.parameters(), optimizer)["grads"]
 
 
-def _measure_step(model, optimizer, dims, t, context, report: RankReport, vocab: int) -> None:
+def _measure_step(model, optimizer, layout: Layout, t, context, report: RankReport, vocab: int) -> None:
     """One micro-batch's saved activations; then two training steps: the first makes the gradients
     and AdamW's moments, the second, which starts with them as every later step does, is the one
     whose peak of live bytes is measured."""
-    from meshtrain.plan.measure import PeakLiveBytes, SavedActivations
+    from meshtrain.train.measure import PeakLiveBytes, SavedActivations
     from meshtrain.train.step import train_step
 
     (part,) = model.parts
@@ -211,29 +177,29 @@ def _measure_step(model, optimizer, dims, t, context, report: RankReport, vocab:
     with SavedActivations(part, fake=True) as saved, context():
         model.loss_fn(part(x), y)
     report.built["activations"] = saved.bytes
-    inputs, targets = _tokens(t.global_batch_size // dims.dp, t.seq_len, vocab)
+    inputs, targets = _tokens(t.global_batch_size // layout.dp, t.seq_len, vocab)
     n_targets = t.global_batch_size * t.seq_len
     for measured in (False, True):
         with PeakLiveBytes(_states(model, optimizer)) if measured else contextlib.nullcontext() as peak:
-            train_step(model, optimizer, inputs, targets, t, torch.device("cpu"), context, None, n_targets, dims.dp)
+            train_step(model, optimizer, inputs, targets, layout, t, torch.device("cpu"), context, None, n_targets)
     report.built["total"] = peak.peak
     if hasattr(part, "no_sync"):  # DDP ran under no_sync (its reducer cannot run on fake tensors)
         report.built["total"] += _grad_bytes(model, optimizer)
         report.notes.append("DDP: its gradient buckets (the gradients' size) added by rule")
 
 
-def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args, layout: Layout, workload) -> None:
+def _measure_stages(model, optimizer, layout: Layout, t, context, report: RankReport, args, workload) -> None:
     """Each stage of this pipeline rank: one micro-batch forward (its saved bytes) and backward, then
     the optimizer step; twice, the second step's peak of live bytes measured."""
-    from meshtrain.plan.measure import PeakLiveBytes
     from meshtrain.plan.memory import in_flight, resident_grad_bytes
+    from meshtrain.train.measure import PeakLiveBytes
 
-    _stages_step(model, optimizer, dims, t, context, args, layout)
+    _stages_step(model, optimizer, layout, t, context, args)
     with PeakLiveBytes(_states(model, optimizer)) as peak:
-        whole, blocks = _stages_step(model, optimizer, dims, t, context, args, layout)
+        whole, blocks = _stages_step(model, optimizer, layout, t, context, args)
     # The schedule holds the blocks' activations of several micro-batches at once (the embedding's
     # and the head's of one): the measured bytes of one, times the micro-batches in flight.
-    flight = in_flight(layout, t.global_batch_size // (t.micro_batch_size * dims.dp))
+    flight = in_flight(layout, layout.micro_batches)
     report.built["activations"] = whole + blocks * (flight - 1)
     # ... and the gradients made by earlier micro-batches, where the schedule has a steady phase
     grads = resident_grad_bytes(workload, layout, report.coordinates["pp"], _grad_bytes(model, optimizer))
@@ -245,14 +211,14 @@ def _measure_stages(model, optimizer, dims, t, context, report: RankReport, args
     )
 
 
-def _stages_step(model, optimizer, dims, t, context, args, layout: Layout) -> tuple[int, int]:
+def _stages_step(model, optimizer, layout: Layout, t, context, args) -> tuple[int, int]:
     """One micro-batch through this rank's stages, forward and backward, and the optimizer step: the
     bytes the stages saved, and the part of them the transformer blocks saved."""
-    from meshtrain.plan.measure import SavedActivations
+    from meshtrain.train.measure import SavedActivations
 
-    mb = t.micro_batch_size
+    mb = layout.micro_batch_size
     # what a stage receives from the one before: the sequence split over TP under sequence parallelism
-    seq_in = t.seq_len // dims.tp if dims.tp > 1 and layout.sequence_parallel else t.seq_len
+    seq_in = t.seq_len // layout.tp if layout.tp > 1 and layout.sequence_parallel else t.seq_len
     whole = blocks = 0
     optimizer.zero_grad(set_to_none=True)
     for part in model.parts:

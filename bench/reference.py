@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.layout import Layout
 from meshtrain.model.llama import ModelArgs
 from meshtrain.model.presets import PRESETS
+from meshtrain.model.shapes import Shape
 from meshtrain.plan.hardware import device
-from meshtrain.plan.layout import Layout, Workload
 from meshtrain.plan.memory import estimate_memory
 from meshtrain.plan.search import search
-from meshtrain.plan.shapes import Shape
 from meshtrain.plan.speed import step_time
+from meshtrain.plan.workload import Workload
 
 MIB = 2**20
 LLAMA_1B = ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000, max_seq_len=2048)
@@ -48,8 +49,8 @@ H100_STEPS = (
 def h100_step(row: H100Step) -> dict:
     """The planner's first-step peak (CUDA allocator bytes: no context, no fragmentation) and tokens/s."""
     args = LLAMA_1B if row.model == "1.1b" else PRESETS[row.model]
-    w = Workload(Shape.from_args(args), row.seq_len, row.micro_batch, "bf16", device="cuda", compiled=row.compiled)
-    layout = Layout(micro_batch=row.micro_batch)
+    w = Workload(Shape.from_args(args), row.seq_len, "bf16", device="cuda", compiled=row.compiled)
+    layout = Layout(global_batch_size=row.micro_batch, micro_batch_size=row.micro_batch)
     dev, inter = device("h100-80gb", 1)
     peak = estimate_memory(w, layout, first_step=True)["total"] / MIB
     tokens = step_time(w, layout, dev, inter)["tokens_per_s_per_gpu"]
@@ -132,13 +133,13 @@ def plan_published(run: PublishedRun) -> dict:
     """The best layout that fits at the run's degrees, and its TFLOP/s per GPU counted as the paper
     counts them."""
     megatron = run.shape.arch == "gpt"
-    w = Workload(run.shape, run.seq_len, run.global_batch, "bf16", attention="math" if megatron else "flash")
+    w = Workload(run.shape, run.seq_len, "bf16", attention="math" if megatron else "flash")
     dev, inter = device(run.gpu)
     fixed = {"tp": run.tp, "pp": run.pp, "dp_replicate": 1}
     if megatron:  # what the paper ran: plain data parallelism, full recomputation, interleaved when pipelined
-        fixed |= {"zero": 0, "ac": "full", "sequence_parallel": False}
+        fixed |= {"zero": 0, "activation_checkpointing": "full", "sequence_parallel": False}
         fixed |= {"pp_schedule": "interleaved_1f1b"} if run.pp > 1 else {}
-    estimates, _ = search(w, dev, inter, run.gpus, fixed)
+    estimates, _ = search(w, dev, inter, run.gpus, run.global_batch, fixed)
     best = next(e for e in estimates if e.fits)
     tflops = best.speed["tflops_per_gpu"]
     if megatron:

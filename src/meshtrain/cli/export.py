@@ -1,0 +1,32 @@
+"""`meshtrain export`: a run or checkpoint -> a Hugging Face Llama directory."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from meshtrain.cli.options import add_options, options_of
+from meshtrain.config import option, parse_size
+
+
+@dataclass
+class ExportOptions:
+    source: str = option(positional=True)
+    """A run directory (its latest checkpoint, else model.safetensors) or a checkpoint."""
+    out: str = option()
+    """Output directory."""
+    max_shard_size: int = option(5 << 30, parse=parse_size)
+    """Split the safetensors above this size (default 5G)."""
+
+
+def add_parser(sub) -> None:
+    x = sub.add_parser("export", help="write a Hugging Face Llama directory from a run or checkpoint")
+    add_options(x, ExportOptions)
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtrain.interop import export_hf
+
+    o: ExportOptions = options_of(args, ExportOptions)
+    print(f"wrote {export_hf(o.source, o.out, o.max_shard_size)}")
+    return 0

@@ -1,0 +1,62 @@
+"""`meshtrain jobscript KIND`: a ready-to-submit script, after the job's own preflight at its world size."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from meshtrain.cli.options import add_options, options_of
+from meshtrain.errors import MeshtrainError
+from meshtrain.launch.jobscript import GENERATORS, JobSpec
+
+
+def add_parser(sub) -> None:
+    j = sub.add_parser(
+        "jobscript",
+        help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster)",
+        epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5",
+    )
+    j.add_argument("kind", choices=list(GENERATORS), help=", ".join(GENERATORS))
+    add_options(j, JobSpec, skip=("train_args",))
+    j.add_argument("--out", help="write to this file (pcluster also writes FILE.sbatch) instead of stdout")
+
+
+def run(args: argparse.Namespace, train_args: list[str]) -> int:
+    from meshtrain.config import load_config
+    from meshtrain.launch.jobscript import render
+
+    spec: JobSpec = options_of(args, JobSpec, train_args=train_args)
+    files = render(args.kind, spec)
+    _check_job(load_config(spec.config, train_args), spec.world)
+    for suffix, text in files.items():
+        if args.out:
+            from meshtrain.files import write_text
+
+            path = write_text(args.out + suffix, text)
+            if text.startswith("#!"):
+                path.chmod(0o755)
+            print(f"wrote {path}")
+            if "logs/" in text:  # Slurm and SGE open the log before the script runs: a missing logs/ kills the job
+                for logs in {Path("logs").resolve(), path.parent.resolve() / "logs"}:
+                    logs.mkdir(parents=True, exist_ok=True)
+                print("made logs/ here and beside the script: submit from one of these directories")
+        else:
+            print(text, end="")
+    return 0
+
+
+def _check_job(cfg, world: int) -> None:
+    """The preflight the job will run, at the job's world size (batch and layout divisibility, the
+    model's shape; the data's vocabulary and tokenizer where the data is here too), so that a script
+    that cannot train is never submitted to wait in the queue."""
+    from meshtrain.errors import DataError
+    from meshtrain.train.preflight import preflight, prepared_dataset
+
+    try:
+        dataset = prepared_dataset(cfg)
+    except DataError:
+        dataset = None  # prepared on the cluster, or by the job itself
+    try:
+        preflight(cfg, world, dataset)
+    except MeshtrainError as e:
+        raise MeshtrainError(f"the job's {world} ranks could not train this config: {e}") from None

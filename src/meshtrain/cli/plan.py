@@ -1,0 +1,252 @@
+"""`meshtrain plan`: resolve the model, the job and the device, search (or explain one layout),
+print, write the best layout as a training config, and dry-run it (--verify).
+
+The flags that name config keys (--model.*, --training.*, --parallel.*, with short aliases) are read
+by the config loader, so they take exactly the values the trainer takes; a layout key given on the
+command line (or every one of them, with --config) pins that knob, the others are searched."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from meshtrain.cli.options import add_config_keys, add_options, options_of
+from meshtrain.config import Config, load_config, option, section_of, to_toml
+from meshtrain.errors import MeshtrainError
+from meshtrain.layout import Layout
+from meshtrain.model import PRESETS, ModelArgs
+from meshtrain.model.shapes import Shape
+from meshtrain.plan import KINDS, Workload, device, search
+
+# The config keys plan reads, with their short spellings.
+PLAN_KEYS = {
+    "model.preset": ("--model",),
+    "model.n_layers": ("--layers",),
+    "model.dim": ("--hidden",),
+    "model.n_heads": ("--heads",),
+    "model.n_kv_heads": ("--kv-heads",),
+    "model.ffn_dim": ("--ffn",),
+    "model.vocab_size": ("--vocab",),
+    "model.max_seq_len": (),
+    "training.seq_len": ("--seq-len",),
+    "training.global_batch_size": ("--global-batch",),
+    "training.dtype": ("--dtype",),
+    "training.compile": ("--compile",),
+    "training.peak_tflops": ("--peak-tflops",),
+    "training.micro_batch_size": ("--micro-batch",),
+    "training.activation_checkpointing": ("--ac",),
+    "training.ac_every": (),
+    "parallel.tp": ("--tp",),
+    "parallel.pp": ("--pp",),
+    "parallel.zero": ("--zero",),
+    "parallel.dp_replicate": ("--dp-replicate",),
+    "parallel.pp_schedule": ("--pp-schedule",),
+    "parallel.pp_virtual_stages": ("--virtual-stages",),
+    "parallel.sequence_parallel": ("--sequence-parallel",),
+    "parallel.loss_parallel": (),
+}
+# The layout's knobs plan searches over (every Layout field but the resolved ones).
+KNOBS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("dp_shard", "global_batch_size"))
+
+
+@dataclass
+class PlanOptions:
+    gpu: Literal[KINDS] = option()
+    """Device kind: one of the catalog's GPUs, or cpu (this machine, measured)."""
+    config: str | None = None
+    """Explain the layout of this training config (model, batch, [parallel]); not with --model."""
+    gpus: int | None = option(None, ge=1)
+    """GPUs (processes) in all (default: the config's tp x pp, else 8)."""
+    gpus_per_node: int | None = option(None, ge=1)
+    """Default: 8 (cpu: the --gpus processes on this machine)."""
+    arch: Literal["llama", "gpt"] = "llama"
+    """gpt: LayerNorm, GELU MLP of 4h, learned positions, tied embeddings (Megatron GPT)."""
+    attention: Literal["flash", "math"] = "flash"
+    """math: the s x s attention scores are saved (GPT runs without flash attention)."""
+    network: str | None = None
+    """Inter-node fabric: ib-edr, ib-hdr, ib-ndr, efa-p4d, efa-p5, roce-100g, ethernet-10g (default: the GPU's
+    usual one)."""
+    inter_node_gbps: float | None = option(None, gt=0)
+    """Inter-node bus bandwidth per GPU, GB/s (bytes)."""
+    intra_node_gbps: float | None = option(None, gt=0)
+    """Intra-node bus bandwidth, GB/s (bytes)."""
+    comm: list[str] = option(default_factory=list)
+    """A `meshtrain bench comm --out FILE` file measured on your cluster (one node: intra-node; several:
+    inter-node); repeatable."""
+    memory_gib: float | None = option(None, gt=0)
+    """Override the device memory."""
+    efficiency: float | None = option(None, ge=0.01, le=1.0)
+    """Sustained fraction of the peak in training matmuls (0.01 to 1)."""
+    top: int = option(10, ge=1)
+    """Layouts in the table."""
+    json: bool = False
+    """Print JSON (a list `layouts`, best first)."""
+    write_config: str | None = None
+    """Write the best layout as a training config to this TOML file."""
+    verify: int | None = option(None, ge=1, nargs="?", const=1)
+    """Dry-run the best N layouts (default 1) at their world size (`train --dry-run`) and add what the built job
+    holds on its busiest rank (`built`), beside the planner's figures for that rank and its kernels (`planned`)."""
+
+
+def add_parser(sub) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="predict per-GPU memory and throughput of layouts on a cluster, and recommend one",
+        epilog="Any of the [parallel]/[training] layout flags fixes that knob; with all fixed (or "
+        "--config) one layout is explained. Each flag that sets a config key is spelled like the "
+        "key and checked like it; the short forms are aliases.",
+    )
+    add_options(pl, PlanOptions)
+    add_config_keys(pl, list(PLAN_KEYS), PLAN_KEYS)
+
+
+def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
+    """The config (a file, else the defaults) with the config-key flags, through the config loader;
+    and the keys given on the command line."""
+    given = {overrides[i][2:] for i in range(0, len(overrides), 2)}
+    if o.config and "model.preset" in given:
+        raise MeshtrainError("plan: argument --config: not allowed with argument --model.preset/--model")
+    preset = dict(zip(overrides[::2], overrides[1::2])).get("--model.preset")
+    if preset is not None and preset not in PRESETS:
+        hint = " (a config file is --config FILE)" if Path(preset).is_file() else ""
+        raise MeshtrainError(f"--model.preset {preset!r} is not a preset: use one of {', '.join(PRESETS)}{hint}")
+    if "model.n_heads" in given and "model.n_kv_heads" not in given:  # multi-head attention, as GPT sizes it
+        overrides = [*overrides, "--model.n_kv_heads", dict(zip(overrides[::2], overrides[1::2]))["--model.n_heads"]]
+    return load_config(o.config, overrides), given
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    o: PlanOptions = options_of(args, PlanOptions)
+    cfg, given = _load(o, list(getattr(args, "overrides", None) or []))
+    explain = bool(o.config)
+    t = cfg.training
+    model = cfg.model_args()
+    llama = o.arch == "llama"
+    seq_len = t.seq_len if explain or "training.seq_len" in given else min(2048, model.max_seq_len)
+    if llama:
+        shape = Shape.from_args(model)
+    else:
+        shape = Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, model.max_seq_len)
+    gpus = o.gpus or (cfg.parallel.tp * cfg.parallel.pp if explain else 8)
+    global_batch = t.global_batch_size if explain or "training.global_batch_size" in given else 4 * gpus
+    gpus_per_node = o.gpus_per_node or (gpus if o.gpu == "cpu" else min(gpus, 8))
+    peak = t.peak_tflops or None
+    dev, inter = device(
+        o.gpu, gpus_per_node, o.network, o.intra_node_gbps, o.inter_node_gbps, o.memory_gib, peak, o.efficiency, o.comm
+    )
+    planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
+    dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
+    dev.peak(dtype)  # a clear error for bf16 on a V100
+    fp32_arithmetic = False
+    if dtype == "bf16" and o.gpu == "cpu" and llama:
+        import torch
+
+        from meshtrain.parallel.precision import wants_fp32_compute
+
+        fp32_arithmetic = wants_fp32_compute(dataclasses.replace(t, dtype="bf16"), torch.device("cpu"))
+    compiled = t.compile if explain or "training.compile" in given else False
+    if compiled and not llama:
+        raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
+    w = Workload(shape, seq_len, dtype, fp32_arithmetic, o.attention, "cpu" if o.gpu == "cpu" else "cuda", compiled)
+    pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
+    fixed = {k: getattr(getattr(cfg, section_of(k)), k) for k in KNOBS if k in pinned}
+    training = dataclasses.replace(t, seq_len=seq_len, global_batch_size=global_batch, compile=compiled)
+    if dtype != "fp16":  # the trainer's precisions; an fp16 plan is refused by --write-config and --verify
+        training.dtype = dtype
+    base = dataclasses.replace(cfg, training=training)
+    estimates, refused = search(w, dev, inter, gpus, global_batch, fixed, base if llama else None, model)
+
+    if o.write_config:
+        _write_config(o, estimates, w, base)
+    built = _verify(o, estimates, w, base, model) if o.verify else {}
+    if o.json:
+        report = {
+            "model": {"arch": shape.arch, "params": shape.n_params(), **dataclasses.asdict(shape)},
+            "device": dev.name,
+            "gpus": gpus,
+            "gpus_per_node": dev.gpus_per_node,
+            "memory_gib": dev.memory_gib,
+            "intra_node_gbps": dev.intra_node_gbps,
+            "inter_node_gbps": inter,
+            "seq_len": seq_len,
+            "global_batch": global_batch,
+            "dtype": dtype,
+            "layouts": [
+                {**e.as_dict(), **({"built": built[i]} if i in built else {})} for i, e in enumerate(estimates)
+            ],
+            "not_possible": refused,
+        }
+        print(json.dumps(report, indent=1))
+        return 0
+    from rich.console import Console
+
+    from meshtrain.plan.report import render
+
+    title = (
+        f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {gpus} x {dev.name} ({dev.gpus_per_node} per node, "
+        f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {inter:.1f} GB/s per GPU), seq {seq_len}, "
+        f"global batch {global_batch}, {dtype}"
+    )
+    render(title, estimates, refused, o.top, Console(width=None if sys.stdout.isatty() else 120))
+    from meshtrain.train.dry_run import KEYS
+
+    for i, gib in built.items():
+        cells = ", ".join(f"{k} {gib[k]:.2f}/{gib['planned'][k]:.2f}" for k in KEYS if gib[k] is not None)
+        where = f"#{i + 1} {estimates[i].layout.describe()}"
+        print(f"built (dry run) {where}: {cells} GiB built/planned on rank {gib['rank']}")
+    return 0
+
+
+def _verify(o: PlanOptions, estimates, w: Workload, base: Config, model: ModelArgs) -> dict[int, dict]:
+    """`train --dry-run` of the best `--verify` layouts: what the busiest built rank holds (`built`,
+    GiB, None where the dry run does not measure it), beside the planner's figures for that rank and
+    the kernels the dry run executed (`planned`)."""
+    from meshtrain.train.dry_run import KEYS, dry_run
+
+    if o.arch != "llama":
+        raise MeshtrainError("--verify builds the layout with meshtrain's trainer, which trains Llama (--arch llama)")
+    if w.dtype == "fp16":
+        raise MeshtrainError("--verify: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
+    out = {}
+    for i, e in enumerate(estimates[: o.verify]):
+        job = e.layout.apply_to(base)
+        job = dataclasses.replace(  # the planned vocabulary and arithmetic, not the CPU's measured choice
+            job,
+            model=dataclasses.replace(job.model, vocab_size=model.vocab_size),
+            training=dataclasses.replace(job.training, bf16_compute="fp32" if w.fp32_arithmetic else "bf16"),
+        )
+        reports = dry_run(job, e.layout.world)
+        busiest = max(reports, key=lambda r: sum(r.built.values()))
+
+        def gib(values: dict) -> dict:
+            return {k: round(values[k] / 2**30, 3) if values.get(k) is not None else None for k in KEYS}
+
+        out[i] = {"rank": busiest.rank, **gib(busiest.built), "planned": gib(busiest.planned)}
+    return out
+
+
+def _write_config(o: PlanOptions, estimates, w: Workload, base: Config) -> None:
+    from meshtrain.files import write_text
+
+    fitting = [e for e in estimates if e.fits]
+    if o.arch != "llama":
+        raise MeshtrainError(
+            "--write-config writes a meshtrain training config: meshtrain trains the Llama architecture (--arch llama)"
+        )
+    if not fitting:
+        raise MeshtrainError(
+            "--write-config: no layout fits, nothing to write (more GPUs, a smaller model or batch, or --ac full)"
+        )
+    if w.dtype == "fp16":
+        raise MeshtrainError("--write-config: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
+    best = fitting[0].layout.apply_to(base)
+    path = write_text(o.write_config, to_toml(best.validate()))  # what is written must train
+    print(
+        f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "
+        f"{fitting[0].layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`"
+    )

@@ -1,0 +1,75 @@
+"""`meshtrain serve` (an OpenAI-compatible server) and `meshtrain generate` (a prompt's continuation
+streamed to the terminal), for a run, a checkpoint or a Hugging Face directory."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+from meshtrain.cli.options import add_options, options_of
+from meshtrain.config import DEVICES, option
+
+DEVICE_FLAGS = ("--launch.device", "--device")
+
+
+@dataclass
+class ServeOptions:
+    model: str = option(positional=True)
+    """A run directory, a checkpoint, or a directory `meshtrain export` wrote."""
+    host: str = "127.0.0.1"
+    """Address to bind (default: loopback only)."""
+    port: int = option(8000, ge=1, le=65535)
+    """Port to listen on."""
+    api_key: str | None = None
+    """Require Authorization: Bearer KEY."""
+    max_batch: int = option(16, ge=1)
+    """Requests decoded together (KV-cache slots)."""
+    max_context: int | None = option(None, ge=1)
+    """Prompt + completion tokens (default: the model's max_seq_len)."""
+    device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
+    """auto: CUDA where there is a GPU, else the CPU (launch.device)."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Serving precision (auto: bf16 on a GPU, else fp32)."""
+
+
+@dataclass
+class GenerateOptions:
+    model: str = option(positional=True)
+    """A run directory, a checkpoint, or a directory `meshtrain export` wrote."""
+    prompt: str = option()
+    """The text to continue."""
+    max_tokens: int = option(64, ge=1)
+    """Tokens to generate."""
+    temperature: float = option(0.8, ge=0.0, le=2.0)
+    """0 to 2; 0: greedy."""
+    top_p: float = option(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling, (0, 1]."""
+    top_k: int = option(50, ge=0)
+    """0: off."""
+    seed: int | None = option(None, ge=0, le=2**63 - 1)
+    """Seed of the sampling (0 to 2**63-1)."""
+    device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
+    """auto: CUDA where there is a GPU, else the CPU (launch.device)."""
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="serve a run, checkpoint or Hugging Face directory (OpenAI-compatible API)")
+    add_options(s, ServeOptions)
+    g = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
+    add_options(g, GenerateOptions)
+
+
+def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtrain.serve import serve
+
+    o: ServeOptions = options_of(args, ServeOptions)
+    return serve(o.model, o.host, o.port, o.api_key, o.max_batch, o.max_context, o.device, o.dtype)
+
+
+def run_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtrain.serve import SamplingParams, generate_to_terminal
+
+    o: GenerateOptions = options_of(args, GenerateOptions)
+    params = SamplingParams(o.max_tokens, o.temperature, o.top_p, o.top_k, [], o.seed)
+    return generate_to_terminal(o.model, o.prompt, params, o.device)

@@ -1,0 +1,136 @@
+"""Preflight: every check a job makes before any work, in one place, and the planner's word on it.
+
+`preflight` is what the launcher (`train --nproc`), each worker (`build`), the dry run and `jobscript`
+run, so a job is refused in the same words wherever it would fail: the resolved model's shape, the
+layout against it at the job's world size, the batch and the schedule, and the data (its vocabulary,
+and with model.init_from its tokenizer and chat template). Then `warn_if_too_big` (the planner's
+peak against the device) and, with run.plan_check, `compare` (its prediction beside what ran)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from meshtrain.config import Config, check_model_args, parse_data_path
+from meshtrain.data import Blend, read_manifest
+from meshtrain.data.prepare import MANIFEST
+from meshtrain.layout import Layout
+from meshtrain.logs import log
+from meshtrain.model import ModelArgs
+from meshtrain.model.shapes import Shape
+from meshtrain.plan import Workload, estimate_memory, model_state_bytes
+
+GIB = 2**30
+
+
+def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
+    """The model's shape: the preset, or a Hugging Face directory's config.json, with the overrides."""
+    if cfg.model.init_from:
+        from meshtrain.interop.hf import hf_model_args
+
+        return cfg.model_args(base=hf_model_args(cfg.model.init_from.removeprefix("hf:")))
+    return cfg.model_args(data_vocab_size)
+
+
+def preflight(cfg: Config, world: int, dataset: Blend | None = None) -> tuple[ModelArgs, Layout]:
+    """The model and the layout of `cfg` on `world` ranks, or the one-line reason it cannot train.
+    `dataset`: the prepared data (None where it is not here yet, as for the default corpus)."""
+    vocab = dataset.vocab_size if dataset is not None else None
+    args = model_args(cfg, vocab)
+    check_model_args(args, cfg, vocab)
+    layout = Layout.from_config(cfg, world)
+    layout.validate(args, cfg)
+    if dataset is not None:
+        check_init_tokenizer(cfg, dataset)
+    return args, layout
+
+
+def prepared_dataset(cfg: Config) -> Blend | None:
+    """The data as it is here, for checks that prepare nothing (dry run, jobscript): None when it is
+    not prepared yet but the default corpus would be; the trainer's error when it is missing or
+    corrupt otherwise."""
+    paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
+    if len(paths) == 1 and not (paths[0] / MANIFEST).is_file() and cfg.data.corpus:
+        return None
+    for path in paths:
+        read_manifest(path)  # the trainer's one-line error for missing or corrupt data
+    return Blend(cfg.data.path, cfg.training.seq_len)
+
+
+def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
+    """model.init_from: the data must be tokenized with the pretrained model's tokenizer, or every
+    id means another token than the one the weights learned (a silent, wrong fine-tune)."""
+    if not cfg.model.init_from:
+        return
+    from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, template_of
+    from meshtrain.data.prepare import tokenizer_fingerprint
+    from meshtrain.errors import DataError
+
+    model_dir = Path(cfg.model.init_from.removeprefix("hf:"))
+    theirs = model_dir / "tokenizer.json"
+    if not theirs.is_file():
+        log.warning(f"{model_dir} has no tokenizer.json: cannot check that {cfg.data.path} was tokenized with it")
+        return
+    if tokenizer_fingerprint(theirs) != tokenizer_fingerprint(dataset.tokenizer_path):
+        raise DataError(
+            f"{cfg.data.path} was tokenized with another tokenizer than model.init_from ({theirs}): prepare the data "
+            f"with it, `meshtrain data prepare --tokenizer {theirs} ...`"
+        )
+    if dataset.template_path and template_of(model_dir) != DEFAULT_CHAT_TEMPLATE:
+        if dataset.template_path.read_text() != template_of(model_dir):
+            raise DataError(
+                f"{cfg.data.path} was rendered with another chat template than model.init_from's ({model_dir}): "
+                f"prepare it with `--tokenizer {theirs}` (which takes the model's template along)"
+            )
+
+
+def workload_of(cfg: Config, args: ModelArgs, device: torch.device) -> Workload:
+    """What the planner needs beside the layout: the model, the sequence and the kernels that run."""
+    from meshtrain.parallel.precision import wants_fp32_compute
+
+    t = cfg.training
+    return Workload(
+        Shape.from_args(args),
+        t.seq_len,
+        t.dtype,
+        wants_fp32_compute(t, device),
+        device="cuda" if device.type == "cuda" else "cpu",
+        compiled=t.compile,
+    )
+
+
+def device_capacity(device: torch.device, local_world_size: int) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, local_world_size)
+
+
+def warn_if_too_big(cfg: Config, args: ModelArgs, layout: Layout, device: torch.device, local_world_size: int) -> None:
+    """A warning before the model is materialised when the planner predicts it will not fit."""
+    runtime = 1.0 if device.type == "cuda" else 0.0
+    fragmentation = 0.05 if device.type == "cuda" else 0.0
+    predicted = estimate_memory(workload_of(cfg, args, device), layout, runtime, fragmentation)["total"]
+    capacity = device_capacity(device, local_world_size)
+    if predicted > capacity:
+        log.warning(
+            f"the planner predicts {predicted / GIB:.1f} GiB on the busiest rank for this layout, more than "
+            f"the {capacity / GIB:.1f} GiB of {device.type} memory per rank: expect running out of memory; "
+            f"`meshtrain plan --config <this config> --gpu ... --gpus {layout.world}` shows layouts that fit"
+        )
+
+
+def compare(cfg: Config, args: ModelArgs, device: torch.device, measured: list[dict[str, int]]) -> list[str]:
+    """run.plan_check: one line per rank, predicted vs measured model states, and the predicted peak."""
+    w, layout = workload_of(cfg, args, device), Layout.from_config(cfg, len(measured))
+    peak = estimate_memory(w, layout)["total"]
+    lines = []
+    for rank, got in enumerate(measured):
+        predicted = model_state_bytes(w.shape, layout, rank)
+        states = " | ".join(f"{k} {predicted[k] / 2**20:.2f}/{got[k] / 2**20:.2f}" for k in predicted)
+        lines.append(
+            f"rank {rank} planner/measured MiB: {states} | predicted peak of a step {peak / 2**20:.1f} "
+            f"MiB (busiest rank; tensors only, the process adds its runtime)"
+        )
+    return lines
