@@ -21,6 +21,12 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def _get_values(self, action, arg_strings):
+        # argparse drops a "--" value (`--nproc=--`) and hands the action nothing: refuse it instead
+        if action.option_strings and "--" in arg_strings and action.nargs not in (0, argparse.REMAINDER):
+            self.error(f"argument {'/'.join(action.option_strings)}: '--' is not a value")
+        return super()._get_values(action, arg_strings)
+
     def error(self, message: str):
         hint = " (a value that starts with '-' is written --key=VALUE)" if "expected one argument" in message else ""
         raise MeshtrainError(f"{self.prog}: {message}{hint}; see {self.prog} --help")
@@ -66,7 +72,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
         if "exclusive" in meta:
             where = groups.setdefault(meta["exclusive"], parser.add_mutually_exclusive_group())
         if meta.get("positional"):
-            where.add_argument(name, type=text_parser(d, name), help=doc.replace("%", "%%"))
+            where.add_argument(name, type=text_parser(d, name), help=doc.replace("%", "%%")).declared = d
             continue
         kwargs: dict[str, Any] = {"dest": name, "help": doc.replace("%", "%%")}
         if d.base is bool:
@@ -81,7 +87,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
                 kwargs |= {"nargs": "?", "const": meta["const"]}
             if d.default is MISSING:
                 kwargs |= {"required": True, "default": argparse.SUPPRESS}
-        where.add_argument(*flags, **kwargs)
+        where.add_argument(*flags, **kwargs).declared = d  # what the flag takes, for --help and the tests
 
 
 def options_of(args: argparse.Namespace, cls: type, **extra) -> Any:
@@ -130,7 +136,7 @@ def add_config_keys(
             names = (*names, *(f"--no-{n[2:]}" for n in names))
             groups[section].add_argument(
                 *names, action=ConfigKey, key=key, nargs=0, default=argparse.SUPPRESS, help=help_text
-            )
+            ).declared = d
             continue
         text_choices = d.choices if d.choices is not None and all(isinstance(c, str) for c in d.choices) else None
         groups[section].add_argument(
@@ -141,4 +147,4 @@ def add_config_keys(
             choices=text_choices,
             default=argparse.SUPPRESS,
             help=help_text,
-        )
+        ).declared = d

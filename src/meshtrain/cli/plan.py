@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from meshtrain.cli.options import add_config_keys, add_options, options_of
-from meshtrain.config import Config, load_config, option, section_of, to_toml
+from meshtrain.config import Config, config_keys, load_config, option, section_of, to_toml
 from meshtrain.errors import MeshtrainError
 from meshtrain.layout import Layout
 from meshtrain.model import PRESETS, ModelArgs
@@ -107,7 +107,8 @@ def add_parser(sub) -> None:
 
 def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
     """The config (a file, else the defaults) with the config-key flags, through the config loader;
-    and the keys given on the command line."""
+    and the keys given on the command line. Two rules of sizing a model by flags: heads without
+    key/value heads are multi-head attention, and the model covers the sequence it is planned for."""
     given = {overrides[i][2:] for i in range(0, len(overrides), 2)}
     if o.config and "model.preset" in given:
         raise MeshtrainError("plan: argument --config: not allowed with argument --model.preset/--model")
@@ -115,8 +116,13 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
     if preset is not None and preset not in PRESETS:
         hint = " (a config file is --config FILE)" if Path(preset).is_file() else ""
         raise MeshtrainError(f"--model.preset {preset!r} is not a preset: use one of {', '.join(PRESETS)}{hint}")
+    values = dict(zip(overrides[::2], overrides[1::2]))
     if "model.n_heads" in given and "model.n_kv_heads" not in given:  # multi-head attention, as GPT sizes it
-        overrides = [*overrides, "--model.n_kv_heads", dict(zip(overrides[::2], overrides[1::2]))["--model.n_heads"]]
+        overrides += ["--model.n_kv_heads", values["--model.n_heads"]]
+    if "training.seq_len" in given and "model.max_seq_len" not in given:  # the planned model covers the sequence
+        model = load_config(o.config, [*(["--model.preset", preset] if preset else [])]).model_args()
+        seq_len = config_keys()["training.seq_len"].from_text(values["--training.seq_len"])
+        overrides += ["--model.max_seq_len", str(max(seq_len, model.max_seq_len))]
     return load_config(o.config, overrides), given
 
 

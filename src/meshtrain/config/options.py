@@ -91,7 +91,7 @@ class Declared:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         base = typing.get_args(self.base)[0] if self.is_list else self.base
         words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(base, str(base))
-        return f"{words} {self.bounds()}".strip()
+        return ", ".join(filter(None, [words, self.bounds()]))
 
     def bounds(self) -> str:
         """The declared range in words: "positive", "between 1 and 65535", "at least 0 and below 1"."""
