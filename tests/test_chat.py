@@ -15,7 +15,8 @@ from meshtrain.config import load_config
 from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, tokenize_conversations
 from meshtrain.data.loader import IGNORE_INDEX, Dataset
-from meshtrain.data.prepare import ChatOptions, end_of_text, load_tokenizer
+from meshtrain.data.prepare import ChatOptions
+from meshtrain.data.tokenizer import end_of_text, load_tokenizer
 from meshtrain.model import Llama
 from meshtrain.train import build as build_state
 

@@ -129,17 +129,17 @@ def _pause_after_stdout_writes(seconds: float) -> None:
 def _kill_in_unit(unit: int) -> None:
     import signal
 
-    from meshtrain.data.prepare import _Shard
+    from meshtrain.data.format import ShardWriter
 
-    add = _Shard.add
+    add = ShardWriter.add
 
-    def add_then_die(self, ids):
-        add(self, ids)
+    def add_then_die(self, ids, *args, **kwargs):
+        add(self, ids, *args, **kwargs)
         if self.path.name.endswith(f"-{unit:05d}.bin"):
             self.files["tokens"].file.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    _Shard.add = add_then_die
+    ShardWriter.add = add_then_die
 
 
 def _write_rng_at_the_end() -> None:

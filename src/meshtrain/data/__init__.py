@@ -1,8 +1,10 @@
 """Data: `prepare` (inputs -> token shards + manifest, streamed, parallel) and the loader (a
 deterministic, resumable order over one prepared directory or a weighted blend)."""
 
+from meshtrain.data.format import read_manifest
 from meshtrain.data.loader import Blend, Dataset, DistributedLoader, TokenWindows, validation_batches
-from meshtrain.data.prepare import prepare, read_manifest, stdlib_sources
+from meshtrain.data.prepare import prepare
+from meshtrain.data.sources import stdlib_sources
 
 __all__ = [
     "Blend",

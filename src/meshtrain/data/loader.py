@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from meshtrain.config import parse_data_path
-from meshtrain.data.prepare import DTYPES, read_manifest, tokenizer_fingerprint
+from meshtrain.data.format import DTYPES, read_manifest
+from meshtrain.data.tokenizer import tokenizer_fingerprint
 from meshtrain.errors import DataError
 
 

@@ -26,58 +26,30 @@ is renamed into place, so a dataset is only ever replaced by a complete one.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import hashlib
+import itertools
 import json
-import os
 import shutil
-import sys
-import sysconfig
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, conversation, tokenize_conversations
-from meshtrain.data.sources import Piece, expand_inputs, pieces, read_piece, read_rows
-from meshtrain.errors import DataError, MeshtrainError
+from meshtrain.data.format import FORMAT_VERSION, MANIFEST, ShardWriter, resolve_dtype
+from meshtrain.data.sources import LongDocument, Piece, expand_inputs, pieces, read_piece, read_rows
+from meshtrain.data.tokenizer import encode_long, end_of_text, load_tokenizer, tokenizer_fingerprint, train_bpe
+from meshtrain.data.workers import Ranks, default_workers, run_units
+from meshtrain.errors import DataError
 from meshtrain.files import atomic_write, check_output_dir, copy_file, replace_directory, write_json, writing
 from meshtrain.lock import LOCK_NAME, RunLock
 from meshtrain.logs import log
 
-EOS_TOKEN = "<|endoftext|>"
-EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
-
-
-def end_of_text(tokenizer) -> tuple[str | None, int | None]:
-    """The tokenizer's end-of-text token and id (meshtrain's, Llama 3's, SentencePiece's, Gemma's),
-    or (None, None). The one place that decides it: data prepare separates documents with it,
-    training's sample, `generate` and `serve` stop on it, export names it."""
-    token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
-    return token, tokenizer.token_to_id(token) if token else None
-
-
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
 SPEC = "spec.json"  # in the partial directory: what it was started with
 UNIT_BYTES = (1 << 20, 256 << 20)  # a work unit holds 1/64 of the input, within these bounds
 BATCH_CHARS = 1 << 20  # characters tokenized per encode_batch call (a worker's memory bound)
-
-
-def stdlib_sources() -> list[Path]:
-    """The default corpus: this Python's standard library source, present on every machine."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
-
-
-def default_workers() -> int:
-    """Every core this process may run on (a Slurm or cgroup limit included)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -106,25 +78,6 @@ def plan_units(inputs: list[str | Path]) -> list[Unit]:
     return units
 
 
-def train_bpe(texts: Iterator[str] | list[str], vocab_size: int):
-    """A byte-level BPE (GPT-2 style) trained on the input with the `tokenizers` library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if vocab_size < 257:
-        raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least 257")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
 @dataclass(frozen=True)
 class ChatOptions:
     """--format chat: conversations rendered with `template`; which tokens are targets; the longest
@@ -138,7 +91,8 @@ class ChatOptions:
 def _texts(piece: Piece, text_field: str, chat: bool) -> Iterator[str]:
     """A piece's documents, or for chat data the contents of its conversations' messages."""
     if not chat:
-        yield from read_piece(piece, text_field)
+        for document in read_piece(piece, text_field):
+            yield from document.chunks if isinstance(document, LongDocument) else [document]
         return
     for record, where in read_rows(piece):
         for message in conversation(record, where):
@@ -161,32 +115,9 @@ def tokenizer_sample(units: list[Unit], text_field: str, sample_bytes: int, chat
                 break
 
 
-def load_tokenizer(path: str | Path):
-    from tokenizers import Tokenizer
-
-    if not Path(path).is_file():
-        raise DataError(f"tokenizer file {path} does not exist")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise DataError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
-
-
 def _is_val(text: str, val_fraction: float) -> bool:
     """Split by a hash of the content, so the split is the same on every machine and input order."""
     return val_fraction > 0 and zlib.crc32(text.encode()) % 10_000 < val_fraction * 10_000
-
-
-def resolve_dtype(dtype: str, n_vocab: int) -> str:
-    if dtype == "auto":
-        dtype = "uint16" if n_vocab <= 2**16 else "uint32"
-    if dtype not in DTYPES:
-        raise DataError(f"--token-dtype {dtype} is unknown: use auto, uint16 or uint32")
-    if n_vocab > np.iinfo(DTYPES[dtype]).max + 1:
-        raise DataError(
-            f"the vocabulary has {n_vocab} tokens, more than {dtype} can hold; use --token-dtype uint32 (or auto)"
-        )
-    return dtype
 
 
 # --- one work unit: what each worker process runs -----------------------------------------------
@@ -206,74 +137,6 @@ class UnitJob:
     eos_token: str | None = None
 
 
-class _File:
-    """One output file of a unit, written under a temporary name with its SHA-256."""
-
-    def __init__(self, path: Path):
-        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with writing(self.tmp):
-            self.file = self.tmp.open("wb")
-        self.sha = hashlib.sha256()
-
-    def write(self, data: bytes) -> None:
-        with writing(self.path):
-            self.file.write(data)
-        self.sha.update(data)
-
-    def close(self, commit: bool) -> str:
-        """Sync and rename into place, or discard; returns the SHA-256."""
-        with writing(self.path):
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            if commit:
-                os.replace(self.tmp, self.path)
-            else:
-                self.tmp.unlink()
-        return self.sha.hexdigest()
-
-
-class _Shard:
-    """One split's token file of a unit; for chat data also its loss mask (`.mask`, one byte per
-    token, 1 = a target) and its conversations' lengths (`.len`, uint32), all of one layout."""
-
-    def __init__(self, path: Path, dtype: str, chat: bool = False):
-        self.dtype = DTYPES[dtype]
-        self.files = {"tokens": _File(path)}
-        if chat:
-            self.files["mask"] = _File(path.with_suffix(".mask"))
-            self.files["lengths"] = _File(path.with_suffix(".len"))
-        self.tokens = self.documents = self.last_document = self.targets = 0
-
-    def add(self, ids: list[int], mask: list[int] | None = None) -> None:
-        self.files["tokens"].write(np.asarray(ids, dtype=self.dtype).tobytes())
-        if mask is not None:
-            self.files["mask"].write(np.asarray(mask, dtype=np.uint8).tobytes())
-            self.files["lengths"].write(np.asarray([len(ids)], dtype=np.uint32).tobytes())
-            self.targets += sum(mask)
-        self.tokens += len(ids)
-        self.documents += 1
-        self.last_document = len(ids)
-
-    @property
-    def path(self) -> Path:
-        return self.files["tokens"].path
-
-    def close(self, commit: bool = True) -> dict:
-        """Rename into place (a shard without tokens is not written); without `commit`, discard."""
-        shas = {kind: f.close(commit and self.tokens > 0) for kind, f in self.files.items()}
-        record = {
-            "file": self.path.name if self.tokens else None,
-            "tokens": self.tokens,
-            "sha256": shas["tokens"],
-            "documents": self.documents,
-            "last_document_tokens": self.last_document,
-        }
-        if "mask" in shas:
-            record |= {"targets": self.targets, "mask_sha256": shas["mask"], "lengths_sha256": shas["lengths"]}
-        return record
-
-
 _TOKENIZERS: dict[str, object] = {}
 
 
@@ -288,7 +151,7 @@ def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
     tok = _TOKENIZERS[job.tokenizer]
     work = Path(job.work)
     shards = {
-        split: _Shard(work / f"{split}-{unit.index:05d}.bin", job.dtype, chat=job.chat is not None)
+        split: ShardWriter(work / f"{split}-{unit.index:05d}.bin", job.dtype, chat=job.chat is not None)
         for split in ("train", "val")
     }
     try:
@@ -303,8 +166,9 @@ def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
     return record
 
 
-def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, _Shard]) -> int:
-    """Documents in batches of about BATCH_CHARS characters: ids, then the end-of-text token."""
+def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) -> int:
+    """Documents in batches of about BATCH_CHARS characters: ids, then the end-of-text token; a
+    longer document alone, a window at a time (`_long_document`)."""
     eos = [job.eos_id] if job.eos_id is not None else []
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: ids without character offsets
     batch: list[str] = []
@@ -317,6 +181,9 @@ def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, _Shard]) -> int:
     chars = 0
     for piece in unit.pieces:
         for text in read_piece(piece, job.text_field):
+            if isinstance(text, LongDocument) or len(text) > BATCH_CHARS:
+                _long_document(job, tok, text, shards, eos)
+                continue
             batch.append(text)
             chars += len(text)
             if chars >= BATCH_CHARS:
@@ -326,7 +193,23 @@ def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, _Shard]) -> int:
     return 0
 
 
-def _chat_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, _Shard]) -> int:
+def _long_document(job: UnitJob, tok, document: str | LongDocument, shards: dict[str, ShardWriter], eos) -> None:
+    """One document of more than BATCH_CHARS characters, tokenized in bounded memory. Its split
+    is decided by a hash of its first chunk (what is read before any of it is written)."""
+    if isinstance(document, LongDocument):
+        chunks = iter(document.chunks)
+    else:
+        chunks = (document[i : i + BATCH_CHARS] for i in range(0, len(document), BATCH_CHARS))
+    first = next(chunks, "")
+    if not first:
+        return
+    shard = shards["val" if _is_val(first, job.val_fraction) else "train"]
+    for ids in encode_long(tok, itertools.chain([first], chunks)):
+        shard.add(ids, end=False)
+    shard.add(eos)
+
+
+def _chat_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) -> int:
     """Conversations rendered with the chat template, tokenized with their loss masks; returns how
     many were longer than --max-tokens (skipped)."""
     template, skipped = ChatTemplate(job.chat.template, job.eos_token), 0
@@ -355,95 +238,7 @@ def _chat_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, _Shard]) -> int:
     return skipped + flush()
 
 
-def _worker_start() -> None:
-    """A worker tokenizes on its one core (the parallelism is the workers) and dies with prepare."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from meshtrain.launch.distributed import die_with_parent
-
-    die_with_parent()
-
-
-@contextlib.contextmanager
-def _one_thread_tokenizing() -> Iterator[None]:
-    old = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = old
-
-
-def run_units(job: UnitJob, units: list[Unit], workers: int, progress: bool) -> None:
-    """Tokenize `units` on `workers` processes (in this one for a single worker)."""
-    from rich.progress import Progress
-
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("tokenizing", total=sum(u.size for u in units))
-        if workers == 1 or len(units) == 1:
-            with _one_thread_tokenizing():
-                for unit in units:
-                    tokenize_unit(job, unit)
-                    bar.advance(task, unit.size)
-            return
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        with ProcessPoolExecutor(min(workers, len(units)), mp_context=context, initializer=_worker_start) as pool:
-            futures = {pool.submit(tokenize_unit, job, unit): unit for unit in units}
-            try:
-                for future in as_completed(futures):
-                    future.result()
-                    bar.advance(task, futures[future].size)
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-
-
 # --- the job: ranks, the partial directory, the manifest ---------------------------------------
-
-
-class Ranks:
-    """This process's part in a prepare run by several ranks (alone without a process group)."""
-
-    def __init__(self, distributed: bool):
-        self.dist = None
-        if distributed:
-            import torch.distributed as dist
-
-            self.dist = dist if dist.is_initialized() else None
-        self.rank = self.dist.get_rank() if self.dist else 0
-        self.world = self.dist.get_world_size() if self.dist else 1
-
-    def everyone(self, fn: Callable[[], object]):
-        """fn() on every rank; if it fails on any rank, every rank raises that rank's one-line error."""
-        try:
-            result, error = fn(), None
-        except MeshtrainError as e:
-            result, error = None, (type(e), str(e))
-        if self.dist:
-            errors: list = [None] * self.world
-            self.dist.all_gather_object(errors, error)
-            failed = next(((r, e) for r, e in enumerate(errors) if e), None)
-            if failed:
-                rank, (kind, message) = failed
-                raise kind(message if rank == self.rank else f"rank {rank}: {message}")
-        elif error:
-            raise error[0](error[1])
-        return result
-
-    def from_first(self, fn: Callable[[], object]):
-        """fn() on rank 0, its result on every rank (its error raised on every rank)."""
-        result = self.everyone(lambda: fn() if self.rank == 0 else None)
-        if self.dist:
-            box = [result]
-            self.dist.broadcast_object_list(box, src=0)
-            result = box[0]
-        return result
 
 
 def _spec(units: list[Unit], tokenizer, vocab_size, val_fraction, dtype, text_field, sample_bytes, chat) -> dict:
@@ -633,7 +428,7 @@ def prepare(
     try:
         units, job = ranks.from_first(start)
         mine = [u for u in units if u.index % ranks.world == ranks.rank and not _unit_record(work, u.index).is_file()]
-        ranks.everyone(lambda: run_units(job, mine, workers, progress))
+        ranks.everyone(lambda: run_units(functools.partial(tokenize_unit, job), mine, workers, progress))
 
         def finish() -> dict:
             manifest = _finish(work, units, val_fraction, job)
@@ -646,35 +441,3 @@ def prepare(
         if locks:  # the input is at fault: nothing in the partial directory is worth resuming
             shutil.rmtree(work, ignore_errors=True)
         raise
-
-
-def tokenizer_fingerprint(path: str | Path) -> str:
-    """What decides which id a text becomes: the model (vocabulary, merges), the added tokens, the
-    normalizer and pre-tokenizer of a tokenizer.json, hashed in a canonical form (the same tokenizer
-    saved by `tokenizers` or by transformers' save_pretrained has the same fingerprint)."""
-    spec = json.loads(Path(path).read_text())
-    canonical = {
-        "model": spec.get("model"),
-        "added_tokens": sorted((t["id"], t["content"]) for t in spec.get("added_tokens") or []),
-        "normalizer": spec.get("normalizer"),
-        "pre_tokenizer": spec.get("pre_tokenizer"),
-    }
-    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
-
-
-def read_manifest(path: str | Path) -> dict:
-    manifest_path = Path(path) / MANIFEST
-    if not manifest_path.is_file():
-        raise DataError(
-            f"{path} holds no prepared data ({MANIFEST} missing): run `meshtrain data prepare --input ... --out {path}`"
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        dtype = manifest["dtype"]
-        if dtype not in DTYPES:
-            raise KeyError("dtype")
-        if manifest["vocab_size"] > np.iinfo(DTYPES[dtype]).max + 1:
-            raise DataError(f"{manifest_path}: vocabulary of {manifest['vocab_size']} does not fit {dtype}")
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise DataError(f"{manifest_path} is corrupt ({e}); prepare the data again") from None
-    return manifest

@@ -5,6 +5,9 @@ Inputs are files, directories, globs and directories written by Hugging Face `da
 `.jsonl.zst` (one document per line, its `text_field`), `.parquet` (the `text_field` column) and the
 Arrow files of a `datasets` directory.
 
+A document longer than LONG_BYTES (a big `.txt`, a long JSON line) is read as a `LongDocument`:
+its text in chunks, never whole, so that memory stays bounded whatever one document holds.
+
 The order of documents is defined by the inputs alone: inputs in the order given, each directory
 or glob expanded in sorted path order, documents in file order. A piece is a span of one file that
 a worker can read without reading what comes before it: a byte range of a plain `.jsonl` (lines
@@ -14,11 +17,14 @@ number of workers and ranks can read the same documents in the same order.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import io
 import json
 import os
+import re
+import sysconfig
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +33,7 @@ from pathlib import Path
 from meshtrain.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+LONG_BYTES = 1 << 20  # a document longer than this is read in chunks of about this size
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,13 @@ class Piece:
     start: int
     stop: int
     size: int  # bytes on disk, about: what the grouping into work units balances
+
+
+def stdlib_sources() -> list[Path]:
+    """The default corpus: this Python's standard library source, present on every machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
 
 
 def _kind(path: Path) -> str | None:
@@ -160,7 +174,9 @@ class Where:
         return f"{self.path}:{lineno}"
 
 
-def _json_lines(piece: Piece) -> Iterator[tuple[object, Where]]:
+def _json_lines(piece: Piece, long_field: str | None = None) -> Iterator[tuple[object, Where]]:
+    """The JSON values of a piece's lines; with `long_field`, a long line's string under that key
+    comes as a LongDocument."""
     f = piece.file
     if f.kind == "jsonl":
         stream = open(f.path, "rb")
@@ -178,25 +194,130 @@ def _json_lines(piece: Piece) -> Iterator[tuple[object, Where]]:
     with stream:
         lineno = 0
         while not (f.kind == "jsonl" and offset >= piece.stop):
-            try:
-                raw = stream.readline()
-            except (OSError, EOFError, zlib.error) as e:
-                raise DataError(f"{f.path} is corrupt ({e}); replace or leave it out") from None
-            except Exception as e:  # zstandard.ZstdError
-                raise DataError(f"{f.path} is corrupt ({e}); replace or leave it out") from None
+            raw = _readline(stream, f.path)
             if not raw:
                 break
             lineno += 1
-            start, offset = offset, offset + len(raw)
+            where = Where(f.path, offset, lineno)
+            if not raw.endswith(b"\n") and len(raw) == LONG_BYTES:  # a long line
+                line = _LongLine(stream, raw, where)
+                if long_field is not None and (record := line.streamed(long_field)) is not None:
+                    yield record, where
+                    line.drain()  # the reader may have stopped early
+                    offset += line.bytes
+                    continue
+                raw = line.whole()
+            offset += len(raw)
             if not raw.strip():
                 continue
-            where = Where(f.path, start, lineno)
-            try:
-                yield json.loads(raw), where
-            except UnicodeDecodeError:
-                _decode(raw, str(where))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where} is not valid JSON ({e.msg})") from None
+            yield _loads(raw, where), where
+
+
+def _readline(stream, path: str, limit: int = LONG_BYTES) -> bytes:
+    try:
+        return stream.readline(limit)
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path} is corrupt ({e}); replace or leave it out") from None
+    except Exception as e:  # zstandard.ZstdError
+        raise DataError(f"{path} is corrupt ({e}); replace or leave it out") from None
+
+
+def _loads(raw: bytes, where: Where):
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        _decode(raw, str(where))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where} is not valid JSON ({e.msg})") from None
+
+
+class LongDocument:
+    """A document read in chunks of text, once, in order (see LONG_BYTES)."""
+
+    def __init__(self, chunks: Iterator[str]):
+        self.chunks = chunks
+
+
+_PLACEHOLDER = "\u0000meshtrain: the streamed text\u0000"
+
+
+class _LongLine:
+    """A JSON line longer than LONG_BYTES: read whole, or with its text field's string streamed in
+    chunks cut at spaces (never inside an escape or a UTF-8 sequence). The rest of the line, with a
+    placeholder for the string, is parsed at the end: the line is checked as JSON all the same."""
+
+    def __init__(self, stream, first: bytes, where: Where):
+        self.stream, self.buffer, self.where, self.bytes = stream, first, where, len(first)
+        self.done = False  # the line's end has been read
+        self.chunks: Iterator[str] | None = None
+
+    def _more(self) -> bool:
+        if self.done:
+            return False
+        raw = _readline(self.stream, self.where.path)
+        self.buffer += raw
+        self.bytes += len(raw)
+        self.done = not raw or raw.endswith(b"\n")
+        return bool(raw)
+
+    def whole(self) -> bytes:
+        while self._more():
+            pass
+        return self.buffer
+
+    def streamed(self, field: str) -> dict | None:
+        """{field: LongDocument} if the line's first `field` key holds a string, else None."""
+        key = re.search(rb'"' + re.escape(json.dumps(field).encode()[1:-1]) + rb'"\s*:\s*"', self.buffer)
+        if key is None:
+            return None
+        prefix, self.buffer = self.buffer[: key.end() - 1], self.buffer[key.end() :]
+        self.chunks = self._text(prefix, field)
+        return {field: LongDocument(self.chunks)}
+
+    def _text(self, prefix: bytes, field: str) -> Iterator[str]:
+        while True:
+            end = _string_end(self.buffer)
+            if end >= 0:
+                if end:
+                    yield self._decode(self.buffer[:end])
+                rest, self.buffer = self.buffer[end + 1 :], b""
+                break
+            cut = self.buffer.rfind(b" ")
+            if cut > 0 and len(self.buffer) >= LONG_BYTES:
+                yield self._decode(self.buffer[:cut])
+                self.buffer = self.buffer[cut:]
+            if not self._more():
+                raise DataError(f"{self.where} is not valid JSON (the line ends inside a string)")
+        rest += self.whole()
+        placeholder = json.dumps(_PLACEHOLDER).encode()
+        record = _loads(prefix + placeholder + rest, self.where)
+        if not isinstance(record, dict) or record.get(field) != _PLACEHOLDER:
+            raise DataError(
+                f'{self.where}: a line of over {LONG_BYTES >> 20} MiB must have "{field}" as the first key '
+                "of that name; put the text's key before nested objects that use it"
+            )
+
+    def _decode(self, raw: bytes) -> str:
+        return _loads(b'"' + raw + b'"', self.where)
+
+    def drain(self) -> None:
+        """Read the line to its end (and check it), whatever the reader took of its text."""
+        for _ in self.chunks or ():
+            pass
+        self.whole()
+
+
+def _string_end(raw: bytes) -> int:
+    """The index of the quote that ends a JSON string's contents `raw`, or -1."""
+    at = raw.find(b'"')
+    while at >= 0:
+        before = at
+        while before and raw[before - 1] == 0x5C:  # a backslash
+            before -= 1
+        if (at - before) % 2 == 0:
+            return at
+        at = raw.find(b'"', at + 1)
+    return -1
 
 
 def _rows(piece: Piece, wanted: list[str], needed: bool) -> Iterator[tuple[dict, Where]]:
@@ -231,32 +352,55 @@ def _rows(piece: Piece, wanted: list[str], needed: bool) -> Iterator[tuple[dict,
         raise DataError(f"{f.path} is corrupt ({e}); replace or leave it out") from None
 
 
-def _records(piece: Piece, columns: list[str], needed: bool) -> Iterator[tuple[object, Where]]:
+def _records(
+    piece: Piece, columns: list[str], needed: bool, long_field: str | None = None
+) -> Iterator[tuple[object, Where]]:
     try:
         if piece.file.kind in ("parquet", "arrow"):
             yield from _rows(piece, columns, needed)
         else:
-            yield from _json_lines(piece)
+            yield from _json_lines(piece, long_field)
     except OSError as e:
         raise DataError(f"cannot read {piece.file.path}: {e.strerror or e}") from None
 
 
-def read_piece(piece: Piece, text_field: str = "text") -> Iterator[str]:
-    """The documents of one piece, in order (empty documents skipped)."""
+def _text_file(path: str) -> Iterator[str]:
+    """A text file's contents, decoded as UTF-8 in chunks of LONG_BYTES."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with open(path, "rb") as f:
+            while True:
+                raw = f.read(LONG_BYTES)
+                try:
+                    text = decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path} is not valid UTF-8 at byte offset {offset + e.start}; re-encode it as UTF-8"
+                    ) from None
+                if text:
+                    yield text
+                if not raw:
+                    return
+                offset += len(raw)
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def read_piece(piece: Piece, text_field: str = "text") -> Iterator[str | LongDocument]:
+    """The documents of one piece, in order (empty documents skipped); a long one (over
+    LONG_BYTES) as a LongDocument, to be read before the next document is asked for."""
     if piece.file.kind == "txt":
-        try:
-            with open(piece.file.path, "rb") as f:
-                text = _decode(f.read(), piece.file.path)
-        except OSError as e:
-            raise DataError(f"cannot read {piece.file.path}: {e.strerror or e}") from None
-        if text:
+        chunks = _text_file(piece.file.path)
+        if piece.file.size > LONG_BYTES:
+            yield LongDocument(chunks)
+        elif text := "".join(chunks):
             yield text
         return
-    for record, where in _records(piece, [text_field], needed=True):
+    for record, where in _records(piece, [text_field], needed=True, long_field=text_field):
         text = record.get(text_field) if isinstance(record, dict) else None
         if text is None and where.kind == "row":
             continue  # a null cell
-        if not isinstance(text, str):
+        if not isinstance(text, str | LongDocument):
             raise DataError(f'{where} has no string "{text_field}" field (choose the field with --text-field)')
         if text:
             yield text

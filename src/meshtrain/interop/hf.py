@@ -170,7 +170,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
         raise MeshtrainError(f"{tokenizer_file} is missing: the export needs the run's tokenizer")
     from tokenizers import Tokenizer
 
-    from meshtrain.data.prepare import end_of_text
+    from meshtrain.data.tokenizer import end_of_text
 
     eos, eos_id = end_of_text(Tokenizer.from_file(str(tokenizer_file)))
 

@@ -417,17 +417,16 @@ def grads_resident(w: Workload, layout: Layout) -> bool:
 def estimate_memory(
     w: Workload, layout: Layout, runtime_gib: float = 0.0, fragmentation: float = 0.0, first_step: bool = False
 ) -> dict[str, float]:
-    """The busiest rank's bytes, itemised (params, grads, optimizer, activations, other) and its
-    peak (total): parameters and optimizer states always, plus either the activations with their
-    working set (and the gradients, where they are resident) or, at the end of backward, all the
-    gradients with the last recomputed block. `first_step`: the peak of the first step, before
-    AdamW has created its moments (a run's peak from the second step on is the default)."""
-    worst: dict[str, float] = {}
-    for pp_rank in range(layout.pp):
-        item = rank_memory(w, layout, pp_rank, runtime_gib, fragmentation, first_step)
-        if item["total"] > worst.get("total", -1):
-            worst = item
-    return worst
+    """What the busiest GPU holds: each item (params, grads, optimizer, activations, other) as
+    the most any pipeline rank holds of it, and the largest peak of a rank (total): parameters and
+    optimizer states always, plus either the activations with their working set (and the gradients,
+    where they are resident) or, at the end of backward, all the gradients with the last recomputed
+    block. Stages are uneven (the first holds the embedding, the last the output, and the layers
+    may not divide), so the rank with the largest peak need not hold the most of every item.
+    `first_step`: the peak of the first step, before AdamW has created its moments (a run's peak
+    from the second step on is the default)."""
+    ranks = [rank_memory(w, layout, pp_rank, runtime_gib, fragmentation, first_step) for pp_rank in range(layout.pp)]
+    return {key: max(r[key] for r in ranks) for key in ranks[0]}
 
 
 def rank_memory(

@@ -24,6 +24,7 @@ class Estimate:
     fits: bool
     params: int
     why_not: str = ""
+    first_step_peak: float = 0.0  # bytes: the first step's peak, before AdamW's moments exist
 
     def as_dict(self) -> dict:
         return {
@@ -32,6 +33,10 @@ class Estimate:
             "fits": self.fits,
             "params": self.params,
             "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
+            "peak_gib": {
+                "first_step": round(self.first_step_peak / GIB, 3),
+                "steady": round(self.memory["total"] / GIB, 3),
+            },
             "tokens_per_s_per_gpu": round(self.speed["tokens_per_s_per_gpu"], 2),
             "tflops_per_gpu": round(self.speed["tflops_per_gpu"], 3),
             "mfu": round(self.speed["mfu"], 4),
@@ -43,11 +48,13 @@ class Estimate:
 
 
 def evaluate(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> Estimate:
-    memory = estimate_memory(w, layout, dev.runtime_gib, fragmentation=0.0 if dev.name == "cpu" else 0.05)
+    fragmentation = 0.0 if dev.name == "cpu" else 0.05
+    memory = estimate_memory(w, layout, dev.runtime_gib, fragmentation)
+    first = estimate_memory(w, layout, dev.runtime_gib, fragmentation, first_step=True)["total"]
     capacity = dev.memory_gib * GIB
-    fits = memory["total"] <= capacity
-    why = "" if fits else f"needs {memory['total'] / GIB:.1f} GiB of {dev.memory_gib:.1f}"
-    return Estimate(layout, memory, step_time(w, layout, dev, inter_gbps), fits, w.shape.n_params(), why)
+    fits = max(memory["total"], first) <= capacity
+    why = "" if fits else f"needs {max(memory['total'], first) / GIB:.1f} GiB of {dev.memory_gib:.1f}"
+    return Estimate(layout, memory, step_time(w, layout, dev, inter_gbps), fits, w.shape.n_params(), why, first)
 
 
 def check(w: Workload, layout: Layout, base: Config | None, args) -> str:

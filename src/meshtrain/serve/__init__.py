@@ -129,7 +129,7 @@ def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: st
     by the engine that serves: one sampling and stopping implementation)."""
     from tokenizers import Tokenizer
 
-    from meshtrain.data.prepare import end_of_text
+    from meshtrain.data.tokenizer import end_of_text
     from meshtrain.model import Llama
 
     model = Llama(args)

@@ -31,7 +31,7 @@ class ServedModel:
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
     from tokenizers import Tokenizer
 
-    from meshtrain.data.prepare import end_of_text
+    from meshtrain.data.tokenizer import end_of_text
     from meshtrain.interop.hf import hf_model_args, load_full_model, load_hf_weights
 
     path = Path(source)

@@ -155,7 +155,7 @@ def resume(s: TrainState) -> tuple[int, int]:
 
 
 def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None:
-    d = s.dims
+    d = s.layout
     layout = {
         "world_size": s.env.world_size,
         "tp": d.tp,

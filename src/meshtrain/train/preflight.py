@@ -15,7 +15,7 @@ import torch
 
 from meshtrain.config import Config, check_model_args, parse_data_path
 from meshtrain.data import Blend, read_manifest
-from meshtrain.data.prepare import MANIFEST
+from meshtrain.data.format import MANIFEST
 from meshtrain.layout import Layout
 from meshtrain.logs import log
 from meshtrain.model import ModelArgs
@@ -65,7 +65,7 @@ def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
     if not cfg.model.init_from:
         return
     from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, template_of
-    from meshtrain.data.prepare import tokenizer_fingerprint
+    from meshtrain.data.tokenizer import tokenizer_fingerprint
     from meshtrain.errors import DataError
 
     model_dir = Path(cfg.model.init_from.removeprefix("hf:"))

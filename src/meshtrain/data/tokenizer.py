@@ -1,0 +1,120 @@
+"""Tokenizer helpers shared by `data prepare`, the loader's checks, training, `serve` and export: which
+token ends a text, loading and training a Hugging Face tokenizer, its canonical fingerprint, and
+tokenizing a document of any length in bounded memory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from meshtrain.errors import DataError
+from meshtrain.logs import log
+
+EOS_TOKEN = "<|endoftext|>"
+EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+
+WINDOW_CHARS = 1 << 18  # a long document is tokenized a window of this many characters at a time
+TAIL_CHARS = 1 << 12  # the end of a window, whose tokens may change once the text goes on
+CHECK_CHARS = 1 << 14  # how far a cut's tokens are compared with the window's own
+
+
+def end_of_text(tokenizer) -> tuple[str | None, int | None]:
+    """The tokenizer's end-of-text token and id (meshtrain's, Llama 3's, SentencePiece's, Gemma's),
+    or (None, None). The one place that decides it: data prepare separates documents with it,
+    training's sample, `generate` and `serve` stop on it, export names it."""
+    token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+    return token, tokenizer.token_to_id(token) if token else None
+
+
+def load_tokenizer(path: str | Path):
+    from tokenizers import Tokenizer
+
+    if not Path(path).is_file():
+        raise DataError(f"tokenizer file {path} does not exist")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise DataError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
+
+
+def train_bpe(texts: Iterator[str] | list[str], vocab_size: int):
+    """A byte-level BPE (GPT-2 style) trained on the input with the `tokenizers` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least 257")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """What decides which id a text becomes: the model (vocabulary, merges), the added tokens, the
+    normalizer and pre-tokenizer of a tokenizer.json, hashed in a canonical form (the same tokenizer
+    saved by `tokenizers` or by transformers' save_pretrained has the same fingerprint)."""
+    spec = json.loads(Path(path).read_text())
+    canonical = {
+        "model": spec.get("model"),
+        "added_tokens": sorted((t["id"], t["content"]) for t in spec.get("added_tokens") or []),
+        "normalizer": spec.get("normalizer"),
+        "pre_tokenizer": spec.get("pre_tokenizer"),
+    }
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+
+
+def encode_long(tokenizer, chunks: Iterable[str], window: int = WINDOW_CHARS) -> Iterator[list[int]]:
+    """The token ids of one document given as text chunks, in pieces, holding about `window`
+    characters and their encoding at a time: a tokenizer's memory grows with the text it encodes
+    (about 130 bytes per character), so one 80 MB document would need 10 GB whole.
+
+    Each window is encoded and cut at a token boundary near its end that the encoding of the text
+    from there on agrees with (the same ids at the same places for CHECK_CHARS): the tokens before
+    the cut do not depend on what follows, and the text after it tokenizes as if it started there.
+    That is what a tokenizer splitting on pre-token boundaries (BPE, WordPiece, Unigram) gives, so
+    the ids equal the whole document's encoding. A window without such a boundary (one word of a
+    million characters) is cut at its last candidate and logged."""
+    pending = ""
+    for chunk in chunks:
+        pending += chunk
+        while len(pending) > window + TAIL_CHARS + CHECK_CHARS:
+            ids, cut = _encode_to_a_cut(tokenizer, pending[:window])
+            yield ids
+            pending = pending[cut:]
+    if pending:
+        yield tokenizer.encode(pending, add_special_tokens=False).ids
+
+
+def _encode_to_a_cut(tokenizer, text: str) -> tuple[list[int], int]:
+    """The ids of `text` up to a cut that re-encoding from it confirms, and the cut (a character
+    offset). Candidates step back from the end a CHECK_CHARS at a time."""
+    whole = tokenizer.encode(text, add_special_tokens=False)
+    ids, offsets = whole.ids, whole.offsets
+    trusted = len(text) - TAIL_CHARS  # tokens ending before this are the text's own
+    first = None
+    for back in range(1, 9):
+        target = trusted - back * CHECK_CHARS
+        k = next((i for i, (start, _) in enumerate(offsets) if start >= target), None)
+        if k is None or k == 0 or offsets[k][0] <= offsets[k - 1][0]:
+            continue
+        cut = offsets[k][0]
+        first = first or (k, cut)
+        again = tokenizer.encode(text[cut:trusted], add_special_tokens=False)
+        n = sum(1 for _, end in offsets[k:] if end <= trusted - TAIL_CHARS)
+        if again.ids[:n] == ids[k : k + n] and [s + cut for s, _ in again.offsets[:n]] == [
+            s for s, _ in offsets[k : k + n]
+        ]:
+            return ids[:k], cut
+    if first is None:  # a single token spans the window: cut at the window's end
+        return ids, len(text)
+    log.warning(f"a document has no stable token boundary in {len(text):,} characters; cut there")
+    return ids[: first[0]], first[1]
