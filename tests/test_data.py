@@ -306,12 +306,35 @@ def _peak_rss_mb(cli_env, args) -> float:
     return int(result.stdout.split()[-1]) / 1024
 
 
-def test_memory_does_not_grow_with_the_input(three_units, cli_env, tmp_path):
-    """Streaming: 4x the input, the same peak memory (the same text repeated, read and tokenized in
-    bounded batches; before, every document was held at once)."""
+def _one_document(path, n_bytes: int, ensure_ascii: bool = False) -> str:
+    """One document of about n_bytes (standard-library sources with quotes, backslashes, tabs,
+    newlines, and characters outside the BMP, whose JSON escapes are surrogate pairs), as a .txt or
+    a single JSON line (`ensure_ascii`: every non-ASCII character escaped)."""
+    text, parts = "", []
+    for source in stdlib_sources():
+        parts.append(source.read_text(errors="replace") + ' caf\u00e9 \U0001f600 "q" \\ ')
+        if sum(map(len, parts)) >= n_bytes:
+            break
+    text = "".join(parts)
+    if path.suffix == ".txt":
+        path.write_text(text)
+    else:
+        path.write_text(json.dumps({"id": 1, "text": text, "meta": {"text": "x"}}, ensure_ascii=ensure_ascii) + "\n")
+    return text
+
+
+@pytest.mark.parametrize("kind", ["documents", "one document"])
+def test_memory_does_not_grow_with_the_input(kind, three_units, cli_env, tmp_path):
+    """Streaming: 10x the input, the same peak memory within 1.3x, whether the input is many
+    documents (read and tokenized in bounded batches) or a single one (read in chunks, tokenized a
+    window at a time; whole, 20 MB of text would take 2.5 GB)."""
     small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
-    _stdlib_jsonl(small, 2 << 20)
-    large.write_text(small.read_text() * 4)
+    if kind == "documents":
+        _stdlib_jsonl(small, 2 << 20)
+        large.write_text(small.read_text() * 10)
+    else:
+        _one_document(small, 2 << 20)
+        _one_document(large, 20 << 20)
     peaks = [
         _peak_rss_mb(
             cli_env,
@@ -320,7 +343,33 @@ def test_memory_does_not_grow_with_the_input(three_units, cli_env, tmp_path):
         )
         for path in (small, large)
     ]
-    assert peaks[1] < 1.15 * peaks[0], peaks
+    assert peaks[1] < 1.3 * peaks[0], peaks
+
+
+def test_a_long_document_is_tokenized_as_a_whole(three_units, tmp_path):
+    """A document longer than the tokenizing window, as a .txt and as a JSON line (UTF-8, and
+    ASCII with escapes): the ids equal the tokenizer's encoding of the whole text, then the
+    end-of-text token; the line's other keys (one nested "text" among them) are checked, not read."""
+    from meshtrain.data.tokenizer import load_tokenizer
+
+    tokenizer = three_units / "tok" / "tokenizer.json"
+    tok = load_tokenizer(tokenizer)
+    for name, ascii_only in (("doc.txt", False), ("doc.jsonl", False), ("ascii.jsonl", True)):
+        text = _one_document(tmp_path / name, 3 << 20, ensure_ascii=ascii_only)
+        out = tmp_path / f"out-{name}"
+        prepare(
+            [tmp_path / name], out, tokenizer=three_units / "tok" / "tokenizer.json", val_fraction=0, progress=False
+        )
+        ids = np.fromfile(out / "train-00000.bin", dtype=np.uint16).tolist()
+        expected = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|endoftext|>")]
+        assert ids == expected, name
+
+
+def test_a_long_line_that_is_not_json_is_named(three_units, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "' + "word " * 400_000 + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1 is not valid JSON"):
+        prepare([bad], tmp_path / "out", tokenizer=three_units / "tok" / "tokenizer.json", progress=False)
 
 
 def _blend_loaders(tmp_path, dp: int, weights=(0.7, 0.3), seed=3):

@@ -1,18 +1,21 @@
 """`meshtrain train --dry-run WORLD`: the job built at its true world size on a fake process group,
 with fake tensors, against the planner (and, in test_parallel.py, against real runs)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_cli
 from meshtrain.config import load_config
 from meshtrain.layout import Layout
 from meshtrain.model.presets import PRESETS
 from meshtrain.model.shapes import Shape
-from meshtrain.plan import Workload, activation_bytes
+from meshtrain.plan import Workload, activation_bytes, estimate_memory
 from meshtrain.train.dry_run import busiest_ranks, dry_run
+from meshtrain.train.preflight import workload_of
 
 TINY = ["--model.preset", "tiny", "--model.n_layers", "4", "--training.seq_len", "256"]
 TINY += ["--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--data.corpus", "stdlib"]
@@ -170,3 +173,19 @@ def test_plan_verify_adds_what_the_built_job_holds(cli_env):
         w = Workload(Shape.from_args(PRESETS["small"]), 1024, "bf16", device="cpu")
         cpu_kernels = activation_bytes(w, lay, lay.coordinates(built["rank"])["pp"])["saved"]
         assert built["activations"] * 2**30 == pytest.approx(cpu_kernels, rel=0.05), layout["layout"]
+
+
+def test_the_plan_covers_every_rank_of_uneven_stages(tmp_path):
+    """5 layers on 2 stages (3 + the embedding, 2 + the output) under full checkpointing: the rank
+    with the largest peak is not the one with the most parameters. Each of the planner's items is
+    what the rank holding the most of it was built with, the peak the larger of the two built."""
+    overrides = [*TINY, "--model.n_layers", "5", "--parallel.pp", "2", "--training.activation_checkpointing", "full"]
+    cfg = load_config(None, [*overrides, "--data.path", str(tmp_path / "data")])
+    reports = dry_run(cfg, 2, [0, 1])
+    layout = Layout.from_config(cfg, 2)
+    args = dataclasses.replace(PRESETS["tiny"], n_layers=5)
+    plan = estimate_memory(workload_of(cfg, args, torch.device("cpu")), layout)
+    for key in ("params", "grads", "optimizer"):
+        assert plan[key] == pytest.approx(max(r.built[key] for r in reports), rel=0.01), key
+    assert reports[0].built["params"] != pytest.approx(reports[1].built["params"], rel=0.05)
+    assert plan["total"] == pytest.approx(max(r.built["total"] for r in reports), rel=0.12)
