@@ -1,16 +1,17 @@
-"""python -m bench [throughput|profile|scaling|memory|serve|data|planner|plots|all] [options]: see bench/README.md."""
+"""python -m bench [throughput|profile|scaling|memory|serve|data|planner|watchdog|plots|all] [options]:
+see bench/README.md."""
 
 import argparse
 import os
 
-from bench import data, memory, planner, plots, profile, scaling, serve, throughput
+from bench import data, memory, planner, plots, profile, scaling, serve, throughput, watchdog
 
 p = argparse.ArgumentParser(prog="python -m bench")
 p.add_argument(
     "suite",
     nargs="?",
     default="all",
-    choices=("throughput", "profile", "scaling", "memory", "serve", "data", "planner", "plots", "all"),
+    choices=("throughput", "profile", "scaling", "memory", "serve", "data", "planner", "watchdog", "plots", "all"),
 )
 p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
 p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
@@ -45,6 +46,7 @@ for name, suite in (
     ("serve", serve),
     ("data", data),
     ("planner", planner),
+    ("watchdog", watchdog),
     ("plots", plots),
 ):
     if a.suite in (name, "all"):

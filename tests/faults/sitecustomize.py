@@ -4,6 +4,8 @@ carries no test hooks. Set in the run's environment:
 
   MESHTRAIN_FAIL_AT_STEP=N          rank MESHTRAIN_FAIL_RANK (default 0) dies as step N starts
   MESHTRAIN_FAIL_IN_SAVE_AT_STEP=N  that rank dies while committing the checkpoint of step N
+  MESHTRAIN_HANG_IN_DATA_AT_STEP=N that rank's read of step N's batch never returns
+  MESHTRAIN_HANG_IN_SAVE_AT_STEP=N that rank's checkpoint save of step N never returns
   MESHTRAIN_STEP_SLEEP=S            every step takes S seconds longer (time to signal a run mid-way)
   MESHTRAIN_ENOSPC_AT_STEP=N        every rank's checkpoint write of step N fails: "No space left on device"
   MESHTRAIN_STDOUT_PAUSE=S          every write to stdout is followed by S seconds of sleep (other
@@ -38,10 +40,20 @@ def _die(what: str) -> None:
     os._exit(1)
 
 
+def _hang(what: str) -> None:
+    import time
+
+    print(f"[fault injection] rank {os.environ.get('RANK', '0')} hangs {what}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
 def _install() -> None:
     names = (
         "MESHTRAIN_FAIL_AT_STEP",
         "MESHTRAIN_FAIL_IN_SAVE_AT_STEP",
+        "MESHTRAIN_HANG_IN_DATA_AT_STEP",
+        "MESHTRAIN_HANG_IN_SAVE_AT_STEP",
         "MESHTRAIN_STEP_SLEEP",
         "MESHTRAIN_ENOSPC_AT_STEP",
         "MESHTRAIN_STDOUT_PAUSE",
@@ -72,12 +84,14 @@ def _install() -> None:
     from meshtrain.checkpoint import Checkpointer
     from meshtrain.data.loader import DistributedLoader
 
-    next_batch, commit = DistributedLoader.next_batch, Checkpointer._commit
+    next_batch, commit, checkpoint = DistributedLoader.next_batch, Checkpointer._commit, Checkpointer.save
 
     def faulty_next_batch(self):
         step = self.consumed // self.global_batch + 1
         if _dies_here("MESHTRAIN_FAIL_AT_STEP", step):
             _die(f"at step {step}")
+        if _dies_here("MESHTRAIN_HANG_IN_DATA_AT_STEP", step):
+            _hang(f"reading the batch of step {step}")
         time.sleep(float(os.environ.get("MESHTRAIN_STEP_SLEEP") or 0))
         if os.environ.get("MESHTRAIN_RNG_PROBE"):
             import torch
@@ -90,6 +104,12 @@ def _install() -> None:
             _die(f"during the save of step {step}")
         return commit(self, step, path, train_state)
 
+    def hanging_save(self, step, *args, **kwargs):
+        if _dies_here("MESHTRAIN_HANG_IN_SAVE_AT_STEP", step):
+            _hang(f"saving the checkpoint of step {step}")
+        return checkpoint(self, step, *args, **kwargs)
+
+    Checkpointer.save = hanging_save
     save = dcp.save
 
     def full_disk_save(state, checkpoint_id, **kwargs):

@@ -78,6 +78,11 @@ class DataConfig:
     """BPE vocabulary trained for `corpus`."""
 
 
+def _off_or_at_least(value: float, least: float, unit: str) -> None:
+    if value != 0 and value < least:
+        raise ValueError(f"must be 0 (off) or at least {least} {unit}")
+
+
 @dataclass
 class TrainingConfig:
     steps: int = option(100, gt=0)
@@ -131,6 +136,11 @@ class TrainingConfig:
     run again; the generated SGE/Slurm scripts requeue) before it."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A NaN/Inf loss or gradient norm: skip the update, or stop with an error."""
+    hang_timeout: float = option(300.0, check=lambda v: _off_or_at_least(v, 5, "seconds"))
+    """Seconds a rank may spend in one phase of a step (data, forward/backward, optimizer, evaluation,
+    checkpoint; the first step 5x) before the job counts as hung: every live rank writes its stacks to
+    <run.dir>/hangs/, the ranks that did not arrive are named, and the job exits 124 to continue from the
+    last checkpoint (docs/launching.md). 0: off."""
 
 
 @dataclass

@@ -157,10 +157,11 @@ def slurm(spec: JobSpec) -> str:
         "# Exit 75: a checkpoint was saved at the USR1 before the time limit (or at preemption). Slurm",
         "# requeues preempted jobs (--requeue) but not one that reaches its time limit: the job puts",
         "# itself back in the queue, at most MESHTRAIN_MAX_REQUEUES times, and its next run resumes.",
+        "# Exit 124: a rank hung (training.hang_timeout; report in <run.dir>/hangs/): requeued the same way.",
         'MAX_REQUEUES="${MESHTRAIN_MAX_REQUEUES:-50}"',
-        'if [ "$status" -eq 75 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; then',
-        '    echo "meshtrain: checkpointed before the limit; requeueing job $SLURM_JOB_ID '
-        '(restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most $MAX_REQUEUES)"',
+        'if [[ "$status" =~ ^(75|124)$ ]] && [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; then',
+        '    echo "meshtrain: exit $status (75: checkpointed before the limit, 124: hung); requeueing job '
+        '$SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most $MAX_REQUEUES)"',
         '    scontrol requeue "$SLURM_JOB_ID" || true   # already requeued when Slurm preempted it',
         "    exit 0",
         "fi",
@@ -208,13 +209,14 @@ def sge(spec: JobSpec) -> str:
         f'mpirun -npernode {spec.per_node} -np {spec.world} --hostfile "$HOSTFILE" '
         f"{spec.train_command(time_limited=True)} || status=$?",
         "",
-        "# Exit 75 (checkpointed before h_rt, or preempted): exit 99 makes SGE run the job again, and the",
-        "# next run resumes; at most MESHTRAIN_MAX_REQUEUES times (counted beside the log).",
+        "# Exit 75 (checkpointed before h_rt, or preempted) or 124 (a rank hung: <run.dir>/hangs/): exit 99",
+        "# makes SGE run the job again, and the next run resumes; at most MESHTRAIN_MAX_REQUEUES times.",
         'COUNT="logs/.${JOB_NAME:-meshtrain}.${JOB_ID:-0}.requeues"',
         'RUNS=$(( $(cat "$COUNT" 2>/dev/null || echo 0) + 1 ))',
-        'if [ "$status" -eq 75 ] && [ "$RUNS" -le "${MESHTRAIN_MAX_REQUEUES:-50}" ]; then',
+        'if [[ "$status" =~ ^(75|124)$ ]] && [ "$RUNS" -le "${MESHTRAIN_MAX_REQUEUES:-50}" ]; then',
         '    echo "$RUNS" > "$COUNT"',
-        '    echo "meshtrain: checkpointed before the limit; rescheduling job ${JOB_ID:-} (run $(( RUNS + 1 )))"',
+        '    echo "meshtrain: exit $status (75: checkpointed, 124: hung); rescheduling job ${JOB_ID:-} '
+        '(run $(( RUNS + 1 )))"',
         "    exit 99",
         "fi",
         'exit "$status"',

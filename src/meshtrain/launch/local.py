@@ -10,6 +10,7 @@ from meshtrain.logs import log
 
 PREEMPTED_EXIT_CODE = 75  # what a worker returns after checkpointing on SIGTERM/SIGUSR1
 INTERRUPTED_EXIT_CODE = 130  # ... and after checkpointing on SIGINT (Ctrl-C)
+HANG_EXIT_CODE = 124  # a rank's watchdog found the job hung (train/watchdog.py): restart from the last checkpoint
 # Signals the launcher passes on to its workers (which checkpoint and exit), and how long it waits
 # for them before SIGKILL: a step and a checkpoint of a large model take minutes.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -104,6 +105,12 @@ def launch_workers(
             if code in codes and codes <= {code, -signal.SIGTERM}:
                 log.warning("stopped: a checkpoint was saved; run the same command again to continue")
                 return code
+        if HANG_EXIT_CODE in codes:
+            log.error(
+                f"the job hung (see the `hang:` line above and <run.dir>/hangs/); exit {HANG_EXIT_CODE}: run the "
+                "same command again (or give --max-restarts) to continue from the last checkpoint"
+            )
+            return HANG_EXIT_CODE
         failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(e.failures.items()))
         log.error(f"training failed ({failures}); see the worker output above")
         return 1

@@ -27,6 +27,7 @@ from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.preflight import preflight, warn_if_too_big
 from meshtrain.train.step import cross_entropy, step_context, train_step
+from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
 
 
 def ensure_dataset(cfg: Config) -> Blend:
@@ -129,7 +130,9 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     vocabulary is model.vocab_size (or the preset's): for tests and benchmarks that bring their own
     batches."""
     env = env or detect(launcher=cfg.launch.env)
-    device = init_distributed(env, cfg.launch.device)
+    if cfg.launch.device != "cpu" and torch.cuda.is_available():
+        enable_flight_recorder()
+    device = init_distributed(env, cfg.launch.device, process_group_timeout(cfg.training.hang_timeout))
     dataset = None
     if with_data:
         if env.rank == 0:

@@ -5,7 +5,9 @@ runs on is built in train/build.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -35,6 +37,8 @@ from meshtrain.parallel import arithmetic_dtype
 from meshtrain.parallel.memory import format_memory, gather_memory_report
 from meshtrain.train.build import TrainState, build
 from meshtrain.train.step import evaluate, reduce_loss
+from meshtrain.train.stragglers import ComputeTimer, StragglerDetector, timed_modules
+from meshtrain.train.watchdog import Watchdog, phase
 
 
 class StopSignals:
@@ -262,7 +266,8 @@ def hold_run_dir(cfg: Config, rank: int) -> RunLock:
 
 
 def train(cfg: Config) -> dict:
-    """Returns {"history": logged metrics, "exit_code": 0, PREEMPTED_EXIT_CODE or INTERRUPTED_EXIT_CODE}."""
+    """Returns {"history": logged metrics, "exit_code": 0, PREEMPTED_EXIT_CODE or INTERRUPTED_EXIT_CODE}
+    (a hung job's ranks exit HANG_EXIT_CODE from their watchdog, train/watchdog.py)."""
     start_time = time.monotonic()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C in start-up: out at once, even from a C++ wait
@@ -271,12 +276,36 @@ def train(cfg: Config) -> dict:
     s = build(cfg, env)
     lock = hold_run_dir(cfg, env.rank)
     try:
-        return _train(s, cfg, env, start_time, StopSignals())
+        with start_watchdog(s) as watchdog:
+            return _train(s, cfg, env, start_time, StopSignals(), watchdog)
     finally:
         lock.release()
 
 
-def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSignals) -> dict:
+def start_watchdog(s: TrainState) -> Watchdog:
+    """Every rank's watchdog, knowing every rank's host and pid and a name for this start of the job."""
+    peers: list = [(socket.gethostname(), os.getpid())]
+    if dist.is_initialized():
+        peers = [None] * s.env.world_size
+        dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    attempt = agreed(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    timeout = s.cfg.training.hang_timeout
+    return Watchdog(s.cfg.run.dir, s.env.rank, s.env.world_size, timeout, peers, attempt, s.device.type)
+
+
+def log_record(s: TrainState, step: int, lr: float, loss, grad_norm, n_targets, meter, detector) -> dict:
+    """The metrics of a logged step (every rank calls this: the loss and compute times are reduced)."""
+    return {
+        "loss": reduce_loss(loss, s.dims),
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        "target_tokens": n_targets,  # of this step's global batch (chat data: the loss mask's)
+        **meter.report(),
+        **detector.report(),
+    }
+
+
+def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSignals, watchdog: Watchdog) -> dict:
     t, ckpt = cfg.training, s.checkpointer
     compute_dtype = arithmetic_dtype(t, s.device)
     if env.rank == 0:
@@ -290,6 +319,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
         env.world_size,
     )
+    timer = ComputeTimer(timed_modules(s.model.parts, t.compile, s.layout.tp, env.world_size), s.device)
+    detector = StragglerDetector(timer, s.device, env.world_size)
     arithmetic = "bf16" if compute_dtype == torch.bfloat16 else "fp32"
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
     last_step = t.stop_at_step or t.steps
@@ -299,42 +330,37 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
     for step in range(start_step + 1, last_step + 1):
         step_start = time.monotonic()
         lr = s.scheduler.get_last_lr()[0]
+        phase("data", step)
         inputs, targets, n_targets = s.loader.next_batch()
+        phase("forward/backward")
         loss, grad_norm, skipped_now = s.step(inputs, targets, n_targets)
+        phase("logging")
         skipped_total += skipped_now
         if t.on_nonfinite == "stop" and skipped_now.item():  # the one mode that syncs every step
             raise MeshtrainError(
                 f"step {step}: the loss or gradient norm is not finite ({grad_norm.item()}); "
                 "lower training.lr, check the data, or set training.on_nonfinite = skip"
             )
-        if step == start_step + 1:  # gradients and optimizer states exist now
-            report_memory(s, metrics)
-        elif step == start_step + 2:  # the peak of a step that begins with AdamW's moments: the run's peak
-            report_memory(s, metrics, quiet=True)
+        if step in (start_step + 1, start_step + 2):  # states exist now; then the peak of a step with them
+            report_memory(s, metrics, quiet=step == start_step + 2)
         s.scheduler.step()
         meter.add(t.global_batch_size * t.seq_len)
         metrics.advance(step)
 
         record = {}
         if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
-            record = {
-                "loss": reduce_loss(loss, s.dims),
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "skipped_steps": int(skipped_total.item()),
-                "target_tokens": n_targets,  # of this step's global batch (chat data: the loss mask's)
-                **meter.report(),
-                "arithmetic": arithmetic,
-            }
+            record = log_record(s, step, lr, loss, grad_norm, n_targets, meter, detector)
+            record |= {"skipped_steps": int(skipped_total.item()), "arithmetic": arithmetic}
             reported_skips = warn_skips(step, record["skipped_steps"], reported_skips)
         if s.val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
+            phase("evaluation")
             record.update(validation_losses(s))
         if record:
             record["data_mix"] = dict(zip(s.dataset.names, s.loader.mix()))
-        if record:
             metrics.log(step, record)
             history.append({"step": step, **record})
 
+        phase("checkpoint")
         step_time = max(step_time, time.monotonic() - step_start)
         preempted, out_of_time, save_finished = agree(signals, deadline, step_time, ckpt)
         if save_finished:
@@ -348,6 +374,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
             break
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             save(s, step, int(skipped_total.item()))
+        watchdog.first_step_done()
+    phase("checkpoint")
     ckpt.wait()
     if step == t.steps and not exit_code:
         finish(s, step, int(skipped_total.item()))

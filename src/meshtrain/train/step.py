@@ -30,6 +30,7 @@ from meshtrain.optim import local_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel
 from meshtrain.parallel.data_parallel import average_gradients
 from meshtrain.parallel.grads import global_grad_norm
+from meshtrain.train.watchdog import phase
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -114,6 +115,7 @@ def train_step(
     with context():
         scale = loss_scale(targets, n_targets, layout.dp)
         loss = forward_backward(model, inputs, targets, layout.micro_batch_size, device, scale)
+    phase("optimizer")
     grad_norm = global_grad_norm(model.parameters(), pp_group)
     skipped = (~torch.isfinite(grad_norm)).float()
     adamw = local_optimizer(optimizer)

@@ -1,0 +1,242 @@
+"""A stuck rank found and named instead of waited for.
+
+Every rank's main thread marks the phase of the step it is in (`phase("data")`: two attribute
+writes, nothing else); a watchdog thread on each rank checks once a second how long the current
+phase has lasted. When a phase outlasts `training.hang_timeout` (the first step, which compiles and
+warms up, 5x that), the job is hung: a rank frozen, dead, or stuck in a read, a write or a
+collective, with every other rank waiting for it. Then every live rank
+
+1. agrees on one report directory `<run.dir>/hangs/<when>/` (the first to notice names it, by an
+   atomic link; the others find it because their own phases are long by then: each rank looks for
+   it once its phase has lasted half the limit);
+2. writes `rank<R>.txt`: its host, pid, step and phase and how long it has been in it, then every
+   thread's Python stack (faulthandler); on CUDA also NCCL's flight recorder (`nccl_rank<R>.pkl`);
+3. waits a few seconds for the others' reports; the lowest reporting rank names, in one line and in
+   `summary.txt`, the ranks that sent no report (frozen or dead) and those still in an earlier phase
+   than the rest (stuck in it), and kills the non-reporting ranks of its own host (a stopped process
+   does not act on SIGTERM, so the launcher would wait minutes for it);
+4. exits with HANG_EXIT_CODE (124, as `timeout`): `--max-restarts`, the Slurm and SGE scripts and a
+   rerun continue from the last committed checkpoint.
+
+The process group's timeout is set above the longest limit, so the watchdog always speaks first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+from meshtrain.launch.local import HANG_EXIT_CODE
+from meshtrain.logs import log
+
+PHASES = ("start", "data", "forward/backward", "optimizer", "logging", "evaluation", "checkpoint")
+FIRST_STEP_FACTOR = 5  # the first step compiles and warms up
+REPORT_WAIT_S = 10.0  # how long a reporting rank waits for the others' reports
+POLL_S = 1.0
+
+
+class Phase:
+    """The phase this process is in, as the main thread marks it (read by the watchdog thread)."""
+
+    def __init__(self):
+        self.name, self.step, self.since, self.limit_factor = "start", 0, time.monotonic(), FIRST_STEP_FACTOR
+
+    def __call__(self, name: str, step: int | None = None) -> None:
+        self.name, self.since = name, time.monotonic()
+        if step is not None:
+            self.step = step
+
+    @contextlib.contextmanager
+    def of(self, name: str):
+        """`with phase.of("checkpoint"):` ... then back to the phase it interrupted."""
+        before = self.name
+        self(name)
+        try:
+            yield
+        finally:
+            self(before)
+
+
+phase = Phase()  # process-wide, like faulthandler: the step marks it, the watchdog reads it
+
+
+def process_group_timeout(hang_timeout: float) -> timedelta:
+    """Above the watchdog's longest limit (the first step's), so that it reports first; without a
+    watchdog, torch's usual 10 minutes."""
+    if not hang_timeout:
+        return timedelta(minutes=10)
+    return timedelta(seconds=FIRST_STEP_FACTOR * hang_timeout + 2 * REPORT_WAIT_S + 60)
+
+
+class Watchdog:
+    """The watchdog thread of one rank (see the module docstring). `peers`: every rank's (host,
+    pid), gathered at start; `attempt`: a name this start of the job shares on every rank."""
+
+    def __init__(self, run_dir: str | Path, rank: int, world: int, timeout: float, peers, attempt: str, device_type):
+        self.root, self.rank, self.world, self.timeout = Path(run_dir) / "hangs", rank, world, timeout
+        self.peers, self.attempt, self.cuda = peers, attempt, device_type == "cuda"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
+        phase("start", 0)
+        phase.limit_factor = FIRST_STEP_FACTOR
+
+    def __enter__(self) -> Watchdog:
+        if self.timeout:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+
+    def first_step_done(self) -> None:
+        phase.limit_factor = 1
+
+    def _watch(self) -> None:
+        while not self.stop.wait(POLL_S):
+            limit = self.timeout * phase.limit_factor
+            elapsed = time.monotonic() - phase.since
+            if elapsed > limit:
+                self._report(self._claim(), elapsed, limit)
+            elif elapsed > limit / 2 and self.root.is_dir() and (name := self._claimed()):
+                self._report(name, elapsed, limit)
+
+    def _claimed(self) -> str | None:
+        try:
+            return (self.root / f".{self.attempt}").read_text().strip() or None
+        except OSError:
+            return None
+
+    def _claim(self) -> str:
+        """The report directory's name: this rank's choice, or the one another rank made first."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = time.strftime("%Y%m%d-%H%M%S")
+        tmp = self.root / f".{self.attempt}.{self.rank}"
+        tmp.write_text(name)
+        try:
+            os.link(tmp, self.root / f".{self.attempt}")
+        except FileExistsError:
+            name = self._claimed() or name
+        finally:
+            tmp.unlink(missing_ok=True)
+        return name
+
+    def _report(self, name: str, elapsed: float, limit: float) -> None:
+        where = self.root / name
+        where.mkdir(parents=True, exist_ok=True)
+        status = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": phase.step}
+        status |= {"phase": phase.name, "seconds": round(elapsed, 1), "limit": limit, **_main_thread_place()}
+        tmp = where / f".rank{self.rank}.txt"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(status) + "\n\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        os.replace(tmp, where / f"rank{self.rank}.txt")
+        if self.cuda:
+            _dump_nccl_trace(where / f"nccl_rank{self.rank}.pkl")
+        reports = self._gather(where)
+        if self.rank == min(reports):
+            self._summarize(where, reports, limit)
+        else:  # stay until it is written: a rank that exits breaks its peers' collectives, and they die
+            deadline = time.monotonic() + REPORT_WAIT_S
+            while not (where / "summary.txt").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(HANG_EXIT_CODE)
+
+    def _gather(self, where: Path) -> dict[int, dict]:
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
+            reports = {}
+            for path in where.glob("rank*.txt"):
+                with contextlib.suppress(OSError, ValueError):
+                    status = json.loads(path.read_text().split("\n", 1)[0])
+                    reports[status["rank"]] = status
+            if len(reports) == self.world or time.monotonic() > deadline:
+                return reports
+            time.sleep(0.5)
+
+    def _summarize(self, where: Path, reports: dict[int, dict], limit: float) -> None:
+        silent = [r for r in range(self.world) if r not in reports]
+        order = {name: i for i, name in enumerate(PHASES)}
+        progress = {r: (s["step"], order.get(s["phase"], 0)) for r, s in reports.items()}
+        ahead = max(progress.values())
+        behind = sorted(r for r, p in progress.items() if p < ahead)
+        waiting = sorted(r for r, p in progress.items() if p == ahead)
+        parts = []
+        if silent:
+            parts.append(f"{_ranks(silent)} sent no report (frozen or dead)")
+        if behind:
+            parts.append(f"{_ranks(behind)} did not finish " + _each(behind, reports, "{phase} of step {step}"))
+        elif not silent:  # one phase: those not waiting in a collective hold up those that are
+            busy = [r for r in waiting if not reports[r]["collective"]]
+            if busy and len(busy) < len(waiting):
+                waiting = [r for r in waiting if r not in busy]
+                collective = reports[waiting[0]]["collective"]
+                parts.append(f"{_ranks(busy)} did not arrive at {collective}, held at " + _each(busy, reports, "{at}"))
+        culprit = "; ".join(parts) or "every rank is stuck in the same phase"
+        first = reports[waiting[0]]
+        line = (
+            f"hang: {culprit}; {_ranks(waiting)} waited over {limit:.0f} s in {first['phase']} of step "
+            f"{first['step']}. Stacks in {where}/; exiting {HANG_EXIT_CODE} to continue from the last checkpoint"
+        )
+        (where / "summary.txt").write_text(line + "\n")
+        log.error(line)
+        self._kill_local(silent)
+
+    def _kill_local(self, silent: list[int]) -> None:
+        """SIGKILL the silent ranks of this host that are still meshtrain processes."""
+        host = socket.gethostname()
+        for rank in silent:
+            peer_host, pid = self.peers[rank]
+            if peer_host != host:
+                continue
+            with contextlib.suppress(OSError):
+                if b"meshtrain" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _main_thread_place() -> dict:
+    """Where the main thread is: the collective it waits in (a torch.distributed call), if any, and
+    its innermost frame."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    stack = traceback.extract_stack(frame) if frame is not None else []
+    collective = next(
+        (f.name for f in stack if f.filename.endswith(("distributed_c10d.py", "_functional_collectives.py"))), None
+    )
+    at = f"{Path(stack[-1].filename).name}:{stack[-1].lineno} in {stack[-1].name}" if stack else "unknown"
+    return {"collective": collective, "at": at}
+
+
+def _each(ranks: list[int], reports: dict[int, dict], form: str) -> str:
+    """`form` filled from one rank's report, or from each, named: "rank 1: ..., rank 3: ..."."""
+    if len(ranks) == 1:
+        return form.format(**reports[ranks[0]])
+    return ", ".join(f"rank {r}: " + form.format(**reports[r]) for r in ranks)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _dump_nccl_trace(path: Path) -> None:
+    """NCCL's flight recorder (the last collectives of every process group), where torch has it."""
+    with contextlib.suppress(Exception):
+        import torch
+
+        path.write_bytes(torch._C._distributed_c10d._dump_nccl_trace())
+
+
+def enable_flight_recorder() -> None:
+    """Before the process group exists: NCCL records its last collectives (read on a hang)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")

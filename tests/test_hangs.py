@@ -1,0 +1,144 @@
+"""A stuck or slow rank found and named (train/watchdog.py, train/stragglers.py): real 2-process
+gloo jobs with a rank frozen by SIGSTOP, a data read or a checkpoint save that never returns, or a
+rank slowed by SIGSTOP/SIGCONT."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import alive, children, faulty, rank_of, read_metrics, train_args
+
+HANG_TIMEOUT = 10
+RUN = ["--nproc", "2", "--training.hang_timeout", str(HANG_TIMEOUT), "--checkpoint.every", "3"]
+RUN += ["--training.steps", "40"]
+
+
+def start(corpus, env, run_dir, *extra) -> subprocess.Popen:
+    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, run_dir, *RUN, *extra)]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(proc, run_dir, steps: int) -> None:
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= steps):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail("the run logged too few steps:\n" + proc.communicate()[1][-3000:])
+        time.sleep(0.1)
+
+
+def worker_of_rank(proc, rank: str) -> int:
+    return next(pid for pid in children(proc.pid) if rank_of(pid) == rank)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fault", ["sigstop", "data", "save"])
+def test_a_hung_rank_is_named_with_every_stack_and_the_next_start_resumes(fault, corpus, cli_env, tmp_path):
+    """Rank 1 frozen (SIGSTOP), stuck reading a batch, or stuck saving a checkpoint: the job ends
+    within the timeout and the reports' wait, exit 124, with the stacks of the live ranks on disk and
+    rank 1 named in one line; no worker is left; the same command continues from the checkpoint."""
+    run_dir = tmp_path / "run"
+    env = faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.2", MESHTRAIN_FAIL_RANK="1")
+    if fault == "data":
+        env["MESHTRAIN_HANG_IN_DATA_AT_STEP"] = "5"
+    elif fault == "save":
+        env["MESHTRAIN_HANG_IN_SAVE_AT_STEP"] = "6"
+    proc = start(corpus, env, run_dir)
+    wait_for_steps(proc, run_dir, 2)
+    workers = children(proc.pid)
+    if fault == "sigstop":
+        wait_for_steps(proc, run_dir, 4)
+        os.kill(worker_of_rank(proc, "1"), signal.SIGSTOP)
+    stuck = time.monotonic()
+    out, err = proc.communicate(timeout=HANG_TIMEOUT + 120)
+    assert proc.returncode == 124, err[-3000:]
+    assert time.monotonic() - stuck < HANG_TIMEOUT + 60, "the job took too long to give up"
+    assert not any(alive(w) for w in workers), "a worker outlived the job"
+    (report,) = [p for p in (run_dir / "hangs").iterdir() if not p.name.startswith(".")]
+    summary = (report / "summary.txt").read_text()
+    assert summary.count("\n") == 1 and summary.startswith("hang: ") and summary.strip() in out + err, summary
+    ranks = sorted(p.name for p in report.glob("rank*.txt"))
+    if fault == "sigstop":
+        assert ranks == ["rank0.txt"] and "rank 1 sent no report (frozen or dead)" in summary, summary
+    else:
+        assert ranks == ["rank0.txt", "rank1.txt"], ranks
+        stuck_in = "did not finish data of step 5" if fault == "data" else "did not arrive at all_reduce, held at"
+        assert "rank 1 did not" in summary and stuck_in in summary, summary
+        status = json.loads((report / "rank1.txt").read_text().split("\n", 1)[0])
+        assert status["phase"] == ("data" if fault == "data" else "checkpoint") and "sitecustomize" in status["at"]
+    for path in report.glob("rank*.txt"):
+        text = path.read_text()
+        assert "Thread" in text and "File " in text and "meshtrain-watchdog" not in text.split("\n", 1)[0]
+    again = subprocess.run(
+        [sys.executable, "-m", "meshtrain", *train_args(corpus, run_dir, *RUN)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout + again.stderr
+    assert read_metrics(run_dir)[-1]["step"] == 40
+
+
+@pytest.mark.multiproc
+def test_max_restarts_continues_after_a_hang(corpus, cli_env, tmp_path):
+    """The launcher's own restart: the hang ends the first attempt, the second resumes and finishes."""
+    run_dir = tmp_path / "run"
+    env = faulty(cli_env, MESHTRAIN_FAIL_RANK="1", MESHTRAIN_HANG_IN_DATA_AT_STEP="5")
+    proc = start(corpus, env, run_dir, "--max-restarts", "1")
+    out, err = proc.communicate(timeout=HANG_TIMEOUT + 300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "hang: rank 1 did not finish data of step 5" in out + err and "resumed from" in out + err
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps[-1] == 40 and len(list((run_dir / "hangs").glob("2*"))) == 1
+
+
+@pytest.mark.multiproc
+def test_a_slowed_rank_is_named_a_straggler_and_a_clean_run_names_none(corpus, cli_env, tmp_path):
+    """Rank 1 stopped for 40 ms of every 80 ms is named (warning and metrics) while the job goes on;
+    the same run without it names no one over its steps."""
+    extra = ["--training.steps", "120", "--run.log_every", "5", "--checkpoint.every", "0"]
+    extra += ["--model.dim", "256", "--model.ffn_dim", "768", "--model.max_seq_len", "128"]  # compute, not overhead
+    extra += ["--training.seq_len", "128"]
+    clean = subprocess.run(
+        [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path / "clean", *RUN, *extra)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    records = [r for r in read_metrics(tmp_path / "clean") if "compute_spread" in r]
+    assert len(records) >= 24 and not any("straggler" in r for r in records)
+    assert "straggler" not in clean.stdout + clean.stderr
+
+    run_dir = tmp_path / "slowed"
+    proc = start(corpus, cli_env, run_dir, *extra)
+    wait_for_steps(proc, run_dir, 2)
+    pid, done = worker_of_rank(proc, "1"), threading.Event()
+
+    def slow_down():
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.04)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.04)
+
+    slower = threading.Thread(target=slow_down, daemon=True)
+    slower.start()
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        done.set()
+        slower.join()
+    assert proc.returncode == 0, err[-3000:]
+    assert "rank 1 is a straggler" in out + err
+    named = [r for r in read_metrics(run_dir) if r.get("straggler") == 1]
+    assert named and all(r["slowest_rank"] == 1 for r in named)
