@@ -1,28 +1,41 @@
-"""python -m bench [throughput|profile|scaling|memory|serve|data|planner|watchdog|plots|all] [options]:
+"""python -m bench [throughput|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|plots|all] [options]:
 see bench/README.md."""
 
 import argparse
 import os
 
-from bench import data, memory, planner, plots, profile, scaling, serve, throughput, watchdog
+from bench import arithmetic, data, memory, planner, plots, profile, scaling, serve, throughput, watchdog
 
 p = argparse.ArgumentParser(prog="python -m bench")
 p.add_argument(
     "suite",
     nargs="?",
     default="all",
-    choices=("throughput", "profile", "scaling", "memory", "serve", "data", "planner", "watchdog", "plots", "all"),
+    choices=(
+        "throughput",
+        "arithmetic",
+        "profile",
+        "scaling",
+        "memory",
+        "serve",
+        "data",
+        "planner",
+        "watchdog",
+        "plots",
+        "all",
+    ),
 )
-p.add_argument("--presets", default="tiny,small", help="throughput: model presets")
+p.add_argument("--presets", default="tiny,small", help="throughput, arithmetic: model presets")
 p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
 p.add_argument("--batch", type=int, default=8, help="throughput: sequences per step")
 p.add_argument("--seq-len", type=int, default=256)
 p.add_argument("--steps", type=int, default=2, help="throughput: steps per timed round")
 p.add_argument("--rounds", type=int, default=6, help="throughput: interleaved timing rounds")
+p.add_argument("--arithmetic-rounds", type=int, default=2, help="arithmetic: rounds of 2-process runs")
 p.add_argument("--profile-steps", type=int, default=3, help="profile: steps profiled per variant")
 p.add_argument("--scaling-preset", default="tiny")
 p.add_argument("--scaling-rounds", type=int, default=2, help="scaling: rounds over every layout")
-p.add_argument("--train-steps", type=int, default=12, help="scaling: steps per run (the first 2 are not timed)")
+p.add_argument("--train-steps", type=int, default=12, help="scaling, arithmetic: steps per run (the first 2 untimed)")
 p.add_argument("--procs", type=int, default=0, help="scaling: processes (default: one per core)")
 p.add_argument("--data-path", default="", help="scaling/memory: a prepared data set (default: the stdlib corpus)")
 p.add_argument("--memory-preset", default="small")
@@ -40,6 +53,7 @@ p.add_argument("--data-tmp", default="", help="data: where the inputs are writte
 a = p.parse_args()
 for name, suite in (
     ("throughput", throughput),
+    ("arithmetic", arithmetic),
     ("profile", profile),
     ("scaling", scaling),
     ("memory", memory),

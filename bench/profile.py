@@ -110,7 +110,7 @@ def main(a) -> list[dict]:
             variants = {
                 "meshtrain+compile": meshtrain_step(meshtrain_config(preset, dtype, True, "auto", batch), batch)
             }
-            if bf16_kernel_slowdown(dtype, dev) < EMULATED_BF16:  # else an HF step under autocast takes minutes
+            if bf16_kernel_slowdown(dtype, dev, preset) < EMULATED_BF16:  # else an HF step under autocast takes minutes
                 variants["hf"] = hf_step(args, dtype, False, batch, dev)
                 variants["hf+compile"] = hf_step(args, dtype, True, batch, dev, compiled=True)
             for name, step in variants.items():

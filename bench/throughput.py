@@ -32,11 +32,11 @@ import torch.nn.functional as F
 
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
-from meshtrain.hardware import bf16_slowdown, device_peak_tflops, mfu_peak_tflops
+from meshtrain.hardware import device_peak_tflops, mfu_peak_tflops
 from meshtrain.interop.hf import hf_config
 from meshtrain.model.shapes import Shape
-from meshtrain.parallel import arithmetic_dtype
 from meshtrain.train import build
+from meshtrain.train.arithmetic import resolve
 
 NATIVE = "meshtrain+compile/bf16-kernels"
 MESHTRAIN = ("meshtrain", "meshtrain+compile", NATIVE)
@@ -45,9 +45,14 @@ VARIANTS = (*MESHTRAIN, *HF)
 EMULATED_BF16 = 4.0  # bf16 kernels this many times slower than fp32 arithmetic: not run in the bench
 
 
-def bf16_kernel_slowdown(dtype: str, dev: torch.device) -> float:
-    """How many times slower bf16 kernels are than fp32 arithmetic here (1 outside bf16 on a CPU)."""
-    return bf16_slowdown() if dtype == "bf16" and dev.type == "cpu" else 1.0
+def bf16_kernel_slowdown(dtype: str, dev: torch.device, preset: str = "tiny") -> float:
+    """How many times slower all-bf16 kernels are than fp32 arithmetic on bf16 storage here, as
+    training.bf16_compute = "auto" measured it for the preset (1 outside bf16 on a CPU)."""
+    if dtype != "bf16" or dev.type != "cpu":
+        return 1.0
+    cfg = load_config(overrides={"model.preset": preset, "training.dtype": "bf16"})
+    step_ms = resolve(cfg, cfg.model_args(), dev)[1].step_ms
+    return step_ms["bf16"] / step_ms["bf16/fp32"]
 
 
 def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
@@ -106,7 +111,7 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
         "meshtrain": meshtrain_config(preset, dtype, False, "auto", batch),
         "meshtrain+compile": meshtrain_config(preset, dtype, True, "auto", batch),
     }
-    slowdown = bf16_kernel_slowdown(dtype, dev)
+    slowdown = bf16_kernel_slowdown(dtype, dev, preset)
     bf16_kernels = slowdown < EMULATED_BF16
     if dtype == "bf16" and bf16_kernels:
         configs[NATIVE] = meshtrain_config(preset, dtype, True, "bf16", batch)
@@ -133,9 +138,7 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
         "seq_len": seq_len,
         "peak_tflops": peak,
         "peak_tflops_fp32": device_peak_tflops(dev, torch.float32),
-        "meshtrain_arithmetic": "bf16"
-        if arithmetic_dtype(configs["meshtrain"].training, dev) == torch.bfloat16
-        else "fp32",
+        "meshtrain_arithmetic": resolve(configs["meshtrain"], args, dev)[1].name,
     }
     if not bf16_kernels:
         row["skipped"] = (

@@ -138,6 +138,8 @@ def test_model_state_bytes_follow_the_zero_formulas(reference, layout_run):
         (2, ["--parallel.zero", "3", "--training.bf16_compute", "bf16"]),
         (2, ["--parallel.zero", "3", "--training.bf16_compute", "fp32"]),
         (2, ["--parallel.tp", "2", "--training.bf16_compute", "fp32"]),
+        (None, ["--training.bf16_compute", "bf16-gemm"]),
+        (2, ["--parallel.zero", "3", "--training.bf16_compute", "bf16-attention"]),
     ],
     ids=[
         "autocast",
@@ -146,12 +148,18 @@ def test_model_state_bytes_follow_the_zero_formulas(reference, layout_run):
         "fsdp-mixed",
         "fsdp-mixed-fp32-arithmetic",
         "tp2-fp32-arithmetic",
+        "bf16-gemms-fp32-attention",
+        "fsdp-mixed-fp32-gemms-bf16-attention",
     ],
 )
 def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_path):
-    """bf16 with bf16 kernels, and with fp32 arithmetic (what "auto" picks on a CPU without AMX)."""
+    """bf16 with bf16 kernels, with fp32 arithmetic (what "auto" picks on a CPU where bf16 kernels
+    are slow), and with one class of work in each."""
     result = launch(corpus, cli_env, tmp_path, nproc, ["--training.dtype", "bf16", *extra])
-    assert ("bf16 (fp32 arithmetic)" in result.stdout) == ("fp32" in extra)
+    compute = extra[extra.index("--training.bf16_compute") + 1]
+    label = "bf16" if compute == "bf16" else f"bf16/{compute}"
+    assert f"cpu {label} |" in result.stdout
+    assert all(m["arithmetic"] == label for m in read_metrics(tmp_path) if "arithmetic" in m)
     for r, b in zip(read_metrics(reference), read_metrics(tmp_path), strict=True):
         assert rel(b["loss"], r["loss"]) <= 0.02, (r["step"], r["loss"], b["loss"])
 

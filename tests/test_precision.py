@@ -1,7 +1,6 @@
 """bf16 training with fp32 arithmetic: the numbers of the bf16 kernels, bf16 storage, fp32 speed."""
 
 import math
-import types
 
 import pytest
 import torch
@@ -9,11 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain import hardware
+from meshtrain.errors import MeshtrainError
 from meshtrain.model import Llama
 from meshtrain.model.llama import Attention, ModelArgs
 from meshtrain.parallel import precision
 from meshtrain.parallel.compile import COMPILE_OPTIONS
 from meshtrain.parallel.precision import Fp32ComputeAttention, Fp32ComputeLinear, apply_fp32_compute
+from meshtrain.train import arithmetic
 
 BF16 = torch.bfloat16
 
@@ -120,32 +121,94 @@ def test_training_follows_the_bf16_kernels():
         assert abs(a - b) <= 5e-3 * a, (native, ours)
 
 
-def test_auto_picks_the_arithmetic_measured_faster_on_this_cpu(monkeypatch, tmp_path):
-    def training(dtype="bf16", mode="auto"):
-        return types.SimpleNamespace(dtype=dtype, bf16_compute=mode)
+def test_one_class_at_a_time_swaps_only_its_modules():
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=32)
+    for compute, (gemm, attention) in precision.FP32_CLASSES.items():
+        model = Llama(args)
+        apply_fp32_compute(model, gemm, attention)
+        kinds = {type(m) for m in model.modules()}
+        assert (Fp32ComputeLinear in kinds) == gemm and (nn.Linear in kinds) == (not gemm), compute
+        assert (Fp32ComputeAttention in kinds) == attention and (Attention in kinds) == (not attention), compute
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not precision.wants_fp32_compute(training("fp32", "fp32"), cpu)
-    assert not precision.wants_fp32_compute(training(mode="bf16"), cpu)
-    assert precision.wants_fp32_compute(training(mode="fp32"), cuda)
-    assert not precision.wants_fp32_compute(training(), cuda)  # GPUs: bf16 kernels
+
+def config(dtype="auto", compute="auto", **training):
+    from meshtrain.config import load_config
+
+    overrides = {"model.preset": "tiny", "training.dtype": dtype, "training.bf16_compute": compute}
+    return load_config(overrides=overrides | {f"training.{k}": v for k, v in training.items()})
+
+
+def fake_probe(monkeypatch, block_ms: dict, head_ms: dict, calls: list):
+    def probe(args, sequences, seq_len, names):
+        calls.append(names)
+        return {n: block_ms[n] for n in names}, head_ms
+
+    monkeypatch.setattr(arithmetic, "probe", probe)
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_auto_resolves_from_the_config_the_device_or_the_probe(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(hardware, "_bf16_time_ratio", lambda: calls.append(1) or 0.4)  # bf16 measured faster
-    assert not precision.wants_fp32_compute(training(), cpu)
-    assert precision.arithmetic_dtype(training(), cpu) == BF16
-    monkeypatch.setattr(hardware, "_bf16_time_ratio", lambda: calls.append(1) or 2.5)
-    assert not precision.wants_fp32_compute(training(), cpu)  # measured once per CPU, then cached
+    # bf16 GEMMs win, bf16 attention loses: bf16 GEMMs with fp32 attention, on the model's own block.
+    blocks = {"bf16": 10.0, "fp32": 30.0, "bf16/bf16-gemm": 8.0, "bf16/bf16-attention": 31.0, "bf16/fp32": 29.0}
+    heads = {"bf16": 5.0, "fp32": 15.0, "bf16/fp32": 16.0}
+    fake_probe(monkeypatch, blocks, heads, calls)
+    args = config().model_args()
+    for cfg, device, expected, how in [
+        (config("fp32"), CPU, ("fp32", "auto"), "given"),
+        (config("bf16", "fp32"), CPU, ("bf16", "fp32"), "given"),
+        (config("auto", "bf16-attention"), CPU, ("bf16", "bf16-attention"), "given"),  # implies bf16 storage
+        (config(), CUDA, ("bf16", "bf16"), "device"),
+        (config("bf16", "fp32"), CUDA, ("bf16", "fp32"), "given"),
+        (config(), CPU, ("bf16", "bf16-gemm"), "measured"),
+        (config(), CPU, ("bf16", "bf16-gemm"), "cached"),  # once per CPU, threads, torch and shape
+    ]:
+        resolved, choice = arithmetic.resolve(cfg, args, device)
+        assert (resolved.training.dtype, resolved.training.bf16_compute) == expected, (cfg.training, device)
+        assert (choice.dtype, choice.bf16_compute, choice.how) == (*expected, how)
     assert len(calls) == 1
-    (tmp_path / "meshtrain" / "cpu_peak.json").unlink()
-    assert precision.wants_fp32_compute(training(), cpu)  # a machine where bf16 loses
-    assert precision.arithmetic_dtype(training(), cpu) == torch.float32
-    assert precision.arithmetic_dtype(training("fp32", "auto"), cuda) == torch.float32
+    _, choice = arithmetic.resolve(config(micro_batch_size=2, global_batch_size=2), args, CPU)
+    assert choice.how == "measured" and len(calls) == 2  # another shape is measured again
+    # A micro-batch's time: n_layers blocks plus the head in the candidate's GEMM arithmetic, scaled
+    # from the probed sequences (512 tokens: 2 of 256) to the micro-batch (2 sequences: x1).
+    assert choice.step_ms["bf16/bf16-gemm"] == pytest.approx(args.n_layers * 8.0 + 5.0)
+    assert choice.step_ms["bf16/bf16-attention"] == pytest.approx(args.n_layers * 31.0 + 16.0)
+    assert choice.step_ms["fp32"] == pytest.approx(args.n_layers * 30.0 + 15.0)
+    # dtype bf16: only bf16 storage is a candidate, so plain fp32 is never timed nor chosen.
+    _, choice = arithmetic.resolve(config("bf16", seq_len=128), args, CPU)
+    assert "fp32" not in calls[-1] and "fp32" not in choice.step_ms
 
 
-def test_the_probe_measures_both_arithmetics():
-    ratio = hardware._bf16_time_ratio(repeats=1)
-    assert math.isfinite(ratio) and ratio > 0
+def test_fp32_wins_where_bf16_is_emulated_and_ties_keep_all_bf16(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    emulated = {"bf16": 300.0, "fp32": 10.0, "bf16/bf16-gemm": 280.0, "bf16/bf16-attention": 40.0, "bf16/fp32": 11.0}
+    fake_probe(monkeypatch, emulated, {"bf16": 200.0, "fp32": 5.0, "bf16/fp32": 6.0}, [])
+    cfg, choice = arithmetic.resolve(config(), config().model_args(), CPU)
+    assert (cfg.training.dtype, choice.name) == ("fp32", "fp32")
+    assert "fp32" in choice.describe() and "measured" in choice.describe()
+    # Within 3% of the fastest, all-bf16 is kept: noise between near-equals does not flip the choice.
+    assert arithmetic.choose({"bf16": 102.0, "bf16/bf16-gemm": 100.0, "fp32": 150.0}) == "bf16"
+    assert arithmetic.choose({"bf16": 104.0, "bf16/bf16-gemm": 100.0, "fp32": 150.0}) == "bf16/bf16-gemm"
+
+
+def test_the_probe_times_every_candidate_at_the_model_s_shapes():
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
+    names = [name for name, _, _ in arithmetic.CANDIDATES]
+    blocks, heads = arithmetic.probe(args, 2, 64, names)
+    assert set(blocks) == set(names) and set(heads) == {"bf16", "fp32", "bf16/fp32"}
+    assert all(math.isfinite(ms) and ms > 0 for ms in [*blocks.values(), *heads.values()])
+
+
+def test_fp32_training_refuses_a_bf16_arithmetic():
+    from meshtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="training.bf16_compute = 'bf16-gemm'.*training.dtype is fp32"):
+        config("fp32", "bf16-gemm")
+    with pytest.raises(MeshtrainError, match="still 'auto'"):
+        precision.fp32_classes(config().training)
 
 
 def test_mfu_is_against_the_best_peak_whatever_arithmetic_runs(monkeypatch, tmp_path):

@@ -1,6 +1,6 @@
 """Facts about the machine a process runs on, read by the trainer's metrics and by the planner:
-the dense peak of each GPU (data sheets), and the CPU measured on the spot (matmul peak, whether
-bf16 kernels beat fp32 arithmetic), each probe cached per CPU model and thread count."""
+the dense peak of each GPU (data sheets), and the CPU's matmul peak measured on the spot, cached per
+CPU model and thread count (train/arithmetic.py keeps its own probe in the same cache directory)."""
 
 from __future__ import annotations
 
@@ -94,27 +94,32 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def cached_measurement(key: str, measure, keep_max: bool) -> float:
-    """A machine measurement kept in ~/.cache/meshtrain/cpu_peak.json: measured once (keep_max
-    False), or again every time keeping the best (keep_max True). Every rank of a run probes at
-    once: the file is re-read and updated under an exclusive lock, so no rank's record replaces
-    another's. A read-only home only loses the record."""
-    path = _cache_file()
-    cache = _read_cache(path)
-    if key in cache and not keep_max:
-        return cache[key]
-    measured = measure()
+def cached_measurement(key: str, measure, keep_max: bool, file: str = "cpu_peak.json"):
+    """A machine measurement kept in ~/.cache/meshtrain/<file>: measured once and then read
+    (keep_max False: any JSON value), or measured every time keeping the largest (keep_max True:
+    numbers). Taken under an exclusive lock on the file: the ranks of a job (and jobs side by side)
+    measure one at a time, not against each other, and a measure-once value is measured once, by
+    whoever comes first, and read by the rest. A read-only home only loses the record."""
+    path = _cache_file().with_name(file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            cache = _read_cache(path)
-            if measured > cache.get(key, -math.inf):
-                cache[key] = measured
-                write_json(path, cache)
-    except (OSError, MeshtrainError):
-        return max(measured, cache.get(key, -math.inf))
-    return cache[key]
+        lock = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        return measure()
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = _read_cache(path)
+        if key in cache and not keep_max:
+            return cache[key]
+        measured = measure()
+        if keep_max and measured <= cache.get(key, -math.inf):
+            return cache[key]
+        cache[key] = measured
+        try:
+            write_json(path, cache)
+        except (OSError, MeshtrainError):
+            pass
+        return measured
 
 
 def cpu_peak_tflops(dtype: torch.dtype) -> float:
@@ -143,40 +148,3 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float
                 return bf16 if dtype == torch.bfloat16 else fp32
         return 0.0  # unknown GPU: MFU is reported as 0 unless training.peak_tflops is set
     return cpu_peak_tflops(dtype)
-
-
-def bf16_slowdown() -> float:
-    """This CPU's time for the probe's work in bf16 kernels over its time in fp32 arithmetic
-    (measured once per CPU model and thread count, then cached)."""
-    return cached_measurement(
-        f"{cpu_peak_key(torch.bfloat16)}|bf16 over fp32 arithmetic time", _bf16_time_ratio, keep_max=False
-    )
-
-
-def _bf16_time_ratio(repeats: int = 3) -> float:
-    """Time of a training step's two kinds of work in bf16 kernels over their time in fp32
-    arithmetic: a GEMM, and causal attention forward + backward. Small shapes: a CPU without bf16
-    instructions emulates them about 100x slower than fp32, and the probe must stay short there too."""
-    import time
-
-    def best(fn) -> float:
-        fn()  # warm up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    def work(dtype: torch.dtype) -> float:
-        a, b = (torch.randn(512, 512, dtype=dtype, generator=_probe_generator()) for _ in range(2))
-        q, k, v = (
-            torch.randn(2, 4, 128, 64, dtype=dtype, generator=_probe_generator(), requires_grad=True) for _ in range(3)
-        )
-
-        def attention():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        return best(lambda: a @ b) + best(attention)
-
-    return work(torch.bfloat16) / work(torch.float32)

@@ -147,23 +147,43 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     )
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
-    dev.peak(dtype)  # a clear error for bf16 on a V100
-    fp32_arithmetic = False
-    if dtype == "bf16" and o.gpu == "cpu" and llama:
+    fp32_gemm = fp32_attention = False
+    if llama and dtype != "fp16":  # the trainer's arithmetic: "auto" resolved as `train` resolves it
         import torch
 
-        from meshtrain.parallel.precision import wants_fp32_compute
+        from meshtrain.parallel.precision import fp32_classes
+        from meshtrain.train.arithmetic import resolve
 
-        fp32_arithmetic = wants_fp32_compute(dataclasses.replace(t, dtype="bf16"), torch.device("cpu"))
+        target = torch.device("cpu" if o.gpu == "cpu" else "cuda")
+        if o.gpu != "cpu" and dtype == "auto":
+            dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp32"  # the planned GPU's own units
+        probed = dataclasses.replace(t, dtype=dtype, seq_len=seq_len)
+        resolved_training = resolve(dataclasses.replace(cfg, training=probed), model, target)[0].training
+        dtype = resolved_training.dtype
+        fp32_gemm, fp32_attention = fp32_classes(resolved_training)
+        t = dataclasses.replace(t, bf16_compute=resolved_training.bf16_compute)
+    elif dtype == "auto":
+        dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp32"
+    dev.peak(dtype)  # a clear error for bf16 on a V100
     compiled = t.compile if explain or "training.compile" in given else False
     if compiled and not llama:
         raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
-    w = Workload(shape, seq_len, dtype, fp32_arithmetic, o.attention, "cpu" if o.gpu == "cpu" else "cuda", compiled)
+    w = Workload(
+        shape,
+        seq_len,
+        dtype,
+        fp32_gemm,
+        o.attention,
+        "cpu" if o.gpu == "cpu" else "cuda",
+        compiled,
+        fp32_attention,
+    )
     pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
     fixed = {k: getattr(getattr(cfg, section_of(k)), k) for k in KNOBS if k in pinned}
     training = dataclasses.replace(t, seq_len=seq_len, global_batch_size=global_batch, compile=compiled)
     if dtype != "fp16":  # the trainer's precisions; an fp16 plan is refused by --write-config and --verify
         training.dtype = dtype
+        training.bf16_compute = t.bf16_compute if dtype == "bf16" else "auto"
     base = dataclasses.replace(cfg, training=training)
     estimates, refused = search(w, dev, inter, gpus, global_batch, fixed, base if llama else None, model)
 
@@ -221,11 +241,7 @@ def _verify(o: PlanOptions, estimates, w: Workload, base: Config, model: ModelAr
     out = {}
     for i, e in enumerate(estimates[: o.verify]):
         job = e.layout.apply_to(base)
-        job = dataclasses.replace(  # the planned vocabulary and arithmetic, not the CPU's measured choice
-            job,
-            model=dataclasses.replace(job.model, vocab_size=model.vocab_size),
-            training=dataclasses.replace(job.training, bf16_compute="fp32" if w.fp32_arithmetic else "bf16"),
-        )
+        job = dataclasses.replace(job, model=dataclasses.replace(job.model, vocab_size=model.vocab_size))
         reports = dry_run(job, e.layout.world)
         busiest = max(reports, key=lambda r: sum(r.built.values()))
 

@@ -21,6 +21,11 @@ def check_across_keys(cfg: Config) -> None:
         raise ConfigError(f"training.stop_at_step = {t.stop_at_step} must be between 0 and training.steps ({t.steps})")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f"checkpoint.resume = {c.resume!r}: no such checkpoint (use auto, none or a path)")
+    if t.dtype == "fp32" and t.bf16_compute != "auto":
+        raise ConfigError(
+            f"training.bf16_compute = {t.bf16_compute!r} sets the arithmetic of bf16 training, but training.dtype "
+            "is fp32: set training.dtype = bf16 (or auto), or leave bf16_compute = auto"
+        )
     if cfg.parallel.pp_microbatches and cfg.parallel.pp == 1:
         raise ConfigError(
             f"parallel.pp_microbatches = {cfg.parallel.pp_microbatches} is the pipeline schedule's micro-batch count: "

@@ -109,13 +109,18 @@ class TrainingConfig:
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     seed: int = option(0, ge=0, lt=2**63)
     """Seed of the weights and the data order."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Training precision: fp32, or bf16 mixed precision (fp32 master weights and optimizer states)."""
-    bf16_compute: Literal["auto", "bf16", "fp32"] = "auto"
-    """With dtype bf16, the arithmetic of matmuls and attention: "bf16" kernels, or "fp32" on bf16-rounded
-    inputs (same storage and numbers; faster where bf16 kernels are slow); "auto": on a CPU, whichever a
-    probe (a GEMM and an attention backward in both, cached per CPU model and thread count) measured faster;
-    bf16 on a GPU."""
+    dtype: Literal["auto", "fp32", "bf16"] = "fp32"
+    """Training precision: fp32, bf16 mixed precision (fp32 master weights and optimizer states), or
+    "auto": bf16 where the device runs the step faster in it (a GPU with bf16 units; on a CPU, as
+    measured at this model's shapes, see bf16_compute), fp32 otherwise. The choice and its measurement
+    are logged at start and written to <run.dir>/arithmetic.json."""
+    bf16_compute: Literal["auto", "bf16", "fp32", "bf16-gemm", "bf16-attention"] = "auto"
+    """With bf16 storage, the arithmetic of each class of work: "bf16" kernels for the GEMMs and
+    attention, "fp32" arithmetic on bf16-rounded inputs for both (same storage and numbers; faster where
+    bf16 kernels are slow), "bf16-gemm" (bf16 GEMMs, fp32 attention) or "bf16-attention" (fp32 GEMMs,
+    bf16 attention); "auto": bf16 on a GPU, and on a CPU whichever a probe times fastest, forward and
+    backward at this model's shapes (cached per CPU model, thread count, torch version and shape).
+    Setting it to anything but auto implies bf16 storage: refused with dtype fp32."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: "full" every block, "selective" every ac_every-th block."""
     ac_every: int = option(2, gt=0)

@@ -17,7 +17,7 @@ from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline import ScaledLoss, build_schedule, pipeline_stage_modules
-from meshtrain.parallel.precision import apply_fp32_compute, arithmetic_dtype, wants_fp32_compute
+from meshtrain.parallel.precision import apply_fp32_compute, arithmetic_label, fp32_classes
 from meshtrain.parallel.tensor_parallel import apply_tp
 
 __all__ = [
@@ -29,9 +29,9 @@ __all__ = [
     "apply_fp32_compute",
     "apply_fsdp",
     "apply_tp",
-    "arithmetic_dtype",
+    "arithmetic_label",
+    "fp32_classes",
     "parallelize",
-    "wants_fp32_compute",
 ]
 
 
@@ -70,8 +70,9 @@ def parallelize(
 ) -> ParallelModel:
     """`model` is built on the meta device; returns materialised, initialised parts. Who holds and
     computes what comes from the layout (`dims.layout`) alone; from `training` only the arithmetic
-    (dtype, bf16_compute, compile) and the seed of the weights. `materialize`: the context the
-    parameters are allocated and initialised in (a dry run's FakeTensorMode, which allocates nothing)."""
+    (dtype, bf16_compute, compile; "auto" resolved by train/arithmetic.py) and the seed of the
+    weights. `materialize`: the context the parameters are allocated and initialised in (a dry run's
+    FakeTensorMode, which allocates nothing)."""
     layout = dims.layout
     if training.compile and layout.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
@@ -82,8 +83,9 @@ def parallelize(
         staged = [(0, model)]
     parts = []
     for _, part in staged:
-        if wants_fp32_compute(training, device):
-            apply_fp32_compute(part)
+        fp32_gemm, fp32_attention = fp32_classes(training)
+        if fp32_gemm or fp32_attention:
+            apply_fp32_compute(part, fp32_gemm, fp32_attention)
         if layout.tp > 1:
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
         apply_ac(part, layout.activation_checkpointing, layout.ac_every)

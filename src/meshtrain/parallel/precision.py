@@ -3,9 +3,10 @@
 Some CPUs multiply bf16 no faster than fp32: without AMX tiles an x86 core uses AVX512-BF16 dot
 products, at or below the fp32 FMA rate (on a 2-core Xeon, oneDNN's bf16 GEMM reaches 0.15 TFLOP/s
 against 0.25 for fp32, and the bf16 flash-attention backward is 3x slower than the fp32 one); others
-(an AMD EPYC with AVX512-BF16) run bf16 GEMMs 3x faster than fp32. "auto" measures which, once per
-CPU model and thread count (a GEMM and an attention backward in both arithmetics), and where bf16
-loses it picks `training.bf16_compute = "fp32"`: everything bf16 training stores stays bf16
+(an AMD EPYC with AVX512-BF16) run bf16 GEMMs 3x faster than fp32, and on some of them the bf16
+attention is still the slower one. `training.bf16_compute` picks, class by class, which work runs in
+fp32 arithmetic ("auto": train/arithmetic.py times each choice at the model's shapes): everything
+bf16 training stores stays bf16
 (activations saved for backward, FSDP's gathered parameters, the tensors between layers) and the
 inputs of every matmul are rounded to bf16 exactly as autocast does, but multiplied with fp32
 instructions. A product of two bf16 numbers is exact in fp32 and bf16 GEMMs accumulate in fp32, so
@@ -18,31 +19,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.errors import MeshtrainError
 from meshtrain.model.llama import Attention
 
 BF16 = torch.bfloat16
 
-
-def wants_fp32_compute(training, device: torch.device) -> bool:
-    """training.bf16_compute "auto": fp32 arithmetic on a CPU where it measured faster than bf16
-    kernels (measured once per CPU model and thread count, then cached), bf16 kernels elsewhere."""
-    if training.dtype != "bf16" or training.bf16_compute == "bf16":
-        return False
-    if training.bf16_compute == "fp32":
-        return True
-    return device.type == "cpu" and fp32_arithmetic_is_faster()
+# training.bf16_compute -> (GEMMs in fp32 arithmetic, attention in fp32 arithmetic), under bf16 storage.
+FP32_CLASSES = {
+    "bf16": (False, False),
+    "fp32": (True, True),
+    "bf16-gemm": (False, True),
+    "bf16-attention": (True, False),
+}
 
 
-def arithmetic_dtype(training, device: torch.device) -> torch.dtype:
-    """The dtype matmuls and attention compute in (logged with the metrics)."""
-    bf16_kernels = training.dtype == "bf16" and not wants_fp32_compute(training, device)
-    return BF16 if bf16_kernels else torch.float32
+def fp32_classes(training) -> tuple[bool, bool]:
+    """(GEMMs, attention) computed in fp32 arithmetic on bf16 storage, for a training config whose
+    "auto" values were resolved (train/arithmetic.py); plain fp32 training swaps nothing."""
+    if training.dtype == "auto" or (training.dtype == "bf16" and training.bf16_compute == "auto"):
+        raise MeshtrainError(
+            "training.dtype / bf16_compute are still 'auto': resolve them with meshtrain.train.arithmetic.resolve first"
+        )
+    return FP32_CLASSES[training.bf16_compute] if training.dtype == "bf16" else (False, False)
 
 
-def fp32_arithmetic_is_faster() -> bool:
-    from meshtrain.hardware import bf16_slowdown
-
-    return bf16_slowdown() > 1.0
+def arithmetic_label(training) -> str:
+    """What the step computes in (logged with the metrics): "fp32", or bf16 storage with the
+    bf16_compute choice ("bf16", "fp32", "bf16-gemm", "bf16-attention") as "bf16/<choice>"."""
+    if training.dtype == "fp32":
+        return "fp32"
+    fp32_classes(training)  # resolved
+    return "bf16" if training.bf16_compute == "bf16" else f"bf16/{training.bf16_compute}"
 
 
 class _Bf16LinearInFp32(torch.autograd.Function):
@@ -91,11 +98,12 @@ class Fp32ComputeAttention(Attention):
             return super().attend(q.to(BF16).float(), k.to(BF16).float(), v.to(BF16).float()).to(BF16)
 
 
-def apply_fp32_compute(model: nn.Module) -> None:
-    """Swap the classes of the model's linear and attention modules in place (parameters, names
-    and hooks unchanged). Before tensor parallelism: its plans match nn.Linear subclasses too."""
+def apply_fp32_compute(model: nn.Module, gemm: bool = True, attention: bool = True) -> None:
+    """Swap the classes of the model's linear (`gemm`) and attention (`attention`) modules in place
+    (parameters, names and hooks unchanged). Before tensor parallelism: its plans match nn.Linear
+    subclasses too."""
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if gemm and type(module) is nn.Linear:
             module.__class__ = Fp32ComputeLinear
-        elif type(module) is Attention:
+        elif attention and type(module) is Attention:
             module.__class__ = Fp32ComputeAttention

@@ -158,7 +158,7 @@ class Precision:
     def of(cls, w: Workload, fsdp: bool) -> "Precision":
         if w.dtype == "fp32":
             return cls(4, 4, False, 4, 4, False)
-        attention = 4 if w.fp32_arithmetic else 2
+        attention = 4 if w.fp32_attention else 2
         if fsdp:
             return cls(2, 2, False, attention, 2, False)
         return cls(4, 2, True, attention, 2, True)

@@ -63,7 +63,8 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     and attention at the device's attention efficiency (recomputation included), memory-bound work,
     TP collectives and the sends to the neighbouring stages."""
     shape, t, s, h = w.shape, layout.tp, w.seq_len, w.shape.dim
-    dtype = "fp32" if w.dtype == "fp32" or w.fp32_arithmetic else w.dtype
+    gemm_dtype = "fp32" if w.dtype == "fp32" or w.fp32_arithmetic else w.dtype
+    attention_dtype = "fp32" if w.dtype == "fp32" or w.fp32_attention else w.dtype
     act_bytes = 4 if w.dtype == "fp32" else 2
     tokens = layout.micro_batch_size * s
     layers = [n for stage in layout.stage_layers(shape.n_layers, pp_rank) for n in stage]
@@ -72,10 +73,12 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     attention = 12 * h * s  # scores and weighted sum, forward + backward
     recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}
     recomputed = recomputed.get(layout.activation_checkpointing, 0)
-    peak = dev.peak(dtype) * 1e12
     gemm = tokens * (6 * (len(layers) * block + head) + 2 * recomputed * block)
     attend = tokens * attention * (len(layers) + recomputed / 3)
-    compute = (gemm / gemm_efficiency(dev, h // t) + attend / attention_efficiency(dev, shape.head_dim)) / t / peak
+    compute = (
+        gemm / gemm_efficiency(dev, h // t) / dev.peak(gemm_dtype)
+        + attend / attention_efficiency(dev, shape.head_dim) / dev.peak(attention_dtype)
+    ) / (t * 1e12)
     traffic = tokens * memory_traffic_per_token(w, layout, pp_rank, len(layers), recomputed)
     memory_bound = traffic / (dev.memory_gbs * 1e9)
     tp_comm = 0.0

@@ -10,11 +10,11 @@ from meshtrain.model.shapes import Shape
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained, and how: the model, tokens per sequence, precision (`fp32_arithmetic`: bf16
-    storage with fp32 matmuls, training.bf16_compute = "fp32"), the device type whose kernels run the
-    step (CUDA fuses RMSNorm into one kernel that saves less than the CPU's composite one) and whether
-    the blocks and the loss are compiled (training.compile: inductor keeps fewer, fused tensors for
-    backward). The batch and its split are the layout's."""
+    """What is trained, and how: the model, tokens per sequence, precision (bf16 storage with fp32
+    GEMMs: `fp32_arithmetic`, with fp32 attention: `fp32_attention`; training.bf16_compute), the
+    device type whose kernels run the step (CUDA fuses RMSNorm into one kernel that saves less than
+    the CPU's composite one) and whether the blocks and the loss are compiled (training.compile:
+    inductor keeps fewer, fused tensors for backward). The batch and its split are the layout's."""
 
     shape: Shape
     seq_len: int
@@ -23,3 +23,4 @@ class Workload:
     attention: str = "flash"  # "math" materialises the s x s scores (GPT arch without flash attention)
     device: str = "cuda"  # "cuda" or "cpu"
     compiled: bool = False
+    fp32_attention: bool = False

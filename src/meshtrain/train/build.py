@@ -1,5 +1,5 @@
-"""Everything a training step needs, built once: who am I -> data -> preflight -> model on the mesh
--> optimizer.
+"""Everything a training step needs, built once: who am I -> data -> preflight -> arithmetic ("auto"
+resolved) -> model on the mesh -> optimizer.
 
 `build(cfg)` is what the loop, the tests and the benchmarks use, so all three train the same thing;
 the dry run builds the same `build_model` on a fake process group and fake tensors.
@@ -25,6 +25,8 @@ from meshtrain.logs import log
 from meshtrain.model import Llama, ModelArgs, num_params
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
+from meshtrain.train.arithmetic import Choice
+from meshtrain.train.arithmetic import resolve as resolve_arithmetic
 from meshtrain.train.preflight import preflight, warn_if_too_big
 from meshtrain.train.step import cross_entropy, step_context, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
@@ -68,6 +70,7 @@ class TrainState:
     model: ParallelModel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    arithmetic: Choice  # what training.dtype / bf16_compute "auto" resolved to (cfg holds the result)
     dataset: Blend | None = None
     loader: DistributedLoader | None = None
     val: dict[str, list] = field(default_factory=dict)  # validation batches of each source
@@ -142,12 +145,13 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
         dataset = Blend(cfg.data.path, cfg.training.seq_len)
         verify_data(dataset, env.rank, env.world_size)
     args, layout = preflight(cfg, env.world_size, dataset)
+    cfg, arithmetic = resolve_arithmetic(cfg, args, device)
     t = cfg.training
     torch.manual_seed(t.seed)
     if env.rank == 0:
         warn_if_too_big(cfg, args, layout, device, env.local_world_size)
     dims, model, optimizer, scheduler, n_params = build_model(cfg, args, layout, device)
-    state = TrainState(cfg, env, device, dims, args, n_params, model, optimizer, scheduler, dataset)
+    state = TrainState(cfg, env, device, dims, args, n_params, model, optimizer, scheduler, arithmetic, dataset)
     if dataset is not None:
         state.loader = dataset.loader(t.global_batch_size, dims.dp_rank, layout.dp, t.seed, device.type == "cuda")
         for name, source in zip(dataset.names, dataset.sources):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from meshtrain.config import Config
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.layout import Layout
+from meshtrain.train.arithmetic import resolve as resolve_arithmetic
 from meshtrain.train.preflight import model_args, preflight, prepared_dataset, workload_of
 
 KEYS = ("params", "grads", "optimizer", "activations", "other", "total")
@@ -64,7 +65,10 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[Ran
     """The reports of `ranks` (default: the busiest) of a WORLD-rank job; the trainer's one-line
     error for a job it would refuse (the same preflight, word for word)."""
     dataset = prepared_dataset(cfg)
-    _, layout = preflight(cfg, world, dataset)
+    args, layout = preflight(cfg, world, dataset)
+    # "auto" arithmetic as the job's devices would resolve it: a GPU job (launch.device auto or cuda)
+    # runs bf16 where its GPUs have bf16 units; a CPU job measures this host's CPU.
+    cfg, _ = resolve_arithmetic(cfg, args, torch.device("cpu" if cfg.launch.device == "cpu" else "cuda"))
     for rank in ranks or []:
         if not 0 <= rank < world:
             raise ConfigError(f"--dry-run-rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")

@@ -24,7 +24,7 @@ from meshtrain.checkpoint import (
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.data.chat import TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
-from meshtrain.files import copy_file, ensure_room, write_text
+from meshtrain.files import copy_file, ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
@@ -33,7 +33,7 @@ from meshtrain.lock import RunLock
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.model.shapes import Shape
-from meshtrain.parallel import arithmetic_dtype
+from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
 from meshtrain.train.build import TrainState, build
 from meshtrain.train.step import evaluate, reduce_loss
@@ -82,18 +82,20 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
     return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
 
 
-def announce(s: TrainState, precision: str) -> None:
+def announce(s: TrainState) -> None:
     t, run_dir = s.cfg.training, Path(s.cfg.run.dir)
     write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
+    write_json(run_dir / "arithmetic.json", dataclasses.asdict(s.arithmetic))
     copy_file(s.dataset.tokenizer_path, run_dir / "tokenizer.json")
     if s.dataset.template_path:  # chat data: serve and export render prompts as the model learned them
         copy_file(s.dataset.template_path, run_dir / TEMPLATE_FILE)
     log.info(
         f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
-        f"({s.dims.describe()}) | {s.device.type} {precision} | global batch {t.global_batch_size} x "
+        f"({s.dims.describe()}) | {s.device.type} {s.arithmetic.name} | global batch {t.global_batch_size} x "
         f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.layout.micro_batches}"
         f"{' pipeline micro-batches' if s.layout.pp > 1 else ' accumulation'}) | {t.steps} steps"
     )
+    log.info(f"  arithmetic: {s.arithmetic.describe()}")
     for line in s.dims.describe_groups():
         log.info("  " + line)
     warn_pointless_settings(s)
@@ -277,7 +279,7 @@ def train(cfg: Config) -> dict:
     lock = hold_run_dir(cfg, env.rank)
     try:
         with start_watchdog(s) as watchdog:
-            return _train(s, cfg, env, start_time, StopSignals(), watchdog)
+            return _train(s, s.cfg, env, start_time, StopSignals(), watchdog)  # "auto" resolved
     finally:
         lock.release()
 
@@ -307,9 +309,8 @@ def log_record(s: TrainState, step: int, lr: float, loss, grad_norm, n_targets, 
 
 def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSignals, watchdog: Watchdog) -> dict:
     t, ckpt = cfg.training, s.checkpointer
-    compute_dtype = arithmetic_dtype(t, s.device)
     if env.rank == 0:
-        announce(s, f"{t.dtype}{' (fp32 arithmetic)' if t.dtype == 'bf16' and compute_dtype == torch.float32 else ''}")
+        announce(s)
     start_step, skipped = resume(s)
     metrics = MetricsLogger(
         Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress, start_step
@@ -321,7 +322,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
     )
     timer = ComputeTimer(timed_modules(s.model.parts, t.compile, s.layout.tp, env.world_size), s.device)
     detector = StragglerDetector(timer, s.device, env.world_size)
-    arithmetic = "bf16" if compute_dtype == torch.bfloat16 else "fp32"
+    arithmetic = arithmetic_label(t)
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
     last_step = t.stop_at_step or t.steps
     history, exit_code, step_time, step = [], 0, 0.0, start_step

@@ -87,17 +87,20 @@ def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
 
 
 def workload_of(cfg: Config, args: ModelArgs, device: torch.device) -> Workload:
-    """What the planner needs beside the layout: the model, the sequence and the kernels that run."""
-    from meshtrain.parallel.precision import wants_fp32_compute
+    """What the planner needs beside the layout: the model, the sequence and the kernels that run
+    (of a config whose arithmetic is resolved, train/arithmetic.py)."""
+    from meshtrain.parallel.precision import fp32_classes
 
     t = cfg.training
+    fp32_gemm, fp32_attention = fp32_classes(t)
     return Workload(
         Shape.from_args(args),
         t.seq_len,
         t.dtype,
-        wants_fp32_compute(t, device),
+        fp32_gemm,
         device="cuda" if device.type == "cuda" else "cpu",
         compiled=t.compile,
+        fp32_attention=fp32_attention,
     )
 
 

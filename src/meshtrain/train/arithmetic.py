@@ -1,0 +1,198 @@
+"""Which arithmetic the step runs: `training.dtype = "auto"` and `training.bf16_compute = "auto"`,
+resolved once at start from the step's own work, never from CPU flags.
+
+On a GPU the answer is known: bf16 where the device has bf16 units, bf16 kernels throughout. On a
+CPU it is not. An Intel core with AMX multiplies bf16 several times faster than fp32; one with only
+AVX512-BF16 may not; an AMD core with AVX512-BF16 runs bf16 GEMMs ~3x faster than fp32 while its
+bf16 attention can be the slower one; a core without bf16 instructions emulates them ~30x slower.
+Which wins also depends on the shapes. So the probe builds the model's own modules at its own
+width, one block (the GEMMs, attention and the rest: norms, rotary, SwiGLU's gate, residuals) and
+the output head, and times forward + backward of a micro-batch's sequences in every candidate:
+
+  fp32                 fp32 storage and arithmetic
+  bf16                 bf16 storage (autocast), bf16 GEMMs and attention
+  bf16/bf16-gemm       bf16 GEMMs, attention in fp32 arithmetic on the bf16 q, k, v
+  bf16/bf16-attention  fp32 arithmetic for the GEMMs, bf16 attention
+  bf16/fp32            fp32 arithmetic for both on bf16 storage (parallel/precision.py)
+
+Each class of work thus runs in each arithmetic at the model's shapes, beside the others as in the
+step. A candidate's time is n_layers x its block + the head in its GEMM arithmetic, per micro-batch.
+Timing is in interleaved rounds, keeping each candidate's best (load slows a measurement, never
+speeds it up), and all-bf16 is kept unless another candidate is faster by more than TIE: a loaded
+machine does not flip the choice. The result is cached per CPU model, core and thread count, torch
+version and shape (~/.cache/meshtrain/arithmetic.json), measured under a file lock so the ranks of
+a job probe once, one at a time; every rank takes rank 0's choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.hardware import cached_measurement, cpu_model
+from meshtrain.launch.distributed import agreed
+from meshtrain.model.llama import ModelArgs, TransformerBlock, precompute_rope
+from meshtrain.parallel.precision import FP32_CLASSES, apply_fp32_compute, arithmetic_label
+
+# (name, dtype, bf16_compute) in order of preference: all-bf16 first (least memory, no casts).
+CANDIDATES = (
+    ("bf16", "bf16", "bf16"),
+    ("fp32", "fp32", "auto"),
+    ("bf16/bf16-gemm", "bf16", "bf16-gemm"),
+    ("bf16/bf16-attention", "bf16", "bf16-attention"),
+    ("bf16/fp32", "bf16", "fp32"),
+)
+TIE = 0.03  # another candidate must beat all-bf16 by more than this to be chosen
+PROBE_TOKENS = 512  # whole sequences up to this many tokens are timed; the time is scaled to the micro-batch
+ROUNDS = 5  # timings of each contender after the first look
+DISTANT = 2.0  # a piece of work this many times slower than the fastest of its kind at the first look is out
+
+
+@dataclass
+class Choice:
+    """The arithmetic a run computes in, and why (written to <run.dir>/arithmetic.json)."""
+
+    dtype: str  # "fp32" or "bf16"
+    bf16_compute: str  # with bf16: "bf16", "fp32", "bf16-gemm" or "bf16-attention"
+    how: str  # "given" (set in the config), "device" (a GPU), "measured" or "cached" (the CPU probe)
+    step_ms: dict[str, float] = field(default_factory=dict)  # a micro-batch's forward + backward per candidate
+    key: str = ""  # what the measurement holds for: CPU, cores, threads, torch, shape
+
+    @property
+    def name(self) -> str:
+        return arithmetic_label(self)
+
+    def describe(self) -> str:
+        what = {
+            "fp32": "fp32",
+            "bf16": "bf16 (bf16 GEMMs and attention)",
+            "bf16/fp32": "bf16 storage, fp32 arithmetic",
+            "bf16/bf16-gemm": "bf16 storage, bf16 GEMMs, fp32 attention",
+            "bf16/bf16-attention": "bf16 storage, fp32 GEMMs, bf16 attention",
+        }[self.name]
+        if self.how in ("given", "device"):
+            return f"{what} ({'as configured' if self.how == 'given' else 'the device has bf16 units'})"
+        times = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(self.step_ms.items(), key=lambda kv: kv[1]))
+        return f"{what} (auto, {self.how} at this model's shapes; ms per micro-batch: {times})"
+
+
+def resolve(cfg, args: ModelArgs, device: torch.device):
+    """(the config with dtype and bf16_compute resolved, the Choice). Every rank takes rank 0's."""
+    t = cfg.training
+    if t.dtype == "fp32":
+        choice = Choice("fp32", "auto", "given")
+    elif t.bf16_compute != "auto":  # a class-by-class choice implies bf16 storage
+        choice = Choice("bf16", t.bf16_compute, "given")
+    elif device.type != "cpu":
+        bf16 = t.dtype == "bf16" or gpu_has_bf16()
+        how = "given" if t.dtype == "bf16" else "device"
+        choice = Choice("bf16", "bf16", how) if bf16 else Choice("fp32", "auto", how)
+    else:
+        names = [name for name, dtype, _ in CANDIDATES if t.dtype == "auto" or dtype == "bf16"]
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        choice = agreed(cpu_choice(args, t.micro_batch_size, t.seq_len, names) if rank0 else None)
+    training = dataclasses.replace(t, dtype=choice.dtype, bf16_compute=choice.bf16_compute)
+    return dataclasses.replace(cfg, training=training), choice
+
+
+def gpu_has_bf16() -> bool:
+    """A present GPU's answer; a job planned for GPUs from a host without one assumes today's GPUs."""
+    return torch.cuda.is_bf16_supported(including_emulation=False) if torch.cuda.is_available() else True
+
+
+def cpu_choice(args: ModelArgs, micro_batch: int, seq_len: int, names: list[str]) -> Choice:
+    sequences = max(1, min(micro_batch, PROBE_TOKENS // seq_len))
+    key = (
+        f"{cpu_model()}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|torch {torch.__version__}|"
+        f"dim {args.dim} heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.padded_vocab_size} "
+        f"layers {args.n_layers}|{sequences}x{seq_len} of {micro_batch}|{','.join(names)}"
+    )
+    fresh = []
+
+    def measure() -> dict:
+        fresh.append(True)
+        scale = micro_batch / sequences
+        block, head = probe(args, sequences, seq_len, names)
+        step = {name: scale * (args.n_layers * block[name] + head[head_variant(name)]) for name in names}
+        return {"step_ms": step, "choice": choose(step)}
+
+    record = cached_measurement(key, measure, keep_max=False, file="arithmetic.json")
+    _, dtype, compute = next(c for c in CANDIDATES if c[0] == record["choice"])
+    return Choice(dtype, compute, "measured" if fresh else "cached", record["step_ms"], key)
+
+
+def choose(step_ms: dict[str, float]) -> str:
+    fastest = min(step_ms, key=step_ms.get)
+    if "bf16" in step_ms and step_ms["bf16"] <= (1 + TIE) * step_ms[fastest]:
+        return "bf16"
+    return fastest
+
+
+def head_variant(name: str) -> str:
+    """The output head is one GEMM: plain fp32, bf16 kernels, or fp32 arithmetic on bf16 storage."""
+    if name == "fp32":
+        return "fp32"
+    fp32_gemm, _ = FP32_CLASSES[name.partition("/")[2] or "bf16"]
+    return "bf16/fp32" if fp32_gemm else "bf16"
+
+
+def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
+    """Best forward + backward time (ms) of one block in each candidate, and of the output head in
+    each GEMM arithmetic the candidates use, on `sequences` sequences of seq_len tokens."""
+    gen = torch.Generator().manual_seed(0)
+    base = TransformerBlock(args)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.ndim > 1 else torch.ones(p.shape))
+    cos, sin = precompute_rope(args.head_dim, seq_len, args.rope_theta)
+    x = torch.randn(sequences, seq_len, args.dim, generator=gen)
+    head_weight = torch.randn(args.padded_vocab_size, args.dim, generator=gen) * 0.02
+
+    def timed_block(name: str):
+        _, dtype, compute = next(c for c in CANDIDATES if c[0] == name)
+        block = copy.deepcopy(base)
+        if dtype == "bf16" and compute != "bf16":
+            apply_fp32_compute(block, *FP32_CLASSES[compute])
+        return lambda: _forward_backward(lambda inp: block(inp, cos, sin), x, dtype == "bf16")
+
+    def timed_head(variant: str):
+        head = nn.Linear(args.dim, args.padded_vocab_size, bias=False)
+        head.weight = nn.Parameter(head_weight.clone())
+        if variant == "bf16/fp32":
+            apply_fp32_compute(head)
+        return lambda: _forward_backward(head, x, variant != "fp32")
+
+    work = {("block", n): timed_block(n) for n in names}
+    work |= {("head", v): timed_head(v) for v in dict.fromkeys(head_variant(n) for n in names)}
+    for fn in work.values():  # warm-up: oneDNN builds its kernels on a shape's first call
+        fn()
+    best = {k: _time(fn) for k, fn in work.items()}  # a first look
+    for kind in ("block", "head"):  # what is far behind (an emulated bf16: ~30x) cannot win: not timed again
+        fastest = min(v for (k, _), v in best.items() if k == kind)
+        for k in [k for k in work if k[0] == kind and best[k] > DISTANT * fastest]:
+            del work[k]
+    keys = list(work)
+    for r in range(ROUNDS):  # each round starts at another piece of work
+        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            best[k] = min(best[k], _time(work[k]))
+    return {n: best["block", n] for n in names}, {v: t for (kind, v), t in best.items() if kind == "head"}
+
+
+def _forward_backward(module, x: torch.Tensor, bf16: bool) -> None:
+    inp = x.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = module(inp)
+    out.backward(torch.ones_like(out))
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
