@@ -94,12 +94,13 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def cached_measurement(key: str, measure, keep_max: bool, file: str = "cpu_peak.json"):
+def cached_measurement(key: str, measure, keep_max: bool, file: str = "cpu_peak.json", valid=None):
     """A machine measurement kept in ~/.cache/meshtrain/<file>: measured once and then read
     (keep_max False: any JSON value), or measured every time keeping the largest (keep_max True:
     numbers). Taken under an exclusive lock on the file: the ranks of a job (and jobs side by side)
     measure one at a time, not against each other, and a measure-once value is measured once, by
-    whoever comes first, and read by the rest. A read-only home only loses the record."""
+    whoever comes first, and read by the rest; a record that `valid` refuses (another version's, edited
+    by hand) is measured again. A read-only home only loses the record."""
     path = _cache_file().with_name(file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def cached_measurement(key: str, measure, keep_max: bool, file: str = "cpu_peak.
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cache = _read_cache(path)
-        if key in cache and not keep_max:
+        if key in cache and not keep_max and (valid is None or valid(cache[key])):
             return cache[key]
         measured = measure()
         if keep_max and measured <= cache.get(key, -math.inf):
