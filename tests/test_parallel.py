@@ -133,23 +133,19 @@ def test_model_state_bytes_follow_the_zero_formulas(reference, layout_run):
     "nproc, extra",
     [
         (None, ["--training.bf16_compute", "bf16"]),
-        (None, ["--training.bf16_compute", "fp32"]),
+        (None, ["--training.bf16_compute", "bf16-gemm"]),
         (None, ["--training.bf16_compute", "fp32", "--training.compile", "true"]),
         (2, ["--parallel.zero", "3", "--training.bf16_compute", "bf16"]),
-        (2, ["--parallel.zero", "3", "--training.bf16_compute", "fp32"]),
-        (2, ["--parallel.tp", "2", "--training.bf16_compute", "fp32"]),
-        (None, ["--training.bf16_compute", "bf16-gemm"]),
         (2, ["--parallel.zero", "3", "--training.bf16_compute", "bf16-attention"]),
+        (2, ["--parallel.tp", "2", "--training.bf16_compute", "fp32"]),
     ],
     ids=[
         "autocast",
-        "autocast-fp32-arithmetic",
+        "autocast-bf16-gemms-fp32-attention",
         "compiled-fp32-arithmetic",
         "fsdp-mixed",
-        "fsdp-mixed-fp32-arithmetic",
-        "tp2-fp32-arithmetic",
-        "bf16-gemms-fp32-attention",
         "fsdp-mixed-fp32-gemms-bf16-attention",
+        "tp2-fp32-arithmetic",
     ],
 )
 def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_path):
