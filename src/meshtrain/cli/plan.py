@@ -147,23 +147,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     )
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
-    fp32_gemm = fp32_attention = False
-    if llama and dtype != "fp16":  # the trainer's arithmetic: "auto" resolved as `train` resolves it
-        import torch
-
-        from meshtrain.parallel.precision import fp32_classes
-        from meshtrain.train.arithmetic import resolve
-
-        target = torch.device("cpu" if o.gpu == "cpu" else "cuda")
-        if o.gpu != "cpu" and dtype == "auto":
-            dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp32"  # the planned GPU's own units
-        probed = dataclasses.replace(t, dtype=dtype, seq_len=seq_len)
-        resolved_training = resolve(dataclasses.replace(cfg, training=probed), model, target)[0].training
-        dtype = resolved_training.dtype
-        fp32_gemm, fp32_attention = fp32_classes(resolved_training)
-        t = dataclasses.replace(t, bf16_compute=resolved_training.bf16_compute)
-    elif dtype == "auto":
-        dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp32"
+    dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
     dev.peak(dtype)  # a clear error for bf16 on a V100
     compiled = t.compile if explain or "training.compile" in given else False
     if compiled and not llama:
@@ -226,6 +210,25 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         where = f"#{i + 1} {estimates[i].layout.describe()}"
         print(f"built (dry run) {where}: {cells} GiB built/planned on rank {gib['rank']}")
     return 0
+
+
+def planned_arithmetic(cfg: Config, model: ModelArgs, dtype: str, seq_len: int, dev, gpu: str, llama: bool):
+    """(dtype, training with bf16_compute resolved, fp32 GEMMs, fp32 attention): "auto" as `train`
+    resolves it on the planned device (a planned GPU's own bf16 units; `--gpu cpu`: this CPU's probe)."""
+    t = cfg.training
+    if dtype == "auto" and (gpu != "cpu" or not llama):
+        dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp32"
+    if not llama or dtype == "fp16":  # fp16: planned only, refused by --write-config and --verify
+        return dtype, t, False, False
+    import torch
+
+    from meshtrain.parallel.precision import fp32_classes
+    from meshtrain.train.arithmetic import resolve
+
+    target = torch.device("cpu" if gpu == "cpu" else "cuda")
+    planned = dataclasses.replace(cfg, training=dataclasses.replace(t, dtype=dtype, seq_len=seq_len))
+    resolved = resolve(planned, model, target)[0].training
+    return resolved.dtype, dataclasses.replace(t, bf16_compute=resolved.bf16_compute), *fp32_classes(resolved)
 
 
 def _verify(o: PlanOptions, estimates, w: Workload, base: Config, model: ModelArgs) -> dict[int, dict]:
