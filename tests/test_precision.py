@@ -13,7 +13,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.model import Llama
 from meshtrain.model.llama import Attention, ModelArgs
 from meshtrain.parallel import precision
-from meshtrain.parallel.compile import COMPILE_OPTIONS
+from meshtrain.parallel.compile import EXACT_CASTS
 from meshtrain.parallel.precision import Fp32ComputeAttention, Fp32ComputeLinear, apply_fp32_compute
 from meshtrain.train import arithmetic
 
@@ -76,7 +76,7 @@ def test_compiled_linear_keeps_the_bf16_rounding():
             return ours(norm(x) * 1.7)
 
     x = torch.randn(4, 32, 64)
-    torch.testing.assert_close(torch.compile(f, options=COMPILE_OPTIONS)(x), f(x), rtol=0, atol=0)
+    torch.testing.assert_close(torch.compile(f, options=EXACT_CASTS)(x), f(x), rtol=0, atol=0)
 
 
 def test_attention_runs_in_fp32_on_bf16_inputs():

@@ -90,7 +90,8 @@ def parallelize(
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
         apply_ac(part, layout.activation_checkpointing, layout.ac_every)
         if training.compile:
-            apply_compile(part, whole_model=layout.tp > 1 or (layout.dp == 1 and layout.pp == 1))
+            whole_model = layout.tp > 1 or (layout.dp == 1 and layout.pp == 1)
+            apply_compile(part, whole_model, exact_casts=fp32_gemm)
         if layout.fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), layout.zero, torch.bfloat16 if training.dtype == "bf16" else None)
         with materialize or contextlib.nullcontext():
