@@ -84,7 +84,7 @@ def meshtrain_runs(preset: str, procs: int, batch: int, seq_len: int, steps: int
 def row(preset, procs, threads, picked, tok_s, args, seq_len) -> dict:
     forced = {name: tok_s[name] for name in CHOICES}
     fastest = max(forced, key=forced.get)
-    auto = tok_s.get("auto", forced[picked])  # 2 processes: auto's own runs, a third look at its pick's speed
+    auto = tok_s.get("auto", forced[picked])  # auto's own runs: a second look at its pick's speed
     out = {"preset": preset, "processes": procs, "threads": threads, "auto_picks": picked, "fastest": fastest}
     out |= {"tokens_per_s": tok_s, "auto_vs_fastest": forced[picked] / forced[fastest]}
     hf_compiled = [tok_s[name] for name in ("hf+compile fp32", "hf+compile bf16") if name in tok_s]

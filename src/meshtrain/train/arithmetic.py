@@ -18,11 +18,13 @@ the output head, and times forward + backward of a micro-batch's sequences in ev
 Each class of work thus runs in each arithmetic at the model's shapes, beside the others as in the
 step. A candidate's time is n_layers x its block + the head in its GEMM arithmetic, per micro-batch.
 Timing is in interleaved rounds, each timing every candidate twice back to back (the first call
-pays for what the previous candidate left behind), keeping each candidate's best (load slows a
-measurement, never speeds it up), and all-bf16 is kept unless another candidate is faster by more than its MARGIN: a
-loaded machine does not flip the choice between near-equals. The timings are cached per CPU model,
-core and thread count, torch version and shape (~/.cache/meshtrain/arithmetic.json), measured under
-a file lock so the ranks of a job probe once, one at a time; every rank takes rank 0's choice.
+pays for what the previous candidate left behind: `small`'s bf16 block took 29 ms right after an
+fp32 one and 24 ms after itself on a Xeon with AMX), keeping each candidate's best (load slows a
+measurement, never speeds it up). All-bf16 is kept unless another candidate is faster by more than
+its MARGIN: a loaded machine does not flip the choice between near-equals. The timings are cached
+per CPU model, core and thread count, torch version and shape (~/.cache/meshtrain/arithmetic.json),
+measured under a file lock so the ranks of a job probe once, one at a time; every rank takes rank
+0's choice.
 """
 
 from __future__ import annotations
@@ -194,9 +196,7 @@ def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
     keys = list(work)
     for r in range(ROUNDS):  # each round starts at another piece of work
         for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            # back to back: the first call pays for what the previous piece of work left behind (its
-            # freed memory handed back, other kernels in the caches); `small`'s bf16 block timed 29 ms
-            # right after an fp32 one and 24 ms after itself (2-core Xeon with AMX), as in the step
+            # twice: the first call pays for what the previous piece of work left behind
             best[k] = min(best[k], _time(work[k]), _time(work[k]))
     return {n: best["block", n] for n in names}, {v: t for (kind, v), t in best.items() if kind == "head"}
 
