@@ -68,7 +68,8 @@ def run_cli(args: list[str], env: dict, cwd: Path | None = None, timeout: int = 
     )
 
 
-def train_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
+def train_args(corpus: Path, run_dir: Path, *extra: str, model: list[str] | tuple = tuple(SMALL_MODEL)) -> list[str]:
+    """A short run on the test corpus; `model`: the shape flags (none with model.init_from)."""
     return [
         "train",
         "--data.path",
@@ -77,7 +78,7 @@ def train_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
         "",
         "--run.dir",
         str(run_dir),
-        *SMALL_MODEL,
+        *model,
         "--training.seq_len",
         "32",
         "--training.global_batch_size",

@@ -116,7 +116,7 @@ def test_import_gives_identical_logits(trained):
 )  # DDP wraps the model: its parameter names carry "module."
 def test_training_continues_from_a_hf_directory(layout, trained, corpus, cli_env, tmp_path):
     run_dir, out = trained
-    args = train_args(corpus, tmp_path, "--model.init_from", f"hf:{out}", "--nproc", "2", *layout)
+    args = train_args(corpus, tmp_path, "--model.init_from", f"hf:{out}", "--nproc", "2", *layout, model=())
     result = run_cli([*args, "--training.steps", "2"], cli_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "initialised from hf:" in result.stdout
@@ -134,9 +134,9 @@ def test_broken_hf_directories_are_clear_errors(trained, corpus, cli_env, tmp_pa
     weights = load_file(broken / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, broken / "model.safetensors")
-    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", f"hf:{broken}"), cli_env)
+    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", f"hf:{broken}", model=()), cli_env)
     assert_user_error(result, "model.init_from", "model.layers.1.mlp.up_proj.weight")
-    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", "hf:/nonexistent"), cli_env)
+    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", "hf:/nonexistent", model=()), cli_env)
     assert_user_error(result, "model.init_from")
 
 
@@ -149,6 +149,8 @@ def test_init_from_refuses_data_tokenized_with_another_tokenizer(trained, cli_en
     other = tmp_path / "other-data"
     prepare([texts], other, vocab_size=300, val_fraction=0.0, progress=False)
     for launcher in ([], ["--nproc", "2"]):
-        result = run_cli([*train_args(other, tmp_path / "run", "--model.init_from", f"hf:{out}"), *launcher], cli_env)
+        result = run_cli(
+            [*train_args(other, tmp_path / "run", "--model.init_from", f"hf:{out}", model=()), *launcher], cli_env
+        )
         assert_user_error(result, "another tokenizer", "--tokenizer")
     assert not (tmp_path / "run").exists()

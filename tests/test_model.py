@@ -29,6 +29,17 @@ def make(args=ARGS, seed=0):
         ("llama3-8b", 8.00e9, 8.06e9),
         ("llama3-70b", 70.4e9, 70.7e9),
         ("llama3-405b", 405e9, 406.5e9),
+        # the published models' parameter counts (their model cards and safetensors indexes)
+        ("llama3.1-8b", 8.02e9, 8.04e9),
+        ("llama3.1-70b", 70.5e9, 70.6e9),
+        ("llama3.1-405b", 405.8e9, 406.0e9),
+        ("llama3.2-1b", 1.23e9, 1.24e9),
+        ("llama3.2-3b", 3.21e9, 3.22e9),
+        ("mistral-7b", 7.24e9, 7.25e9),
+        ("qwen2.5-7b", 7.61e9, 7.62e9),
+        ("qwen2.5-72b", 72.7e9, 72.8e9),
+        ("qwen3-8b", 8.19e9, 8.20e9),
+        ("qwen3-32b", 32.7e9, 32.8e9),
     ],
 )
 def test_preset_sizes(name, low, high):
@@ -72,7 +83,7 @@ def test_tied_embeddings_share_one_tensor():
 
 
 def test_rope_is_a_rotation_that_encodes_relative_position():
-    cos, sin = precompute_rope(16, 32, 10000.0)
+    cos, sin = precompute_rope(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=8, vocab_size=8), 32)
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
 
     def rot(x, pos):

@@ -230,3 +230,21 @@ def test_dry_run_states_equal_what_each_rank_of_the_real_run_held(name, layout_r
         measured = ranks[report.rank]
         for key in ("params", "grads", "optimizer"):
             assert report.built[key] == measured[key], (name, report.rank, key, report.built[key], measured[key])
+
+
+TIED = ["--model.tie_embeddings", "true"]
+TIED_LAYOUTS = {
+    "pp2-1f1b": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b"]),  # the pair of ranks sums
+    "pp2-zbv": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zbv", "--parallel.pp_virtual_stages", "2"]),
+    "pp2-tp2": (4, ["--parallel.pp", "2", "--parallel.tp", "2"]),  # row shards of both copies line up
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(TIED_LAYOUTS))
+def test_tied_embeddings_across_pipeline_stages_match_one_process(name, reference_run, corpus, cli_env, tmp_path):
+    """Llama 3.2's and the small Qwens' tied embeddings under a pipeline: the last stage's copy gets
+    the summed gradient, the norm counts the matrix once, and the run is the single process's."""
+    nproc, extra = TIED_LAYOUTS[name]
+    launch(corpus, cli_env, tmp_path, nproc, [*TIED, *extra])
+    assert_same_run(tmp_path, reference_run(*LAYOUT_MODEL, *TIED))

@@ -126,7 +126,7 @@ def test_kv_cache_decoding_equals_full_recomputation():
         def decode(self, ids):
             return "".join(chr(0x100 + i) for i in ids)
 
-    engine = Engine(model, Chars(), eos_id=None, max_batch=3, max_context=64)
+    engine = Engine(model, Chars(), eos_ids=None, max_batch=3, max_context=64)
     done, got = threading.Semaphore(0), [None] * len(prompts)
     requests = [
         Request(p, SamplingParams(max_tokens=20, temperature=0), lambda e: e[0] != "text" and done.release())

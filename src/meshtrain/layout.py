@@ -226,11 +226,6 @@ class Layout:
                 f"model.n_layers ({args.n_layers}) must be at least parallel.pp x parallel.pp_virtual_stages = "
                 f"{self.pp} x {self.pp_virtual_stages} = {stages} (one layer per pipeline stage)"
             )
-        if self.pp > 1 and args.tie_embeddings:
-            raise ConfigError(
-                "model.tie_embeddings cannot be used with parallel.pp > 1: the embedding and the "
-                "output live on different pipeline stages"
-            )
 
     def _validate_schedule(self, pp_microbatches: int) -> None:
         """The schedule against the micro-batches it splits each step into (local batch / micro batch)."""

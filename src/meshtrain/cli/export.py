@@ -1,9 +1,10 @@
-"""`meshtrain export`: a run or checkpoint -> a Hugging Face Llama directory."""
+"""`meshtrain export`: a run or checkpoint -> a Hugging Face directory of its family."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Literal
 
 from meshtrain.cli.options import add_options, options_of
 from meshtrain.config import option, parse_size
@@ -17,10 +18,14 @@ class ExportOptions:
     """Output directory."""
     max_shard_size: int = option(5 << 30, parse=parse_size)
     """Split the safetensors above this size (default 5G)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype on disk; auto: the dtype of the Hugging Face model the run started from, else float32."""
 
 
 def add_parser(sub) -> None:
-    x = sub.add_parser("export", help="write a Hugging Face Llama directory from a run or checkpoint")
+    x = sub.add_parser(
+        "export", help="write a Hugging Face directory (Llama, Mistral, Qwen2, Qwen3) from a run or checkpoint"
+    )
     add_options(x, ExportOptions)
 
 
@@ -28,5 +33,5 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtrain.interop import export_hf
 
     o: ExportOptions = options_of(args, ExportOptions)
-    print(f"wrote {export_hf(o.source, o.out, o.max_shard_size)}")
+    print(f"wrote {export_hf(o.source, o.out, o.max_shard_size, o.dtype)}")
     return 0

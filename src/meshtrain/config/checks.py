@@ -35,14 +35,37 @@ def check_across_keys(cfg: Config) -> None:
         check_model_args(cfg.model_args(), cfg)
 
 
+# What a Hugging Face config.json fixes when model.init_from names one.
+SHAPE_KEYS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+    "head_dim",
+    "qkv_bias",
+    "qk_norm",
+    "family",
+)
+
+
 def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None = None) -> None:
     """The resolved model shape against itself, the sequence length and the data's vocabulary."""
-    if args.dim % args.n_heads:
-        raise ConfigError(f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads})")
-    if args.head_dim % 2:
+    from meshtrain.model.family import inexpressible
+
+    if problem := inexpressible(args):
         raise ConfigError(
-            f"head dimension model.dim / model.n_heads = {args.head_dim} must be even for rotary embeddings"
+            f"model.family = {args.family!r} has no {problem}: pick the family whose architecture has it "
+            "(qwen2: qkv_bias; qwen3: qk_norm) or drop the option"
         )
+    if args.head_dim is None and args.dim % args.n_heads:
+        raise ConfigError(f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads})")
+    if args.head_size % 2:
+        raise ConfigError(f"the head dimension ({args.head_size}) must be even for rotary embeddings")
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_heads ({args.n_heads}) must be a multiple of model.n_kv_heads ({args.n_kv_heads})")
     if cfg.training.seq_len > args.max_seq_len:

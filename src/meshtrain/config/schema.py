@@ -33,13 +33,14 @@ def check_preset(name: str) -> None:
 
 def check_init_from(value: str) -> None:
     if value and not (value.startswith("hf:") and Path(value[3:], "config.json").is_file()):
-        raise ValueError('use "hf:DIR" with a local Hugging Face Llama directory (config.json + safetensors)')
+        raise ValueError('use "hf:DIR" with a local Hugging Face model directory (config.json + safetensors)')
 
 
 @dataclass
 class ModelConfig:
     preset: str = option("tiny", check=check_preset)
-    """Named shape: tiny, small, gpt2-124m, gpt2-345m, llama3-8b, llama3-70b, llama3-405b."""
+    """Named shape: tiny, small, gpt2-124m, gpt2-345m, llama3-8b/70b/405b, llama3.1-8b/70b/405b,
+    llama3.2-1b/3b, mistral-7b, qwen2.5-7b/72b, qwen3-8b/32b."""
     dim: int | None = option(None, gt=0)
     """Hidden size (unset: the preset's)."""
     n_layers: int | None = option(None, gt=0)
@@ -60,11 +61,21 @@ class ModelConfig:
     """RMSNorm epsilon (unset: the preset's)."""
     tie_embeddings: bool | None = None
     """Share the embedding and output matrices (unset: the preset's)."""
+    head_dim: int | None = option(None, gt=0)
+    """Per-head dimension when it is not model.dim / model.n_heads (unset: the preset's)."""
+    qkv_bias: bool | None = None
+    """Biases on the query/key/value projections, as Qwen2 (unset: the preset's)."""
+    qk_norm: bool | None = None
+    """RMSNorm over each query and key head before the rotation, as Qwen3 (unset: the preset's)."""
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
+    """The Hugging Face model_type `meshtrain export` writes (unset: the preset's); checked at the
+    start against the architecture options (qwen2: qkv_bias; qwen3: qk_norm)."""
     vocab_multiple: int | None = option(None, gt=0)
     """Pad embedding/output rows to a multiple of this (Megatron's make-vocab-size-divisible-by); a
     multiple of parallel.tp; stripped on export."""
     init_from: str = option("", check=check_init_from)
-    """"hf:DIR": start from a local Hugging Face Llama directory (its config.json replaces the preset)."""
+    """"hf:DIR": start from a local Hugging Face directory (Llama, Mistral, Qwen2/2.5, Qwen3): its
+    config.json replaces the preset and the shape keys (only max_seq_len and vocab_multiple may be set)."""
 
 
 @dataclass

@@ -1,16 +1,22 @@
-"""Hugging Face interop: export a run or checkpoint as a `LlamaForCausalLM` directory, and start
-training from one (`model.init_from = "hf:DIR"`).
+"""Hugging Face interop: export a run or checkpoint as a Hugging Face directory of its family
+(Llama, Mistral, Qwen2, Qwen3; config.json in interop/families.py), and start training, serving or
+generating from one (`model.init_from = "hf:DIR"`, `serve DIR`).
 
 Names map one to one except for the rotary layout: meshtrain rotates adjacent pairs (x[2i],
 x[2i+1]) as in the RoFormer paper and Meta's reference code, Hugging Face rotates halves
-(x[i], x[i + d/2]); the q and k projections' output rows are permuted per head to match. Padded
-vocabulary rows (model.vocab_multiple) are stripped on export and re-added on import.
+(x[i], x[i + d/2]); the q and k projections' output rows (and their biases, and Qwen3's per-head
+norms) are permuted per head to match, which moves values without changing them. Padded vocabulary
+rows (model.vocab_multiple) are stripped on export and re-added on import. Import reads one tensor
+at a time from the safetensors files, and only those this rank keeps: a model under ZeRO-3, TP or
+a pipeline never passes through one rank's memory whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -20,30 +26,62 @@ from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, ver
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir
+from meshtrain.interop.families import config_to_args, export_config
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
+from meshtrain.model.shapes import Shape
 
 LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    **{
+        f"attention.{ours}.{kind}": f"self_attn.{theirs}.{kind}"
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
+        for kind in ("weight", "bias")
+    },
+    **{
+        f"feed_forward.{ours}.{kind}": f"mlp.{theirs}.{kind}"
+        for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
+        for kind in ("weight", "bias")
+    },
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# The files of a Hugging Face directory besides its weights: kept with a run that starts from one
+# (<run>/hf_source/), so its export and its server use the model's own tokenizer, end tokens and
+# chat template, and its config.json comes back unchanged.
+SOURCE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    TEMPLATE_FILE,
+)
+SOURCE_DIR = "hf_source"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pairs_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved pairs to rotate-half order."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Reorder each head's rows (of a weight, a bias or a per-head norm) from interleaved pairs to
+    rotate-half order."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(rows, *rest)
 
 
 def halves_to_pairs(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, -1).transpose(1, 2).reshape(rows, *rest)
+
+
+def rotary_heads(name: str, args: ModelArgs) -> int | None:
+    """How many heads' rows a tensor holds in rotary order (None: no rotary rows)."""
+    if ".wq." in name:
+        return args.n_heads
+    if ".wk." in name:
+        return args.n_kv_heads
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return 1
+    return None
 
 
 def to_hf_name(name: str) -> str:
@@ -117,7 +155,7 @@ def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
     return model, args, run_dir
 
 
-def hf_state_dict(model: Llama, args: ModelArgs) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: Llama, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in model.state_dict().items():
         if args.tie_embeddings and name == "output.weight":
@@ -125,42 +163,52 @@ def hf_state_dict(model: Llama, args: ModelArgs) -> dict[str, torch.Tensor]:
         t = tensor.detach()
         if name in ("tok_embeddings.weight", "output.weight"):
             t = t[: args.vocab_size]  # strip the padding rows
-        elif name.endswith("wq.weight"):
-            t = pairs_to_halves(t, args.n_heads)
-        elif name.endswith("wk.weight"):
-            t = pairs_to_halves(t, args.n_kv_heads)
-        out[to_hf_name(name)] = t.contiguous().clone()
+        elif (heads := rotary_heads(name, args)) is not None:
+            t = pairs_to_halves(t, heads)
+        out[to_hf_name(name)] = t.to(dtype).contiguous().clone()
     return out
 
 
-def hf_config(args: ModelArgs, eos_id: int | None) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rope_theta,
-        "rms_norm_eps": args.norm_eps,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-    }
+def end_tokens(directory: Path, tokenizer) -> tuple[str | None, list[int]]:
+    """A model's end-of-text token (what a chat template's eos_token renders) and every id that ends a
+    generation: generation_config.json's and config.json's eos_token_id (an id or a list: Llama 3's
+    instruct models end a turn with <|eot_id|>, a text with <|end_of_text|>), tokenizer_config.json's
+    eos_token, else the tokenizer's own end-of-text token."""
+    from meshtrain.data.tokenizer import end_of_text
+
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(directory / name).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
+    token = _read_json(directory / "tokenizer_config.json").get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    fallback, fallback_id = end_of_text(tokenizer)
+    token = token if token and tokenizer.token_to_id(token) is not None else fallback
+    if token is not None:
+        ids.append(tokenizer.token_to_id(token))
+    elif fallback_id is not None:
+        ids.append(fallback_id)
+    return token, list(dict.fromkeys(ids))
 
 
-def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") -> Path:
-    """Write a Hugging Face Llama directory: config.json, safetensors shards (+ index when split),
-    generation_config.json, tokenizer files. Written to a temporary directory, then renamed."""
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MeshtrainError(f"{path} is not valid JSON ({e})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", dtype: str = "auto") -> Path:
+    """Write a Hugging Face directory of the model's family: config.json, safetensors shards (+ index
+    when split), generation_config.json, tokenizer files. A run that started from a Hugging Face
+    directory gets that model's own config (where the shape is unchanged), tokenizer files, chat
+    template and, with dtype auto, its dtype; otherwise fp32 and meshtrain's tokenizer config.
+    Written to a temporary directory, then renamed."""
     from huggingface_hub import save_torch_state_dict
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     check_output_dir(out, [source], "meshtrain.json", "meshtrain export")
@@ -168,27 +216,48 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
     tokenizer_file = run_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise MeshtrainError(f"{tokenizer_file} is missing: the export needs the run's tokenizer")
-    from tokenizers import Tokenizer
-
-    from meshtrain.data.tokenizer import end_of_text
-
-    eos, eos_id = end_of_text(Tokenizer.from_file(str(tokenizer_file)))
+    origin = run_dir / SOURCE_DIR
+    source_config = _read_json(origin / "config.json") or None
+    if dtype == "auto":
+        dtype = (source_config or {}).get("torch_dtype") or (source_config or {}).get("dtype") or "float32"
+    if dtype not in TORCH_DTYPES:
+        raise MeshtrainError(f"export dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos, eos_ids = end_tokens(origin if origin.is_dir() else run_dir, tokenizer)
+    bos_id = (source_config or {}).get("bos_token_id", eos_ids[0] if eos_ids else None)
 
     out = Path(out)
     with atomic_directory(out) as tmp:
-        save_torch_state_dict(hf_state_dict(model, args), tmp, max_shard_size=max_shard_size)
-        (tmp / "config.json").write_text(json.dumps(hf_config(args, eos_id), indent=2))
-        generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        save_torch_state_dict(hf_state_dict(model, args, TORCH_DTYPES[dtype]), tmp, max_shard_size=max_shard_size)
+        config = export_config(args, source_config, dtype, bos_id, eos_ids)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         template = run_dir / TEMPLATE_FILE  # what the run was fine-tuned with
-        PreTrainedTokenizerFast(
-            tokenizer_file=str(tokenizer_file),
-            eos_token=eos,
-            bos_token=eos,
-            chat_template=template.read_text() if template.is_file() else DEFAULT_CHAT_TEMPLATE,
-        ).save_pretrained(tmp)
+        if origin.is_dir():
+            for name in SOURCE_FILES[1:]:
+                if (origin / name).is_file():
+                    shutil.copyfile(origin / name, tmp / name)
+            if template.is_file():
+                shutil.copyfile(template, tmp / TEMPLATE_FILE)
+        else:
+            generation = {"bos_token_id": bos_id, "eos_token_id": config["eos_token_id"], "do_sample": False}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+            PreTrainedTokenizerFast(
+                tokenizer_file=str(tokenizer_file),
+                eos_token=eos,
+                bos_token=eos,
+                chat_template=template.read_text() if template.is_file() else DEFAULT_CHAT_TEMPLATE,
+            ).save_pretrained(tmp)
         (tmp / "meshtrain.json").write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
     return out
+
+
+def keep_source_files(directory: str | Path, run_dir: Path) -> None:
+    """Copy a Hugging Face directory's files other than its weights into <run>/hf_source/."""
+    from meshtrain.files import copy_file
+
+    for name in SOURCE_FILES:
+        if (Path(directory) / name).is_file():
+            copy_file(Path(directory) / name, run_dir / SOURCE_DIR / name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,66 +267,72 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB") 
 def hf_model_args(directory: str | Path, vocab_multiple: int = 64) -> ModelArgs:
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise MeshtrainError(f"model.init_from: {path} does not exist (expected a Hugging Face Llama directory)")
-    c = json.loads(path.read_text())
-    if c.get("model_type") != "llama":
-        raise MeshtrainError(f"model.init_from: {path} is a {c.get('model_type')!r} model, not 'llama'")
-    rope = c.get("rope_parameters") or {}
-    return ModelArgs(
-        dim=c["hidden_size"],
-        n_layers=c["num_hidden_layers"],
-        n_heads=c["num_attention_heads"],
-        n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-        ffn_dim=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        max_seq_len=c.get("max_position_embeddings", 2048),
-        rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        norm_eps=c.get("rms_norm_eps", 1e-5),
-        tie_embeddings=c.get("tie_word_embeddings", False),
-        vocab_multiple=vocab_multiple,
-    )
+        raise MeshtrainError(f"model.init_from: {path} does not exist (expected a Hugging Face model directory)")
+    return config_to_args(_read_json(path), f"model.init_from: {path}", vocab_multiple)
 
 
-def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class HFWeights:
+    """The tensors of a Hugging Face directory (one safetensors file, or shards with an index), read
+    one at a time on demand: a rank pays for the tensors it asks for, not for the model."""
 
-    index = directory / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
-    state = {}
-    for name in files:
-        if not (directory / name).is_file():
-            raise MeshtrainError(f"model.init_from: {directory / name} is missing")
-        state.update(load_file(directory / name))
-    return state
+    def __init__(self, directory: Path, stack: contextlib.ExitStack):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = dict(_read_json(index).get("weight_map", {}))
+        else:
+            single = directory / "model.safetensors"
+            if not single.is_file():
+                raise MeshtrainError(f"model.init_from: {directory} has no model.safetensors (nor an index)")
+            with safe_open(single, framework="pt") as f:
+                self.where = {name: "model.safetensors" for name in f.keys()}
+        self.files = {}
+        for file in sorted(set(self.where.values())):
+            if not (directory / file).is_file():
+                raise MeshtrainError(f"model.init_from: {directory / file} is missing (named in the index)")
+            self.files[file] = stack.enter_context(safe_open(directory / file, framework="pt"))
+        self.directory = directory
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.files[self.where[name]].get_tensor(name)
+        if not t.is_floating_point():
+            raise MeshtrainError(f"model.init_from: {name} is {t.dtype}: quantized weights cannot be imported")
+        return t.float()
 
 
 def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
-    """Copy Hugging Face weights into this rank's (possibly sharded, possibly partial) model."""
+    """Copy Hugging Face weights into this rank's (possibly sharded, possibly partial) model, one
+    tensor at a time."""
     directory = Path(directory)
-    hf = read_hf_weights(directory)
     wanted = {clean_fqn(n): p for part in parts for n, p in part.named_parameters()}
-    unknown = [n for n in hf if _safe(from_hf_name, n) is None and not n.endswith("rotary_emb.inv_freq")]
-    if unknown:
-        raise MeshtrainError(
-            f"model.init_from: {directory} has weights meshtrain cannot place: {', '.join(unknown[:3])}"
-        )
-    with torch.no_grad():
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        weights = HFWeights(directory, stack)
+        ours_all = {p.name for p in Shape.from_args(args).parameters()} | {"output.weight"}
+        unknown = [
+            n
+            for n in weights.names()
+            if _safe(from_hf_name, n) not in ours_all and not n.endswith("rotary_emb.inv_freq")
+        ]
+        if unknown:
+            raise MeshtrainError(
+                f"model.init_from: {directory} has weights meshtrain cannot place: {', '.join(unknown[:3])}"
+            )
         for ours, param in wanted.items():
             name = (
                 to_hf_name(ours)
                 if not (args.tie_embeddings and ours == "output.weight")
                 else "model.embed_tokens.weight"
             )
-            if name not in hf:
+            if name not in weights.where:
                 raise MeshtrainError(f"model.init_from: {directory} has no {name} (needed for {ours})")
-            t = hf[name].float()
-            if ours.endswith("wq.weight"):
-                t = halves_to_pairs(t, args.n_heads)
-            elif ours.endswith("wk.weight"):
-                t = halves_to_pairs(t, args.n_kv_heads)
-            if ours in ("tok_embeddings.weight", "output.weight"):
+            t = weights.get(name)
+            if (heads := rotary_heads(ours, args)) is not None and t.shape[0] % (2 * heads) == 0:
+                t = halves_to_pairs(t, heads)
+            if ours in ("tok_embeddings.weight", "output.weight") and t.shape[0] <= param.shape[0]:
                 full = torch.zeros(param.shape)
                 full[: t.shape[0]] = t
                 t = full
@@ -266,6 +341,7 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
                     f"model.init_from: {name} has shape {tuple(t.shape)}, the model needs {tuple(param.shape)}"
                 )
             copy_full_into(param, t)
+            del t
 
 
 def _safe(fn, arg):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshtrain.model.llama import Llama, apply_rope
+from meshtrain.model.llama import Llama
 
 
 class KVCache:
@@ -21,7 +21,7 @@ class KVCache:
         args = model.args
         dtype = dtype or model.tok_embeddings.weight.dtype
         device = model.tok_embeddings.weight.device
-        shape = (slots, args.n_kv_heads, max_len, args.head_dim)
+        shape = (slots, args.n_kv_heads, max_len, args.head_size)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.max_len = max_len
@@ -38,9 +38,7 @@ def _attention(
     positions: torch.Tensor,
 ) -> torch.Tensor:
     batch, seq, _ = x.shape
-    q = apply_rope(attn.wq(x).view(batch, seq, -1, attn.head_dim), cos, sin)
-    k = apply_rope(attn.wk(x).view(batch, seq, -1, attn.head_dim), cos, sin)
-    v = attn.wv(x).view(batch, seq, -1, attn.head_dim)
+    q, k, v = attn.project(x, cos, sin)
     rows = slots[:, None].expand(batch, seq)
     k_cache[rows, :, positions] = k.to(k_cache.dtype)  # (batch, seq, kv_heads, head_dim) into each slot
     v_cache[rows, :, positions] = v.to(v_cache.dtype)

@@ -3,6 +3,11 @@
 Token embedding -> N x [RMSNorm -> grouped-query attention with rotary positions -> residual,
 RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection.
 
+The families that share this skeleton are options of the one model, as in torchtitan's model args:
+Llama 1-3.3 (rotary scaling, tied embeddings for 3.2's small sizes), Mistral, Qwen2/2.5 (biases on
+the q/k/v projections) and Qwen3 (RMSNorm on each query and key head, a head dimension apart from
+dim / n_heads). `family` names the Hugging Face `model_type` an export writes back.
+
 The module tree (`tok_embeddings`, `layers.{i}.attention.wq`, ...) follows torchtitan so that the
 parallel plans and checkpoint names stay simple. `layers` is an `nn.ModuleDict` keyed by the layer
 index, so a pipeline stage can drop the layers it does not own and keep every parameter's name.
@@ -31,24 +36,37 @@ class ModelArgs:
     vocab_size: int
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
+    # Rotary frequency scaling for long contexts, as Hugging Face's rope_parameters without the theta:
+    # {"rope_type": "linear" | "llama3" | "yarn", "factor": ..., ...}; None: plain RoPE.
+    rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int | None = None  # per attention head; None: dim // n_heads (Qwen3 sets it apart)
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, Llama's attention_bias)
+    out_bias: bool = False  # a bias on the attention output projection (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on the three MLP projections (Llama's mlp_bias)
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
+    family: str = "llama"  # the Hugging Face model_type: llama, mistral, qwen2, qwen3
     vocab_multiple: int = 64  # embedding rows padded to a multiple of this (tensor-parallel friendly)
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """The head dimension: head_dim where set, dim / n_heads otherwise."""
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def padded_vocab_size(self) -> int:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of position x frequency, RoFormer eq. 15: frequencies theta^(-2i/d) on pairs of dims."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float(), angles.sin().float()
+def precompute_rope(args: ModelArgs, max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of position x frequency, RoFormer eq. 15: frequencies theta^(-2i/d) on pairs of dims,
+    rescaled for long contexts as args.rope_scaling says (model/rope.py)."""
+    from meshtrain.model.rope import rope_frequencies
+
+    freqs, attention_factor = rope_frequencies(args.head_size, args.rope_theta, args.rope_scaling)
+    angles = torch.outer(torch.arange(max_seq_len or args.max_seq_len, dtype=torch.float64), freqs)
+    return (angles.cos() * attention_factor).float(), (angles.sin() * attention_factor).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,22 +87,31 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.head_dim = args.head_size
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=args.out_bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # full sequence here, even when the blocks' inputs are sequence-sharded
+        q, k, v = self.project(x, cos[:seq], sin[:seq])
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries and keys (rotated) and values, (batch, seq, heads, head_dim) each."""
         batch, seq, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice of heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        cos, sin = cos[:seq], sin[:seq]  # full sequence here, even when the blocks' inputs are sequence-sharded
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask) v on (batch, heads, seq, head_dim); enable_gqa: the
@@ -95,11 +122,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -111,7 +138,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -128,7 +155,7 @@ class Llama(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.padded_vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = precompute_rope(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -154,7 +181,7 @@ class Llama(nn.Module):
         device = buffer_device or self.rope_cos.device
         if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # to_empty() re-creates, and so unties, them
-        cos, sin = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        cos, sin = precompute_rope(self.args)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: scale residual outputs
@@ -162,8 +189,12 @@ class Llama(nn.Module):
             name = clean_fqn(wrapped_name)
             if name.endswith("norm.weight"):
                 full = torch.ones(param.shape)
+            elif name.endswith(".bias"):
+                full = torch.zeros(param.shape)
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                if name == "output.weight" and self.args.tie_embeddings:
+                    name = "tok_embeddings.weight"  # a pipeline's last stage: its copy of the embedding
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 full = torch.randn(param.shape, generator=gen) * std
             copy_full_into(param, full)

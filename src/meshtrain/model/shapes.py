@@ -31,6 +31,8 @@ SHARDED_DIM = {
     "tok_embeddings.weight": 0,
     "output.weight": COLUMN,
     **{f"{name}.weight": dim for name, dim in BLOCK_SHARDED_DIM.items()},
+    # a column-parallel layer's bias is split with its output features; a row-parallel one's is whole
+    **{f"{name}.bias": 0 for name, dim in BLOCK_SHARDED_DIM.items() if dim == COLUMN},
 }
 
 
@@ -60,6 +62,11 @@ class Shape:
     vocab_size: int  # padded
     max_seq_len: int
     tie_embeddings: bool
+    head_dim: int
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_args(cls, args: ModelArgs) -> "Shape":
@@ -73,15 +80,22 @@ class Shape:
             args.padded_vocab_size,
             args.max_seq_len,
             args.tie_embeddings,
+            args.head_size,
+            args.qkv_bias,
+            args.out_bias,
+            args.mlp_bias,
+            args.qk_norm,
         )
 
     @classmethod
     def gpt(cls, dim: int, n_layers: int, n_heads: int, vocab_size: int, max_seq_len: int) -> "Shape":
-        return cls("gpt", dim, n_layers, n_heads, n_heads, 4 * dim, vocab_size, max_seq_len, True)
+        return cls("gpt", dim, n_layers, n_heads, n_heads, 4 * dim, vocab_size, max_seq_len, True, dim // n_heads)
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): n_heads x head_dim, dim unless the
+        head dimension is set apart (Qwen3-32B: 64 x 128 on a 5120-wide model)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -92,7 +106,7 @@ class Shape:
         return _parameters(self)
 
     def _llama(self) -> list[Param]:
-        h, kv, f = self.dim, self.kv_dim, self.ffn_dim
+        h, q, kv, f = self.dim, self.q_dim, self.kv_dim, self.ffn_dim
 
         def p(name, shape, owner):
             return Param(
@@ -102,17 +116,21 @@ class Shape:
         params = [p("tok_embeddings.weight", (self.vocab_size, h), "embed")]
         for i in range(self.n_layers):
             pre = f"layers.{i}."
-            params += [
-                p(pre + "attention_norm.weight", (h,), i),
-                p(pre + "attention.wq.weight", (h, h), i),
-                p(pre + "attention.wk.weight", (kv, h), i),
-                p(pre + "attention.wv.weight", (kv, h), i),
-                p(pre + "attention.wo.weight", (h, h), i),
-                p(pre + "ffn_norm.weight", (h,), i),
-                p(pre + "feed_forward.w1.weight", (f, h), i),
-                p(pre + "feed_forward.w2.weight", (h, f), i),
-                p(pre + "feed_forward.w3.weight", (f, h), i),
-            ]
+            attention = [("wq", q, h), ("wk", kv, h), ("wv", kv, h), ("wo", h, q)]
+            mlp = [("w1", f, h), ("w2", h, f), ("w3", f, h)]
+            params.append(p(pre + "attention_norm.weight", (h,), i))
+            for name, rows, cols in attention:
+                params.append(p(pre + f"attention.{name}.weight", (rows, cols), i))
+                if self.out_bias if name == "wo" else self.qkv_bias:
+                    params.append(p(pre + f"attention.{name}.bias", (rows,), i))
+            if self.qk_norm:
+                params += [p(pre + "attention.q_norm.weight", (self.head_dim,), i)]
+                params += [p(pre + "attention.k_norm.weight", (self.head_dim,), i)]
+            params.append(p(pre + "ffn_norm.weight", (h,), i))
+            for name, rows, cols in mlp:
+                params.append(p(pre + f"feed_forward.{name}.weight", (rows, cols), i))
+                if self.mlp_bias:
+                    params.append(p(pre + f"feed_forward.{name}.bias", (rows,), i))
         params.append(p("norm.weight", (h,), "head"))
         if not self.tie_embeddings:
             params.append(p("output.weight", (self.vocab_size, h), "head"))
@@ -151,13 +169,13 @@ class Shape:
     @functools.cache  # noqa: B019 (a frozen value object: cached by its fields, few shapes per process)
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of training one token: 6 x the parameters a token multiplies (no embedding
-        lookup or positions) plus attention scores and weighted sum, 12 x layers x dim x seq (PaLM
+        lookup or positions) plus attention scores and weighted sum, 12 x layers x n_heads x head_dim x seq (PaLM
         appendix B; torchtitan's convention, no causal halving). MFU in the training log uses this too."""
         lookups = ("tok_embeddings.weight", "wte.weight", "wpe.weight")
         matmul = sum(p.numel for p in self.parameters() if p.name not in lookups)
         if self.tie_embeddings:
             matmul += self.vocab_size * self.dim  # the output projection is the embedding matrix
-        return 6.0 * matmul + 12.0 * self.n_layers * self.dim * seq_len
+        return 6.0 * matmul + 12.0 * self.n_layers * self.q_dim * seq_len
 
 
 @functools.cache

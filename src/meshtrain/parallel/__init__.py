@@ -16,7 +16,7 @@ from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.parallel.pipeline import ScaledLoss, build_schedule, pipeline_stage_modules
+from meshtrain.parallel.pipeline import ScaledLoss, build_schedule, pipeline_stage_modules, tied_output
 from meshtrain.parallel.precision import apply_fp32_compute, arithmetic_label, fp32_classes
 from meshtrain.parallel.tensor_parallel import apply_tp
 
@@ -47,6 +47,8 @@ class ParallelModel:
     loss_fn: Callable  # (logits, targets) -> summed loss of the targets; compiled with training.compile
     loss_parallel: bool = False  # TP's vocabulary-sharded logits: the loss runs under loss_parallel()
     grad_average_group: object | None = None  # pipeline stages with plain DP: average after backward
+    tied_group: object | None = None  # tied embeddings over a pipeline: the first and last stage's ranks
+    ties_across_stages: bool = False  # the first stage's embedding and the last's output are copies
 
     @property
     def has_first_stage(self) -> bool:
@@ -58,6 +60,12 @@ class ParallelModel:
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for part in self.parts for p in part.parameters()]
+
+    def distinct_parameters(self) -> list[torch.Tensor]:
+        """The parameters without a tied embedding's copy on the last stage: what the gradient norm
+        counts, so that the matrix counts once, as on one process."""
+        copies = {id(part.output.weight) for part in self.parts if tied_output(part)}
+        return [p for p in self.parameters() if id(p) not in copies]
 
 
 def parallelize(
@@ -101,7 +109,11 @@ def parallelize(
             part = apply_ddp(part, dims.mesh("dp"))
         parts.append(part)
     stage_ids = [idx for idx, _ in staged]
-    schedule = None
+    schedule, tied_group = None, None
+    ties = layout.pp > 1 and model.args.tie_embeddings
+    last_pp = next(r for r in range(layout.pp) if layout.holds_last_stage(r)) if ties else 0
+    if ties and last_pp != 0 and materialize is None:
+        tied_group = dims.pair_group(0, last_pp)
     if layout.pp > 1:
         schedule = build_schedule(
             list(zip(stage_ids, parts)),
@@ -121,4 +133,6 @@ def parallelize(
         loss_fn,
         layout.tp > 1 and layout.loss_parallel,
         dims.dp_group if layout.averages_after_backward else None,
+        tied_group,
+        ties,
     )

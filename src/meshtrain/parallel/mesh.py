@@ -74,6 +74,19 @@ class ParallelDims:
             lines.append("dp groups (replicate x shard): " + " ".join(str(g) for g in groups))
         return lines
 
+    def pair_group(self, first_pp: int, last_pp: int):
+        """The process group of the two pipeline ranks first_pp and last_pp that share this rank's
+        other coordinates (tied embeddings). Every rank creates every pair's group, in one order, as
+        `new_group` requires; returns this rank's."""
+        world = self.mesh("world")
+        axis = list(world.mesh_dim_names).index("pp")
+        mine = None
+        for ranks in world.mesh.movedim(axis, -1).reshape(-1, self.layout.pp).tolist():
+            group = dist.new_group([ranks[first_pp], ranks[last_pp]])
+            if dist.get_rank() in (ranks[first_pp], ranks[last_pp]):
+                mine = group
+        return mine
+
     @property
     def dp_rank(self) -> int:
         dp = self.mesh("dp")

@@ -5,6 +5,11 @@ Stages are cut from the full model (built on `meta`, so this costs nothing): a s
 layers (keeping their names, since `layers` is a ModuleDict), the first keeps the embedding and the
 last the final norm and output. Placement: loop-style for gpipe/1f1b/interleaved/zero_bubble (rank r
 holds stages r, r+pp, ...), V-style for zbv (rank r holds r and 2pp-1-r).
+
+Tied embeddings (Llama 3.2, small Qwens) as Megatron ties them: the last stage keeps its own copy
+of the embedding matrix as its output weight, initialised (or imported) equal to it; after each
+backward the two gradients are summed between the first and last stage (`sum_tied_gradients`), so
+both copies take the same update and stay equal, and the gradient norm counts the matrix once.
 """
 
 from __future__ import annotations
@@ -48,6 +53,35 @@ def pipeline_stage_modules(model: nn.Module, layout: Layout, pp_rank: int) -> li
             part.norm, part.output = None, None
         parts.append((stage, part))
     return parts
+
+
+def tied_output(part: nn.Module) -> bool:
+    """A last stage's output weight that is a copy of the first stage's embedding."""
+    return part.args.tie_embeddings and part.tok_embeddings is None and part.output is not None
+
+
+def sum_tied_gradients(parts: list[nn.Module], group) -> None:
+    """Sum the gradients of the embedding (first stage) and of its copy (last stage's output):
+    in place on a rank that holds both stages (zbv), over `group` (the two ranks) otherwise. Both
+    are sharded alike (by rows, under TP and FSDP), so local shards line up once each gradient has
+    its parameter's placement (TP leaves the embedding's gradient replicated)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [part.tok_embeddings.weight for part in parts if part.tok_embeddings is not None]
+    params += [part.output.weight for part in parts if tied_output(part)]
+    local = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        local.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    if len(local) == 2:
+        total = local[0] + local[1]
+        local[0].copy_(total)
+        local[1].copy_(total)
+    elif local and group is not None:
+        torch.distributed.all_reduce(local[0], group=group)
 
 
 class ScaledLoss:

@@ -53,6 +53,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
         if sequence_parallel:
             block_plan["attention_norm"] = SequenceParallel()
             block_plan["ffn_norm"] = SequenceParallel()
+        if _unwrap(block).attention.q_norm is not None:
+            # Qwen3's per-head norms see this rank's heads (dim 2 of (batch, seq, heads, head_dim)):
+            # their weights are replicated and their gradients summed over the heads of every rank.
+            for norm in ("attention.q_norm", "attention.k_norm"):
+                block_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(_unwrap(block), tp_mesh, block_plan)
 
 

@@ -59,8 +59,8 @@ def _stage_params(shape: Shape, pipeline: Layout, pp_rank: int) -> tuple[Param, 
     owners = blocks | ({"embed"} if pipeline.holds_first_stage(pp_rank) else set())
     owners |= {"head"} if pipeline.holds_last_stage(pp_rank) else set()
     params = tuple(p for p in shape.parameters() if p.owner in owners)
-    if shape.arch == "gpt" and pipeline.pp > 1 and "head" in owners:  # Megatron keeps a copy of the
-        params += (Param("output.weight", (shape.vocab_size, shape.dim), "head", 0),)  # embedding on the last stage
+    if shape.tie_embeddings and pipeline.pp > 1 and "head" in owners:  # Megatron and meshtrain keep a
+        params += (Param("output.weight", (shape.vocab_size, shape.dim), "head", 0),)  # copy on the last stage
     return params
 
 
@@ -167,7 +167,7 @@ class Precision:
 def llama_block(shape: Shape, prec: Precision, fused_norm: bool) -> list[tuple[str, float, int, str]]:
     """The eager block. RMSNorm: CUDA's fused kernel saves its input and 1/rms; the CPU's composite
     one upcasts (the fp32 input) and also keeps the normalised input for the weight's gradient."""
-    h, kv, f, heads = shape.dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
+    h, q, kv, f, heads = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
     saved = []
     for norm, consumers in (("attention_norm", 3), ("ffn_norm", 2)):
         saved += [
@@ -181,13 +181,20 @@ def llama_block(shape: Shape, prec: Precision, fused_norm: bool) -> list[tuple[s
                 "full",
             ),
         ]
+    if shape.qk_norm:  # Qwen3: the same norm per head of q and k, its output cast for the rotation
+        saved += [
+            ("q/k norm inputs", q + kv, prec.stream if fused_norm else 4, "tp"),
+            ("q/k norm 1/rms", heads + shape.n_kv_heads, 4, "tp"),
+            *([] if fused_norm else [("q/k normalised inputs", q + kv, 4, "tp")]),
+            ("q/k norm outputs", q + kv, prec.linear_input, "tp"),
+        ]
     saved += [
-        ("q, k after rotary; v", h + 2 * kv, prec.attention, "tp"),
+        ("q, k after rotary; v", q + 2 * kv, prec.attention, "tp"),
         ("attention log-sum-exp", heads, 4, "tp"),
-        ("attention output", h, prec.attention, "tp"),
+        ("attention output", q, prec.attention, "tp"),
     ]
     if prec.attention != prec.linear_input:  # fp32 arithmetic: wo saves its bf16 input besides the fp32 output
-        saved.append(("wo input (bf16)", h, 2, "tp"))
+        saved.append(("wo input (bf16)", q, 2, "tp"))
     saved.append(("SwiGLU: w1 out, w3 out, silu, product", 4 * f, prec.mlp, "tp"))
     return saved
 
@@ -197,15 +204,16 @@ def compiled_llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float
     saved-tensor hooks): the block's input, each norm's output cast once (not once per linear),
     q, k, v, the attention output and wo's contiguous copy of it, and three of SwiGLU's four
     intermediates (silu is recomputed); the residual sum and the normalised inputs are recomputed."""
-    h, kv, f, heads = shape.dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
+    h, q, kv, f, heads = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
     return [
         ("block input", h, prec.stream, "sp"),
         ("2 x 1/rms", 2, 4, "sp"),
         ("2 x norm output, cast once", 2 * h, prec.linear_input, "full"),
-        ("q, k after rotary; v", h + 2 * kv, prec.attention, "tp"),
+        ("q, k after rotary; v", q + 2 * kv, prec.attention, "tp"),
         ("attention log-sum-exp", heads, 4, "tp"),
-        ("attention output and wo's input", 2 * h, prec.attention, "tp"),
+        ("attention output and wo's input", 2 * q, prec.attention, "tp"),
         ("SwiGLU: w1 out, w3 out, product", 3 * f, prec.mlp, "tp"),
+        *([("q/k before their norms, 1/rms", q + kv, prec.attention, "tp")] if shape.qk_norm else []),
     ]
 
 

@@ -70,7 +70,7 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     layers = [n for stage in layout.stage_layers(shape.n_layers, pp_rank) for n in stage]
     block = stage_sums(shape, layout, pp_rank).block_full
     head = shape.vocab_size * h if layout.holds_last_stage(pp_rank) else 0
-    attention = 12 * h * s  # scores and weighted sum, forward + backward
+    attention = 12 * shape.q_dim * s  # scores and weighted sum, forward + backward
     recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}
     recomputed = recomputed.get(layout.activation_checkpointing, 0)
     gemm = tokens * (6 * (len(layers) * block + head) + 2 * recomputed * block)

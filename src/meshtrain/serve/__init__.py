@@ -41,7 +41,7 @@ def load_engine(
     limit = served.model.args.max_seq_len
     if max_context is not None and not 2 <= max_context <= limit:
         raise MeshtrainError(f"--max-context {max_context} must be between 2 and the model's max_seq_len ({limit})")
-    return served, Engine(served.model, served.tokenizer, served.eos_id, max_batch, max_context or limit)
+    return served, Engine(served.model, served.tokenizer, served.eos_ids, max_batch, max_context or limit)
 
 
 def serve(

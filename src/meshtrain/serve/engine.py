@@ -73,13 +73,15 @@ class Engine:
         self,
         model: Llama,
         tokenizer,
-        eos_id: int | None,
+        eos_ids: list[int] | int | None,
         max_batch: int,
         max_context: int,
         on_first_token: Callable[[float], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
     ):
-        self.model, self.tokenizer, self.eos_id = model.eval(), tokenizer, eos_id
+        self.model, self.tokenizer = model.eval(), tokenizer
+        # every token that ends a generation (Llama 3 instruct: <|eot_id|> and <|end_of_text|>)
+        self.eos_ids = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or ())
         self.max_batch, self.max_context = max_batch, max_context
         self.device = model.tok_embeddings.weight.device
         self.cache = KVCache(model, max_batch, max_context)
@@ -243,7 +245,7 @@ class Engine:
 
     def _accept(self, request: Request, token: int) -> None:
         """Add a sampled token, stream the new text, and finish on EOS, a stop string or a limit."""
-        if token == self.eos_id:
+        if token in self.eos_ids:
             if request.params.logprobs is not None:
                 request.logprobs.pop()  # the end of text is not part of the answer
             return self._finish(request, ("done", "stop"))

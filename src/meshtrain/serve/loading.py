@@ -1,6 +1,6 @@
 """What `meshtrain serve` and `meshtrain generate` load: a run directory (its model.safetensors or
-latest checkpoint), a checkpoint directory, or a Hugging Face Llama directory (what `meshtrain
-export` writes), with its tokenizer, end-of-text token and chat template."""
+latest checkpoint), a checkpoint directory, or a Hugging Face directory (what `meshtrain
+export` writes, or a published Llama, Mistral or Qwen), with its tokenizer, end-of-text token and chat template."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.data.chat import ChatTemplate, template_of
+from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, template_of
 from meshtrain.errors import MeshtrainError
 from meshtrain.model import Llama
 
@@ -19,7 +19,7 @@ class ServedModel:
     name: str
     model: Llama
     tokenizer: object  # tokenizers.Tokenizer
-    eos_id: int | None
+    eos_ids: list[int]  # every token that ends a generation
     eos_token: str | None
     chat_template: str
 
@@ -31,8 +31,7 @@ class ServedModel:
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
     from tokenizers import Tokenizer
 
-    from meshtrain.data.tokenizer import end_of_text
-    from meshtrain.interop.hf import hf_model_args, load_full_model, load_hf_weights
+    from meshtrain.interop.hf import SOURCE_DIR, end_tokens, hf_model_args, load_full_model, load_hf_weights
 
     path = Path(source)
     if not path.exists():
@@ -51,7 +50,14 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
     if not tokenizer_file.is_file():
         raise MeshtrainError(f"{tokenizer_file} is missing: the server needs the model's tokenizer")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    eos, eos_id = end_of_text(tokenizer)
+    # a run that started from a Hugging Face model stops where that model stops
+    origin = tokenizer_dir / SOURCE_DIR if (tokenizer_dir / SOURCE_DIR).is_dir() else tokenizer_dir
+    eos, eos_ids = end_tokens(origin, tokenizer)
     model = model.to(device=device, dtype=dtype)
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
-    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_id, eos, template_of(tokenizer_dir))
+    template = (
+        template_of(tokenizer_dir)
+        if tokenizer_dir == origin or (tokenizer_dir / TEMPLATE_FILE).is_file()
+        else template_of(origin)
+    )
+    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_ids, eos, template)

@@ -166,7 +166,7 @@ def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
     with torch.no_grad():
         for p in base.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.ndim > 1 else torch.ones(p.shape))
-    cos, sin = precompute_rope(args.head_dim, seq_len, args.rope_theta)
+    cos, sin = precompute_rope(args, seq_len)
     x = torch.randn(sequences, seq_len, args.dim, generator=gen)
     head_weight = torch.randn(args.padded_vocab_size, args.dim, generator=gen) * 0.02
 

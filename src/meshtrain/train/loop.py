@@ -26,6 +26,7 @@ from meshtrain.data.chat import TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_tflops
+from meshtrain.interop.hf import keep_source_files
 from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
@@ -89,6 +90,8 @@ def announce(s: TrainState) -> None:
     copy_file(s.dataset.tokenizer_path, run_dir / "tokenizer.json")
     if s.dataset.template_path:  # chat data: serve and export render prompts as the model learned them
         copy_file(s.dataset.template_path, run_dir / TEMPLATE_FILE)
+    if s.cfg.model.init_from:  # the pretrained model's config, tokenizer files and end tokens, for export
+        keep_source_files(s.cfg.model.init_from.removeprefix("hf:"), run_dir)
     log.info(
         f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
         f"({s.dims.describe()}) | {s.device.type} {s.arithmetic.name} | global batch {t.global_batch_size} x "

@@ -28,9 +28,19 @@ GIB = 2**30
 def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
     """The model's shape: the preset, or a Hugging Face directory's config.json, with the overrides."""
     if cfg.model.init_from:
+        from meshtrain.config.checks import SHAPE_KEYS
+        from meshtrain.errors import ConfigError
         from meshtrain.interop.hf import hf_model_args
 
-        return cfg.model_args(base=hf_model_args(cfg.model.init_from.removeprefix("hf:")))
+        base = hf_model_args(cfg.model.init_from.removeprefix("hf:"))
+        for key in SHAPE_KEYS:  # its weights have this shape: a key that says otherwise cannot hold
+            value, theirs = getattr(cfg.model, key), base.head_size if key == "head_dim" else getattr(base, key)
+            if value is not None and value != theirs:
+                raise ConfigError(
+                    f"model.{key} = {value} but model.init_from's config.json has {theirs}: drop "
+                    f"model.{key} (the pretrained weights fix it; only max_seq_len and vocab_multiple may change)"
+                )
+        return cfg.model_args(base=base)
     return cfg.model_args(data_vocab_size)
 
 

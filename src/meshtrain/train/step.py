@@ -30,6 +30,7 @@ from meshtrain.optim import local_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel
 from meshtrain.parallel.data_parallel import average_gradients
 from meshtrain.parallel.grads import global_grad_norm
+from meshtrain.parallel.pipeline import sum_tied_gradients
 from meshtrain.train.watchdog import phase
 
 
@@ -75,6 +76,8 @@ def forward_backward(
         loss = pipeline_loss(model, inputs, targets, device, train=True, scale=scale)
         if model.grad_average_group is not None:
             average_gradients(model.parameters(), model.grad_average_group)
+        if model.ties_across_stages:
+            sum_tied_gradients(model.parts, model.tied_group)
         return loss
     (part,) = model.parts
     chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
@@ -116,7 +119,7 @@ def train_step(
         scale = loss_scale(targets, n_targets, layout.dp)
         loss = forward_backward(model, inputs, targets, layout.micro_batch_size, device, scale)
     phase("optimizer")
-    grad_norm = global_grad_norm(model.parameters(), pp_group)
+    grad_norm = global_grad_norm(model.distinct_parameters(), pp_group)
     skipped = (~torch.isfinite(grad_norm)).float()
     adamw = local_optimizer(optimizer)
     adamw.found_inf = skipped

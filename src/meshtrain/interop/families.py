@@ -1,0 +1,248 @@
+"""Hugging Face `config.json` <-> ModelArgs for the dense decoder families meshtrain imports and
+exports: llama (1, 2, 3, 3.1, 3.2, 3.3), mistral, qwen2 (Qwen2, Qwen2.5) and qwen3.
+
+Every field of a config.json is one of three kinds, and a field of none of them is refused by name:
+- it sets the computation and is read into ModelArgs (sizes, RoPE and its scaling, biases, norms);
+- it must have the value meshtrain computes with (hidden_act silu, no attention dropout, no active
+  sliding window, no quantization), and any other value is refused by name with the fix;
+- it does not change the computation (token ids, dtype, initializer range, transformers_version).
+Both RoPE spellings are read: transformers 5's `rope_parameters` and 4's `rope_theta` + `rope_scaling`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.model.family import FAMILIES, inexpressible
+from meshtrain.model.llama import ModelArgs
+from meshtrain.model.rope import ROPE_TYPES
+
+COMMON = frozenset(
+    {
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "head_dim",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "hidden_act",
+        "attention_dropout",
+    }
+)
+# Fields that do not change what the model computes from its weights.
+METADATA = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "initializer_range",
+        "use_cache",
+        "pretraining_tp",  # Llama 2's sliced matmuls: the same products, summed in another order
+        "_name_or_path",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "tokenizer_class",
+    }
+)
+ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
+}
+DEFAULT_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' defaults
+
+
+def refuse(where: str, message: str) -> MeshtrainError:
+    return MeshtrainError(f"{where}: {message}")
+
+
+def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
+    """The ModelArgs of a config.json, or the one-line reason meshtrain cannot compute it exactly."""
+    family_name = c.get("model_type")
+    family = FAMILIES.get(family_name)
+    if family is None:
+        raise refuse(
+            where,
+            f"model_type {family_name!r} is not a family meshtrain imports ({', '.join(FAMILIES)}; "
+            "mixture-of-experts, multimodal and sliding-window-only models are not supported)",
+        )
+    if "quantization_config" in c:
+        method = (c["quantization_config"] or {}).get("quant_method", "?")
+        raise refuse(where, f"quantization_config: the weights are quantized ({method}); import the unquantized model")
+    unknown = sorted(set(c) - COMMON - METADATA - family.fields)
+    if unknown:
+        raise refuse(
+            where,
+            f"{', '.join(unknown)}: not a {family_name} field meshtrain knows, so it may change the computation; "
+            "remove it from config.json if it does not",
+        )
+    if c.get("hidden_act", "silu") != "silu":
+        raise refuse(where, f"hidden_act {c['hidden_act']!r}: meshtrain's MLP is SwiGLU (silu)")
+    if c.get("attention_dropout", 0.0):
+        raise refuse(where, f"attention_dropout {c['attention_dropout']}: set it to 0.0 (meshtrain has no dropout)")
+    max_positions = c.get("max_position_embeddings", DEFAULT_POSITIONS[family_name])
+    _check_sliding_window(c, family_name, max_positions, where)
+    theta, scaling = read_rope(c, max_positions, where)
+    n_heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or (128 if family_name == "qwen3" else None)  # Qwen3Config's default
+    bias = c.get("attention_bias", False)
+    return ModelArgs(
+        dim=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=c.get("num_key_value_heads") or n_heads,
+        ffn_dim=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        max_seq_len=max_positions,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=c.get("tie_word_embeddings", False),
+        head_dim=head_dim if head_dim and head_dim != c["hidden_size"] // n_heads else None,
+        qkv_bias=family.qkv_bias if family.qkv_bias is not None else bias,
+        out_bias=bias if family.qkv_bias is None else False,
+        mlp_bias=c.get("mlp_bias", False),
+        qk_norm=family.qk_norm,
+        family=family_name,
+        vocab_multiple=vocab_multiple,
+    )
+
+
+def _check_sliding_window(c: dict, family: str, max_positions: int, where: str) -> None:
+    """meshtrain attends over the whole sequence: a window shorter than the model's context is refused."""
+    if family in ("qwen2", "qwen3"):
+        if c.get("use_sliding_window"):
+            raise refuse(
+                where, "use_sliding_window is true: meshtrain attends over the whole sequence; set it to false"
+            )
+        layer_types = c.get("layer_types") or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise refuse(where, "layer_types has sliding_attention layers: meshtrain attends over the whole sequence")
+        return
+    window = c.get("sliding_window")
+    if window is not None and window < max_positions:
+        raise refuse(
+            where,
+            f"sliding_window {window} is shorter than max_position_embeddings {max_positions}: meshtrain attends "
+            f"over the whole sequence; set sliding_window to null (exact for sequences up to {window} tokens)",
+        )
+
+
+def read_rope(c: dict, max_positions: int, where: str) -> tuple[float, dict | None]:
+    """(theta, scaling dict as model/rope.py reads it, or None) from either spelling."""
+    modern, legacy = c.get("rope_parameters"), c.get("rope_scaling")
+    if modern and legacy and {k: v for k, v in modern.items() if k != "rope_theta"} != legacy:
+        raise refuse(where, "rope_parameters and rope_scaling disagree: keep one of them")
+    params = dict(modern or legacy or {})
+    if "rope_theta" in params and "rope_theta" in c and float(params["rope_theta"]) != float(c["rope_theta"]):
+        raise refuse(where, "rope_theta and rope_parameters.rope_theta disagree: keep one of them")
+    theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    kind = params.pop("rope_type", None) or params.get("type") or "default"
+    params.pop("type", None)
+    if params.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise refuse(where, "partial_rotary_factor: meshtrain rotates the whole head")
+    if kind not in ROPE_TYPES:
+        raise refuse(
+            where,
+            f"rope_type {kind!r} is not supported (use one of {', '.join(ROPE_TYPES)}); dynamic and "
+            "longrope rescale with the sequence at run time",
+        )
+    unknown = sorted(set(params) - ROPE_KEYS[kind])
+    if unknown:
+        raise refuse(where, f"{', '.join(unknown)}: not a parameter of rope_type {kind!r}")
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", max_positions)
+    missing = {"linear": ["factor"], "llama3": sorted(ROPE_KEYS["llama3"]), "yarn": ["factor"]}[kind]
+    if any(params.get(key) is None for key in missing):
+        raise refuse(where, f"rope_type {kind!r} needs {', '.join(missing)}")
+    return theta, {"rope_type": kind, **params}
+
+
+def args_to_config(args: ModelArgs, dtype: str, bos_id: int | None, eos_ids: list[int]) -> dict:
+    """The config.json of a family's model (transformers 4's RoPE spelling, which 4 and 5, vLLM and
+    SGLang all read), or the one-line reason the family cannot express these args."""
+    family = FAMILIES.get(args.family)
+    if family is None:
+        raise MeshtrainError(f"model family {args.family!r} has no Hugging Face export ({', '.join(FAMILIES)})")
+    problem = inexpressible(args)
+    if problem:
+        raise MeshtrainError(f"a {args.family} config.json cannot express this model: {problem}")
+    eos = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
+    c = {
+        "architectures": [family.architecture],
+        "model_type": args.family,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": dict(args.rope_scaling) if args.rope_scaling else None,
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if args.family in ("llama", "qwen3"):
+        c["attention_bias"] = args.out_bias
+    if args.family == "llama":
+        c["mlp_bias"] = args.mlp_bias
+    if args.family == "mistral":
+        c["sliding_window"] = None
+    if args.family in ("qwen2", "qwen3"):
+        c |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers}
+    return c
+
+
+def same_model(a: ModelArgs, b: ModelArgs) -> bool:
+    """Equal in everything the config.json says (not meshtrain's vocabulary padding; a head dimension
+    of dim / n_heads whether it is written or not)."""
+
+    def canonical(args: ModelArgs) -> ModelArgs:
+        return dataclasses.replace(args, vocab_multiple=0, head_dim=args.head_size)
+
+    return canonical(a) == canonical(b)
+
+
+def export_config(args: ModelArgs, source: dict | None, dtype: str, bos_id: int | None, eos_ids: list[int]) -> dict:
+    """An imported model's own config.json where the run kept its computation (a fine-tune), so that
+    import -> export gives the same file; a fresh one otherwise, with the source's token ids."""
+    if source is not None and same_model(config_to_args(source, "config.json"), args):
+        return {**source, **{key: dtype for key in ("torch_dtype", "dtype") if key in source}}
+    fresh = args_to_config(args, dtype, bos_id, eos_ids)
+    if source is not None:
+        fresh |= {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
+    return fresh

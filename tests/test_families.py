@@ -1,0 +1,275 @@
+"""The model families people fine-tune, in and out of the Hugging Face format: for every variant
+that changes the math (RoPE scalings, biases, a separate head dimension, tied embeddings, Qwen3's
+q/k norms; fp32, bf16 and fp16 on disk; one file or two with an index), logits equal to
+transformers' on one process and on TP 2, PP 2 and ZeRO-3, greedy decoding equal to transformers'
+`generate`, import -> export bitwise, and every field meshtrain cannot compute refused by name."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_families import VARIANTS, assert_close_logits, hf_logits, make_model, probe_tokens
+from safetensors.torch import load_file
+
+from conftest import assert_user_error, read_metrics, run_cli, train_args
+from meshtrain.errors import MeshtrainError
+from meshtrain.interop import export_hf, hf_model_args, load_hf_weights
+from meshtrain.interop.families import args_to_config, config_to_args, same_model
+from meshtrain.interop.hf import end_tokens, keep_source_files, load_full_model
+from meshtrain.interop.weights import save_model
+from meshtrain.model import PRESETS, Llama
+from meshtrain.serve.engine import Engine, SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def models(corpus, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_model(name, root / name, corpus / "tokenizer.json") for name in VARIANTS}
+
+
+def imported(directory: Path) -> Llama:
+    args = hf_model_args(directory)
+    model = Llama(args)
+    model.init_weights(seed=1)  # every weight is then overwritten by the import
+    load_hf_weights([model], directory, args)
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_equal_transformers(variant, models):
+    tokens = probe_tokens()
+    with torch.no_grad():
+        ours = imported(models[variant])(tokens)
+    assert_close_logits(ours, hf_logits(models[variant], tokens))
+
+
+@pytest.mark.multiproc
+def test_tp_pp_and_zero3_imports_give_transformers_logits(models, cli_env, tmp_path):
+    """One launch of 2 processes builds every layout for one model of each family (the two-file
+    bf16 Llama 3.1, fp16 Mistral, a tied Qwen2, Qwen3 with biases and q/k norms) with the trainer's
+    own build and import; the pipeline's second stage holds the logits."""
+    chosen = ["llama3.1", "mistral", "qwen2-tied", "qwen3-bias"]
+    worker = Path(__file__).parent / "hf_layouts_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)]
+    result = subprocess.run(
+        [*cmd, str(tmp_path), *(str(models[name]) for name in chosen)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens = probe_tokens()
+    for name in chosen:
+        theirs = hf_logits(models[name], tokens)
+        for layout in ("tp2", "pp2", "zero3"):
+            assert_close_logits(torch.load(tmp_path / f"{name}-{layout}.pt"), theirs)
+
+
+def greedy(directory: Path, prompt: list[int], n: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    model, tokenizer = imported(directory), Tokenizer.from_file(str(directory / "tokenizer.json"))
+    engine = Engine(model, tokenizer, eos_ids=None, max_batch=1, max_context=model.args.max_seq_len)
+    try:
+        _, _, request = engine.complete(prompt, SamplingParams(max_tokens=n, temperature=0.0))
+    finally:
+        engine.close()
+    return request.generated
+
+
+@pytest.mark.parametrize("variant", ["llama3.1", "llama-biases-head-dim", "mistral", "qwen2.5-yarn", "qwen3-tied"])
+def test_greedy_decoding_equals_transformers_generate(variant, models):
+    """The serving engine (KV cache, continuous batching) against transformers' generate."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = probe_tokens()[0, :20].tolist()
+    hf = AutoModelForCausalLM.from_pretrained(models[variant], local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    assert greedy(models[variant], prompt, 24) == theirs[0, 20:].tolist()
+
+
+def test_meshtrain_generate_stops_where_transformers_does(models, cli_env):
+    """`meshtrain generate DIR` on a Hugging Face directory: the model's tokenizer, greedy, and the
+    model's own end token, against transformers with the same end token."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    directory = models["qwen3-tied"]
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    prompt = "def main():\n    return"
+    ids = tokenizer.encode(prompt).ids
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    expected = [t for t in out[0, len(ids) :].tolist() if t != eos]
+    result = run_cli(
+        ["generate", str(directory), "--prompt", prompt, "--temperature", "0", "--max-tokens", "20", "--device", "cpu"],
+        cli_env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.rstrip("\n") == prompt + tokenizer.decode(expected)
+
+
+def test_end_tokens_are_every_id_the_model_names(models, tmp_path):
+    """Llama 3 instruct: generation_config.json's eos_token_id is a list (<|eot_id|>, <|end_of_text|>)."""
+    from tokenizers import Tokenizer
+
+    directory = models["llama2"]
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 11}))
+    token, ids = end_tokens(tmp_path, tokenizer)
+    assert token == "<|endoftext|>" and ids == [7, 9, 11, tokenizer.token_to_id("<|endoftext|>")]
+    engine = Engine(imported(directory), tokenizer, ids, max_batch=1, max_context=64)
+    try:
+        assert engine.eos_ids == {7, 9, 11, tokenizer.token_to_id("<|endoftext|>")}
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_import_then_export_is_bitwise_and_transformers_reads_it(variant, models, tmp_path):
+    """A run's final weights of an imported model, exported: the same tensors in the same dtype, the
+    same config.json, and transformers' logits from the export equal meshtrain's."""
+    source = models[variant]
+    model = imported(source)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_model(model.state_dict(), model.args, run_dir)
+    (run_dir / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    keep_source_files(source, run_dir)
+    out = export_hf(run_dir, tmp_path / "export")
+
+    assert json.loads((out / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    theirs, ours = read_weights(source), read_weights(out)
+    assert theirs.keys() == ours.keys()
+    assert all(theirs[k].dtype == ours[k].dtype and torch.equal(theirs[k], ours[k]) for k in theirs)
+    tokens = probe_tokens()
+    with torch.no_grad():
+        assert_close_logits(load_full_model(run_dir)[0](tokens), hf_logits(out, tokens))
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_a_model_trained_from_scratch_exports_as_its_family(corpus, cli_env, tmp_path):
+    """Qwen3's options on meshtrain's own model (q/k norms, a separate head dimension) write a
+    Qwen3 directory that transformers computes the same logits from."""
+    run = tmp_path / "run"
+    args = ["--model.family", "qwen3", "--model.qk_norm", "true", "--model.head_dim", "32", "--training.steps", "2"]
+    result = run_cli(train_args(corpus, run, *args), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = export_hf(run, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 32
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # two steps from a fresh start: small logits
+        assert_close_logits(load_full_model(run)[0](tokens), hf_logits(out, tokens), min_scale=0.1)
+
+
+@pytest.mark.multiproc
+def test_fine_tuning_an_imported_model_exports_its_own_config(models, corpus, cli_env, tmp_path):
+    """Train from a Qwen3 directory under TP 2, export: the model's own config.json and tokenizer
+    files come back, and the first loss is the imported model's (not a fresh one's ~6.2)."""
+    source = models["qwen3-tied"]
+    run = tmp_path / "run"
+    result = run_cli(
+        train_args(corpus, run, "--model.init_from", f"hf:{source}", "--nproc", "2", "--parallel.tp", "2", model=())
+        + ["--training.steps", "2", "--training.seq_len", "48"],
+        cli_env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = export_hf(run, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    assert (out / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
+    first = read_metrics(run)[0]["loss"]
+    batch = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = hf_logits(source, batch)
+    random_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert abs(first - random_loss) < 0.5 * random_loss  # the imported weights' loss, not ln(512) = 6.2
+    tokens = probe_tokens()
+    with torch.no_grad():
+        assert_close_logits(load_full_model(run)[0](tokens), hf_logits(out, tokens))
+
+
+REFUSALS = [
+    ("llama2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ("llama2", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters and rope_scaling disagree"),
+    ("llama2", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama3.1", {"rope_parameters": {**VARIANTS["llama3.1"][1]["rope_scaling"], "beta_fast": 32}}, "beta_fast"),
+    ("llama2", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+    ("mistral", {"sliding_window": 16}, "sliding_window 16"),
+    ("mistral", {"attention_bias": True}, "attention_bias"),
+    ("qwen2-tied", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2-tied", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("qwen3-tied", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("qwen3-tied", {"attention_dropout": 0.1}, "attention_dropout"),
+    ("qwen3-tied", {"model_type": "qwen3_moe"}, "qwen3_moe"),
+]
+
+
+@pytest.mark.parametrize("variant, change, named", REFUSALS, ids=[r[2].split()[0] for r in REFUSALS])
+def test_fields_meshtrain_cannot_compute_are_refused_by_name(variant, change, named, models, tmp_path):
+    config = json.loads((models[variant] / "config.json").read_text()) | change
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MeshtrainError, match=named.replace("(", r"\(")) as refusal:
+        hf_model_args(tmp_path)
+    assert "\n" not in str(refusal.value)
+
+
+def test_refusals_reach_the_user_in_one_line(models, corpus, cli_env, tmp_path):
+    """train, serve and generate share the import's refusal."""
+    broken = tmp_path / "mistral"
+    broken.mkdir()
+    for f in models["mistral"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    config = json.loads((broken / "config.json").read_text()) | {"sliding_window": 16}
+    (broken / "config.json").write_text(json.dumps(config))
+    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", f"hf:{broken}", model=()), cli_env)
+    assert_user_error(result, "sliding_window 16", "set sliding_window to null")
+    result = run_cli(["generate", str(broken), "--prompt", "x", "--device", "cpu"], cli_env)
+    assert_user_error(result, "sliding_window 16")
+    # a shape key that contradicts the pretrained weights; an option the family has no place for
+    args = train_args(corpus, tmp_path / "run", "--model.init_from", f"hf:{models['mistral']}", model=())
+    assert_user_error(run_cli([*args, "--model.ffn_dim", "128"], cli_env), "model.ffn_dim = 128", "has 96")
+    args = train_args(corpus, tmp_path / "run", "--model.qk_norm", "true")
+    assert_user_error(run_cli(args, cli_env), "model.family = 'llama' has no qk_norm=True")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if "." in n or n.startswith(("mistral", "qwen"))])
+def test_published_presets_are_their_family_s_config(name):
+    """Each preset written as its family's config.json reads back as itself."""
+    args = PRESETS[name]
+    config = args_to_config(args, "bfloat16", None, [])
+    assert same_model(config_to_args(json.loads(json.dumps(config)), name), args)
+
+
+def test_weights_the_config_does_not_declare_are_refused(models, tmp_path):
+    """A q_proj bias in a Llama whose config says attention_bias false would be dropped silently."""
+    from safetensors.torch import save_file
+
+    directory = tmp_path / "llama"
+    directory.mkdir()
+    for f in models["llama2"].iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    weights = load_file(directory / "model.safetensors")
+    weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(weights, directory / "model.safetensors")
+    args = hf_model_args(directory)
+    with pytest.raises(MeshtrainError, match="q_proj.bias"):
+        load_hf_weights([Llama(args)], directory, args)
