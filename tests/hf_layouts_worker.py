@@ -2,7 +2,9 @@
 layouts with the trainer's own `build` and `load_hf_weights`, and save the logits of fixed tokens.
 
 argv: OUT_DIR HF_DIR [HF_DIR ...]. For every directory and layout (TP 2, PP 2, ZeRO-3) the rank
-holding the output writes OUT_DIR/<dir name>-<layout>.pt."""
+holding the output writes OUT_DIR/<dir name>-<layout>.pt. A directory given as memory:DIR is only
+imported under ZeRO-3, and each rank writes OUT_DIR/memory-<rank>.json: the peak of its anonymous
+memory above what it held before the import (sampled every millisecond)."""
 
 from __future__ import annotations
 
@@ -43,10 +45,46 @@ def logits_of(state, tokens: torch.Tensor) -> torch.Tensor | None:
     return part(hidden)
 
 
+def anonymous_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def import_peak(state, directory: Path) -> int:
+    """The most anonymous memory the import added at any moment."""
+    import threading
+
+    before, peak, done = anonymous_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], anonymous_bytes())
+            done.wait(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    load_hf_weights(state.model.parts, directory, state.args)
+    done.set()
+    sampler.join()
+    return max(peak[0], anonymous_bytes()) - before
+
+
 def main() -> None:
+    import json
+
     out = Path(sys.argv[1])
     tokens = probe_tokens()
-    for directory in map(Path, sys.argv[2:]):
+    for arg in sys.argv[2:]:
+        if arg.startswith("memory:"):
+            directory = Path(arg.removeprefix("memory:"))
+            overrides = {"model.init_from": f"hf:{directory}", "training.seq_len": 64, "parallel.zero": 3}
+            state = build(load_config(None, {**overrides, "launch.device": "cpu"}), with_data=False)
+            peak = import_peak(state, directory)
+            (out / f"memory-{dist.get_rank()}.json").write_text(json.dumps({"peak": peak}))
+            continue
+        directory = Path(arg)
         for name, layout in LAYOUTS.items():
             overrides = {
                 "model.init_from": f"hf:{directory}",

@@ -51,17 +51,16 @@ LAYOUTS = {
         + ["--parallel.pp_schedule", "interleaved_1f1b", "--parallel.pp_virtual_stages", "2"]
         + ["--training.seq_len", "4096", "--training.global_batch_size", "512"],
     ),
-    # the other families: Qwen3's q/k norms and wide queries under TP; Llama 3.2's tied embeddings
-    # with a copy on the last pipeline stage
+    # the other families: Qwen3's q/k norms and wide queries under TP; tied embeddings (Llama 3.2,
+    # small Qwens) with the embedding's copy on the last pipeline stage
     "qwen3-32b-64": (
         64,
         [*BIG, "--model.preset", "qwen3-32b", "--parallel.tp", "8", "--parallel.zero", "3"]
         + ["--training.seq_len", "4096", "--training.global_batch_size", "64"],
     ),
-    "llama3.2-1b-pp2-tp2": (
+    "pp2-fsdp2-tp2-tied": (
         8,
-        [*BIG, "--model.preset", "llama3.2-1b", "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.zero", "3"]
-        + ["--training.seq_len", "4096", "--training.global_batch_size", "16"],
+        [*TINY, "--model.tie_embeddings", "true", "--parallel.pp", "2", "--parallel.zero", "3", "--parallel.tp", "2"],
     ),
 }
 

@@ -52,16 +52,37 @@ def test_logits_equal_transformers(variant, models):
     assert_close_logits(ours, hf_logits(models[variant], tokens))
 
 
+@pytest.fixture(scope="module")
+def larger_model(tmp_path_factory) -> Path:
+    """A 130 MB fp32 Llama whose largest tensor (the embedding) is an eighth of it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        max_position_embeddings=128,
+    )
+    out = tmp_path_factory.mktemp("larger") / "llama"
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
 @pytest.mark.multiproc
-def test_tp_pp_and_zero3_imports_give_transformers_logits(models, cli_env, tmp_path):
+def test_tp_pp_and_zero3_imports_give_transformers_logits(models, larger_model, cli_env, tmp_path):
     """One launch of 2 processes builds every layout for one model of each family (the two-file
     bf16 Llama 3.1, fp16 Mistral, a tied Qwen2, Qwen3 with biases and q/k norms) with the trainer's
-    own build and import; the pipeline's second stage holds the logits."""
+    own build and import; the pipeline's second stage holds the logits. Then each rank imports a
+    larger model under ZeRO-3 and measures its memory: its shard plus a few copies of the largest
+    tensor at most, never the whole model."""
     chosen = ["llama3.1", "mistral", "qwen2-tied", "qwen3-bias"]
     worker = Path(__file__).parent / "hf_layouts_worker.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)]
     result = subprocess.run(
-        [*cmd, str(tmp_path), *(str(models[name]) for name in chosen)],
+        [*cmd, str(tmp_path), *(str(models[name]) for name in chosen), f"memory:{larger_model}"],
         env=cli_env,
         capture_output=True,
         text=True,
@@ -73,6 +94,14 @@ def test_tp_pp_and_zero3_imports_give_transformers_logits(models, cli_env, tmp_p
         theirs = hf_logits(models[name], tokens)
         for layout in ("tp2", "pp2", "zero3"):
             assert_close_logits(torch.load(tmp_path / f"{name}-{layout}.pt"), theirs)
+    weights = read_weights(larger_model)
+    whole = sum(t.numel() * 4 for t in weights.values())
+    largest = max(t.numel() * 4 for t in weights.values())
+    for rank in (0, 1):
+        peak = json.loads((tmp_path / f"memory-{rank}.json").read_text())["peak"]
+        # the shard is allocated before the import; the import adds the tensor in flight (read,
+        # reordered for the rotation or padded, cut to this rank's rows)
+        assert peak <= 3 * largest + (8 << 20) and peak < whole / 2, (peak, largest, whole)
 
 
 def greedy(directory: Path, prompt: list[int], n: int) -> list[int]:
@@ -123,18 +152,26 @@ def test_meshtrain_generate_stops_where_transformers_does(models, cli_env):
 
 
 def test_end_tokens_are_every_id_the_model_names(models, tmp_path):
-    """Llama 3 instruct: generation_config.json's eos_token_id is a list (<|eot_id|>, <|end_of_text|>)."""
+    """Llama 3 instruct: generation_config.json's eos_token_id is a list (<|eot_id|>, <|end_of_text|>),
+    and tokenizer_config.json's eos_token (what chat templates render and data prepare ends turns
+    with) may be another token than the tokenizer's end of text."""
     from tokenizers import Tokenizer
+
+    from meshtrain.data.tokenizer import end_of_text
 
     directory = models["llama2"]
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    turn_end = tokenizer.id_to_token(300)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 11}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": turn_end}}))
     token, ids = end_tokens(tmp_path, tokenizer)
-    assert token == "<|endoftext|>" and ids == [7, 9, 11, tokenizer.token_to_id("<|endoftext|>")]
+    assert token == turn_end and ids == [7, 9, 11, 300]
+    assert end_of_text(tokenizer, tmp_path) == (turn_end, 300)
+    assert end_of_text(tokenizer) == ("<|endoftext|>", tokenizer.token_to_id("<|endoftext|>"))
     engine = Engine(imported(directory), tokenizer, ids, max_batch=1, max_context=64)
     try:
-        assert engine.eos_ids == {7, 9, 11, tokenizer.token_to_id("<|endoftext|>")}
+        assert engine.eos_ids == {7, 9, 11, 300}
     finally:
         engine.close()
 

@@ -347,7 +347,7 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
         "format": "chat" if job.chat else "text",
         "dtype": job.dtype,
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-        "eos_id": end_of_text(tok)[1],
+        "eos_id": job.eos_id,
         "tokenizer": "tokenizer.json",
         "tokenizer_sha256": hashlib.sha256((work / "tokenizer.json").read_bytes()).hexdigest(),
         "tokenizer_fingerprint": tokenizer_fingerprint(work / "tokenizer.json"),
@@ -420,7 +420,7 @@ def prepare(
         tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes, bool(chat))
         tok = load_tokenizer(tok_path)
         resolved = resolve_dtype(dtype, tok.get_vocab_size(with_added_tokens=True))
-        eos_token, eos_id = end_of_text(tok)
+        eos_token, eos_id = end_of_text(tok, Path(tokenizer).parent if tokenizer else None)
         if chat:
             atomic_write(work / TEMPLATE_FILE, lambda tmp: tmp.write_text(chat.template))
         return units, UnitJob(str(work), str(tok_path), text_field, val_fraction, resolved, eos_id, chat, eos_token)

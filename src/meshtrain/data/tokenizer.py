@@ -20,10 +20,21 @@ TAIL_CHARS = 1 << 12  # the end of a window, whose tokens may change once the te
 CHECK_CHARS = 1 << 14  # how far a cut's tokens are compared with the window's own
 
 
-def end_of_text(tokenizer) -> tuple[str | None, int | None]:
-    """The tokenizer's end-of-text token and id (meshtrain's, Llama 3's, SentencePiece's, Gemma's),
-    or (None, None). The one place that decides it: data prepare separates documents with it,
-    training's sample, `generate` and `serve` stop on it, export names it."""
+def end_of_text(tokenizer, directory: Path | None = None) -> tuple[str | None, int | None]:
+    """The tokenizer's end-of-text token and id, or (None, None): the `eos_token` of the
+    tokenizer_config.json beside it where there is one (a Hugging Face model's: Qwen2.5-Instruct's
+    <|im_end|>, Llama 3 instruct's <|eot_id|>), else meshtrain's, Llama 3's, SentencePiece's or Gemma's.
+    The one place that decides it: data prepare separates documents with it and ends chat turns at
+    it, training's sample, `generate` and `serve` stop on it, export names it."""
+    config = Path(directory, "tokenizer_config.json") if directory is not None else None
+    if config is not None and config.is_file():
+        try:
+            token = json.loads(config.read_text()).get("eos_token")
+        except (json.JSONDecodeError, AttributeError):
+            raise DataError(f"{config} is not a JSON object: fix or remove it") from None
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+            return token, tokenizer.token_to_id(token)
     token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
     return token, tokenizer.token_to_id(token) if token else None
 

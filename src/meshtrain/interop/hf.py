@@ -180,14 +180,9 @@ def end_tokens(directory: Path, tokenizer) -> tuple[str | None, list[int]]:
     for name in ("generation_config.json", "config.json"):
         value = _read_json(directory / name).get("eos_token_id")
         ids += [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
-    token = _read_json(directory / "tokenizer_config.json").get("eos_token")
-    token = token.get("content") if isinstance(token, dict) else token
-    fallback, fallback_id = end_of_text(tokenizer)
-    token = token if token and tokenizer.token_to_id(token) is not None else fallback
-    if token is not None:
-        ids.append(tokenizer.token_to_id(token))
-    elif fallback_id is not None:
-        ids.append(fallback_id)
+    token, token_id = end_of_text(tokenizer, directory)
+    if token_id is not None:
+        ids.append(token_id)
     return token, list(dict.fromkeys(ids))
 
 

@@ -64,6 +64,8 @@ class ParallelModel:
     def distinct_parameters(self) -> list[torch.Tensor]:
         """The parameters without a tied embedding's copy on the last stage: what the gradient norm
         counts, so that the matrix counts once, as on one process."""
+        if not self.ties_across_stages:
+            return self.parameters()
         copies = {id(part.output.weight) for part in self.parts if tied_output(part)}
         return [p for p in self.parameters() if id(p) not in copies]
 
