@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
 from meshtrain.hardware import device_peak_tflops, mfu_peak_tflops
-from meshtrain.interop.hf import hf_config
+from meshtrain.interop.families import args_to_config
 from meshtrain.model.shapes import Shape
 from meshtrain.train import build
 from meshtrain.train.arithmetic import resolve
@@ -81,7 +81,8 @@ def hf_step(args, dtype: str, fused: bool, batch: tuple, dev: torch.device, comp
     whole model under torch.compile)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{k: v for k, v in hf_config(args, None).items() if k not in ("architectures", "model_type")})
+    exported = args_to_config(args, "float32", None, [])
+    config = LlamaConfig(**{k: v for k, v in exported.items() if k not in ("architectures", "model_type")})
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(dev)
     forward = torch.compile(model) if compiled else model
