@@ -310,3 +310,22 @@ def test_weights_the_config_does_not_declare_are_refused(models, tmp_path):
     args = hf_model_args(directory)
     with pytest.raises(MeshtrainError, match="q_proj.bias"):
         load_hf_weights([Llama(args)], directory, args)
+
+
+def test_a_long_context_model_is_served_with_a_bounded_cache(models, tmp_path):
+    """A 128K-context import (Llama 3.1, Qwen 2.5) served without --max-context: the KV cache is
+    sized for 8192 tokens a slot, not the model's longest (hundreds of GiB at a real size)."""
+    from meshtrain.serve import load_engine
+
+    directory = tmp_path / "long"
+    directory.mkdir()
+    for f in models["qwen3-tied"].iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    config = json.loads((directory / "config.json").read_text()) | {"max_position_embeddings": 131072}
+    (directory / "config.json").write_text(json.dumps(config))
+    served, engine = load_engine(str(directory), max_batch=2, device="cpu")
+    try:
+        assert served.model.args.max_seq_len == 131072 and engine.max_context == 8192
+        assert engine.cache.k[0].shape[2] == 8192
+    finally:
+        engine.close()

@@ -26,7 +26,8 @@ class ServeOptions:
     max_batch: int = option(16, ge=1)
     """Requests decoded together (KV-cache slots)."""
     max_context: int | None = option(None, ge=1)
-    """Prompt + completion tokens (default: the model's max_seq_len)."""
+    """Prompt + completion tokens per request (default: the model's max_seq_len, at most 8192: the KV
+    cache holds max-batch x this many tokens)."""
     device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
     """auto: CUDA where there is a GPU, else the CPU (launch.device)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"

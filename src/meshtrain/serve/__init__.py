@@ -26,6 +26,9 @@ __all__ = [
 ]
 
 
+DEFAULT_CONTEXT = 8192  # serve/generate without --max-context: the model's max_seq_len up to this
+
+
 def load_engine(
     source: str, max_batch: int = 16, max_context: int | None = None, device: str = "auto", dtype: str = "auto"
 ) -> tuple[ServedModel, Engine]:
@@ -41,7 +44,10 @@ def load_engine(
     limit = served.model.args.max_seq_len
     if max_context is not None and not 2 <= max_context <= limit:
         raise MeshtrainError(f"--max-context {max_context} must be between 2 and the model's max_seq_len ({limit})")
-    return served, Engine(served.model, served.tokenizer, served.eos_ids, max_batch, max_context or limit)
+    # the KV cache holds max_batch x max_context tokens: a 128K-context model's full length would
+    # take hundreds of GiB at 16 slots, so the default stops at DEFAULT_CONTEXT
+    context = max_context or min(limit, DEFAULT_CONTEXT)
+    return served, Engine(served.model, served.tokenizer, served.eos_ids, max_batch, context)
 
 
 def serve(
@@ -136,11 +142,10 @@ def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: st
     model.load_state_dict(state, strict=False)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     ids = tokenizer.encode(prompt).ids[-(args.max_seq_len - 1) :]
-    engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, args.max_seq_len)
+    context = min(args.max_seq_len, len(ids) + max_tokens)  # a cache for this sample, not the model's longest
+    engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, context)
     try:
-        text, _, _ = engine.complete(
-            ids, SamplingParams(min(max_tokens, args.max_seq_len - len(ids)), 0.8, 1.0, 50, [], 0)
-        )
+        text, _, _ = engine.complete(ids, SamplingParams(context - len(ids), 0.8, 1.0, 50, [], 0))
     finally:
         engine.close()
     return prompt + text
