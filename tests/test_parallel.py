@@ -248,3 +248,19 @@ def test_tied_embeddings_across_pipeline_stages_match_one_process(name, referenc
     nproc, extra = TIED_LAYOUTS[name]
     launch(corpus, cli_env, tmp_path, nproc, [*TIED, *extra])
     assert_same_run(tmp_path, reference_run(*LAYOUT_MODEL, *TIED))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "first, then",
+    [((None, []), TIED_LAYOUTS["pp2-1f1b"]), (TIED_LAYOUTS["pp2-zbv"], (None, []))],
+    ids=["single-to-pp2", "pp2-zbv-to-single"],
+)
+def test_tied_embeddings_reshard_between_pipeline_and_none(first, then, reference_run, corpus, cli_env, tmp_path):
+    """A checkpoint without a pipeline holds one optimizer state for the tied matrix; a pipeline's
+    last stage loads its copy's from it (and a pipeline's checkpoint loads without one): resumed
+    runs equal the uninterrupted single process."""
+    stop = ["--checkpoint.every", "5"]
+    launch(corpus, cli_env, tmp_path, first[0], [*TIED, *first[1], *stop, "--training.stop_at_step", "5"])
+    launch(corpus, cli_env, tmp_path, then[0], [*TIED, *then[1], *stop])
+    assert_same_run(tmp_path, reference_run(*LAYOUT_MODEL, *TIED))

@@ -312,10 +312,19 @@ class Checkpointer:
                 "model config or checkpoint.resume = none"
             )
         state = self._state()
+        own_groups = [list(group["params"]) for group in state["optim"].get("param_groups", [])]
+        restore_tied = _load_tied_copy_from_embedding(state, path)
         try:
             dcp.load(state, checkpoint_id=str(path))
         except Exception as e:  # DCP wraps per-rank failures; keep the first line of the cause
             raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).strip().splitlines()[0]}") from None
+        restore_tied()
+        loaded_groups = state["optim"].get("param_groups", [])
+        if len(loaded_groups) == len(own_groups):
+            # A pipeline's checkpoint holds one stage's parameter names; this optimizer's own names
+            # map the states (a tied matrix, one parameter with two names, is found by them only).
+            for group, names in zip(loaded_groups, own_groups):
+                group["params"] = names
         # Hyperparameters come from the config (and the LR from the schedule's state), not the
         # checkpoint: DCP does not always bring back a pipeline stage's param-group options.
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -337,6 +346,33 @@ class Checkpointer:
             set_rng_state(json.loads(own.read_text()))
         elif self.rank == 0:
             log.info(f"random generators not restored: {path} was saved by {saved_world} ranks, this run has {world}")
+
+
+def _load_tied_copy_from_embedding(state: dict, path: Path):
+    """Tied embeddings saved without a pipeline have one optimizer state, the embedding's; a
+    pipeline's last stage keeps a copy of the matrix as output.weight, whose state is loaded from
+    the embedding's. Renames the copy's entry before the load; returns what puts it back after."""
+    optim_state = state["optim"].get("state", {})
+    if "output.weight" not in optim_state:
+        return lambda: None
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if any(key.startswith("optim.state.output.weight.") for key in saved):
+        return lambda: None
+    copy = optim_state.pop("output.weight")
+    if "tok_embeddings.weight" in optim_state:  # this rank holds both stages (zbv): one load, two states
+
+        def restore() -> None:
+            for name, value in optim_state["tok_embeddings.weight"].items():
+                copy[name] = value.clone() if isinstance(value, torch.Tensor) else value
+            optim_state["output.weight"] = copy
+
+        return restore
+    optim_state["tok_embeddings.weight"] = copy
+
+    def rename_back() -> None:
+        optim_state["output.weight"] = optim_state.pop("tok_embeddings.weight")
+
+    return rename_back
 
 
 def _root_cause(e: BaseException) -> BaseException:
