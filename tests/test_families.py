@@ -256,6 +256,8 @@ REFUSALS = [
     ("qwen3-tied", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("qwen3-tied", {"attention_dropout": 0.1}, "attention_dropout"),
     ("qwen3-tied", {"model_type": "qwen3_moe"}, "qwen3_moe"),
+    ("qwen3-tied", {"intermediate_size": "96"}, "intermediate_size is '96'"),
+    ("llama2", {"unknown_knob": 1}, "unknown_knob: not a llama field"),
 ]
 
 

@@ -73,6 +73,7 @@ ROPE_KEYS = {
         "truncate",
     },
 }
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 DEFAULT_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' defaults
 
 
@@ -100,6 +101,11 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
             f"{', '.join(unknown)}: not a {family_name} field meshtrain knows, so it may change the computation; "
             "remove it from config.json if it does not",
         )
+    for key in REQUIRED:
+        if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] <= 0:
+            raise refuse(
+                where, f"{key} is {'missing' if key not in c else repr(c[key])}: it must be a positive integer"
+            )
     if c.get("hidden_act", "silu") != "silu":
         raise refuse(where, f"hidden_act {c['hidden_act']!r}: meshtrain's MLP is SwiGLU (silu)")
     if c.get("attention_dropout", 0.0):
