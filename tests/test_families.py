@@ -215,6 +215,9 @@ def test_a_model_trained_from_scratch_exports_as_its_family(corpus, cli_env, tmp
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # two steps from a fresh start: small logits
         assert_close_logits(load_full_model(run)[0](tokens), hf_logits(out, tokens), min_scale=0.1)
+    half = export_hf(run, tmp_path / "bf16", dtype="bf16")  # `meshtrain export --dtype bf16`
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in read_weights(half).values()} == {torch.bfloat16}
 
 
 @pytest.mark.multiproc

@@ -179,7 +179,6 @@ def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_
             ["--parallel.pp", "2", "--training.micro_batch_size", "16"],
             "needs at least parallel.pp (2) micro-batches",
         ),
-        (2, ["--parallel.pp", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
         (2, ["--parallel.zero", "5"], "parallel.zero = 5"),
         (2, ["--parallel.tp", "2", "--parallel.zero", "3", "--model.vocab_multiple", "3"], "vocab_multiple (3)"),
     ],

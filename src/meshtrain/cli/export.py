@@ -18,8 +18,8 @@ class ExportOptions:
     """Output directory."""
     max_shard_size: int = option(5 << 30, parse=parse_size)
     """Split the safetensors above this size (default 5G)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights' dtype on disk; auto: the dtype of the Hugging Face model the run started from, else float32."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Weights' dtype on disk; auto: the dtype of the Hugging Face model the run started from, else fp32."""
 
 
 def add_parser(sub) -> None:

@@ -59,6 +59,7 @@ SOURCE_FILES = (
 )
 SOURCE_DIR = "hf_source"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # meshtrain's names -> config.json's
 
 
 def pairs_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -215,8 +216,9 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     source_config = _read_json(origin / "config.json") or None
     if dtype == "auto":
         dtype = (source_config or {}).get("torch_dtype") or (source_config or {}).get("dtype") or "float32"
+    dtype = SHORT_DTYPES.get(dtype, dtype)
     if dtype not in TORCH_DTYPES:
-        raise MeshtrainError(f"export dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
+        raise MeshtrainError(f"export dtype {dtype!r}: use auto, {', '.join(SHORT_DTYPES)}")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eos, eos_ids = end_tokens(origin if origin.is_dir() else run_dir, tokenizer)
     bos_id = (source_config or {}).get("bos_token_id", eos_ids[0] if eos_ids else None)
