@@ -4,6 +4,8 @@ A checkpoint is a directory `<checkpoint.dir>/step_00000006/`:
   .metadata, __<rank>_0.distcp   DCP: model and optimizer, keyed by parameter name (so any layout
                                  can load what any other layout saved)
   train_state.json               step, data-loader position, LR schedule, RNG, layout, model shape
+                                 (LoRA: the adapters' settings and the base they belong to; only
+                                 the adapters are in the shards)
   COMMITTED.json                 written last, once every rank has finished: step, layout, the size
                                  and CRC-32 of every file (each rank checksums the shards it wrote)
 A directory without COMMITTED.json is an interrupted save, and one whose files no longer match their
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshtrain.errors import CheckpointError
 from meshtrain.files import FIXES, ensure_room, write_json
@@ -210,9 +212,12 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
         self.use_async = use_async
         self.pending = None
+        # LoRA: the frozen base is not saved (it is the model the run started from); the adapters are.
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
 
     def _state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self, step: int, train_state: dict, blocking: bool = False) -> None:
@@ -328,7 +333,13 @@ class Checkpointer:
         # Hyperparameters come from the config (and the LR from the schedule's state), not the
         # checkpoint: DCP does not always bring back a pipeline stage's param-group options.
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self.options,
+        )
         for group, options in zip(self.optimizer.param_groups, hyper):
             group.update(options)
         self._load_rng(path, train_state)

@@ -31,8 +31,30 @@ def check_across_keys(cfg: Config) -> None:
             f"parallel.pp_microbatches = {cfg.parallel.pp_microbatches} is the pipeline schedule's micro-batch count: "
             "it needs parallel.pp > 1 (without a pipeline, training.micro_batch_size sets the accumulation)"
         )
+    check_peft_keys(cfg)
     if not cfg.model.init_from:
         check_model_args(cfg.model_args(), cfg)
+
+
+def check_peft_keys(cfg: Config) -> None:
+    """[peft] and the objective's keys only where they take effect."""
+    p, t = cfg.peft, cfg.training
+    if p.method == "none":
+        given = [k for k in ("rank", "alpha", "dropout", "targets") if getattr(p, k) is not None]
+        if given:
+            raise ConfigError(f"peft.{given[0]} sets the adapters, but peft.method is none: set peft.method = lora")
+    if t.dpo_beta is not None and t.objective != "dpo":
+        raise ConfigError("training.dpo_beta is DPO's: set training.objective = dpo, or drop it")
+    if t.objective == "dpo" and p.method == "none":
+        raise ConfigError(
+            "training.objective = dpo compares the model with its frozen base: set peft.method = lora (or qlora), "
+            "whose base is the same weights with the adapters off"
+        )
+    if p.method == "qlora" and t.dtype != "bf16":
+        raise ConfigError(
+            f"peft.method = qlora computes in bf16 over its 4-bit base, but training.dtype is {t.dtype}: "
+            "set training.dtype = bf16 (or use peft.method = lora)"
+        )
 
 
 # What a Hugging Face config.json fixes when model.init_from names one.

@@ -152,6 +152,13 @@ class TrainingConfig:
     run again; the generated SGE/Slurm scripts requeue) before it."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A NaN/Inf loss or gradient norm: skip the update, or stop with an error."""
+    objective: Literal["lm", "dpo"] = "lm"
+    """What the loss learns: "lm", next-token cross-entropy (plain text, or chat data's answers); "dpo",
+    Direct Preference Optimization (Rafailov et al. 2023) on data prepared with --format preference, against
+    the frozen base as the reference (with LoRA: the same weights, adapters off). With dpo the batch sizes
+    count preference pairs (each two sequences)."""
+    dpo_beta: float | None = option(None, gt=0)
+    """With objective dpo: the strength of the KL penalty towards the reference (unset: 0.1, TRL's default)."""
     hang_timeout: float = option(300.0, check=lambda v: _off_or_at_least(v, 5, "seconds"))
     """Seconds a rank may spend in one phase of a step (data, forward/backward, optimizer, evaluation,
     checkpoint; the first step 5x) before the job counts as hung: every live rank writes its stacks to
@@ -182,6 +189,30 @@ class ParallelConfig:
     """0: derived, local batch / training.micro_batch_size (a set value must equal it)."""
     pp_virtual_stages: int = option(1, gt=0)
     """Pipeline stages per rank (interleaved schedules need >= 2, zbv exactly 2)."""
+
+
+def check_lora_targets(text: str) -> None:
+    from meshtrain.model.lora import parse_targets
+
+    parse_targets(text)
+
+
+@dataclass
+class PeftConfig:
+    method: Literal["none", "lora", "qlora"] = "none"
+    """Parameter-efficient fine-tuning: "none" trains every weight; "lora" freezes the base and trains
+    low-rank adapters B A beside the target linears (Hu et al. 2021); "qlora" also stores the frozen
+    target weights in 4-bit NF4 (Dettmers et al. 2023) and computes in bf16."""
+    rank: int | None = option(None, gt=0)
+    """The adapters' rank r (unset: 8)."""
+    alpha: float | None = option(None, gt=0)
+    """The adapters' scale is alpha / rank (unset: 2 x rank)."""
+    dropout: float | None = option(None, ge=0, lt=1)
+    """Dropout on the adapters' input (unset: 0)."""
+    targets: str | None = option(None, check=check_lora_targets)
+    """The linears that get adapters: "all" (unset), "attention", "mlp", or a comma list of wq, wk, wv,
+    wo, w1, w2, w3 (or their Hugging Face names q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj,
+    up_proj)."""
 
 
 @dataclass
@@ -238,6 +269,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -28,6 +28,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir
 from meshtrain.interop.families import config_to_args, export_config
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
+from meshtrain.model.lora import ADAPTER_NAMES, LoraSpec, apply_lora, merge_state_dict, quantize_base
 from meshtrain.model.shapes import Shape
 
 LAYER_NAMES = {
@@ -131,29 +132,84 @@ def _resolve_source(source: Path) -> tuple[Path | None, Path]:
 
 def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
     """The full model on the CPU, from a run directory or any checkpoint, whatever layout and world
-    size saved it (DCP reads the shards it needs without a process group)."""
-    import torch.distributed.checkpoint as dcp
+    size saved it (DCP reads the shards it needs without a process group). A LoRA checkpoint's
+    adapters are merged into its base, read from where the run started."""
     from safetensors.torch import load_file
 
     ckpt, run_dir = _resolve_source(Path(source))
     if ckpt is not None:
         verify(ckpt)
-        args = ModelArgs(**json.loads((ckpt / TRAIN_STATE).read_text())["model"])
+        train_state = json.loads((ckpt / TRAIN_STATE).read_text())
+        args = ModelArgs(**train_state["model"])
+        if train_state.get("peft"):
+            return _merged_lora_checkpoint(ckpt, args, train_state["peft"]), args, run_dir
     else:
         args = ModelArgs(**json.loads((run_dir / "model.json").read_text()))
     model = Llama(args)
     model.init_weights(0)
     if ckpt is not None:
         state = {"model": model.state_dict()}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        _dcp_load(state, ckpt)
         model.load_state_dict(state["model"])
     else:
         model.load_state_dict(load_file(run_dir / "model.safetensors"), strict=not args.tie_embeddings)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model, args, run_dir
+
+
+def _dcp_load(state: dict, ckpt: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+
+
+def base_identity(cfg) -> dict:
+    """The model a LoRA run's adapters belong to: model.init_from's directory and its config.json's
+    SHA-256, or the seed of a random initialisation."""
+    import hashlib
+
+    if not cfg.model.init_from:
+        return {"seed": cfg.training.seed}
+    directory = Path(cfg.model.init_from.removeprefix("hf:")).resolve()
+    digest = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
+    return {"init_from": str(directory), "config_sha256": digest}
+
+
+def load_base_model(args: ModelArgs, base: dict) -> Llama:
+    """A LoRA run's base on the CPU, as the run started from it."""
+    model = Llama(args)
+    model.init_weights(base.get("seed", 0))
+    if "init_from" in base:
+        directory = Path(base["init_from"])
+        if not (directory / "config.json").is_file():
+            raise MeshtrainError(
+                f"the adapters were trained on {directory}, which is gone: put the base model back there"
+            )
+        load_hf_weights([model], directory, args)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def _merged_lora_checkpoint(ckpt: Path, args: ModelArgs, record: dict) -> Llama:
+    spec = LoraSpec.from_dict(record)
+    model = load_base_model(args, record["base"])
+    apply_lora(model, spec, torch.bfloat16 if record.get("base_storage") == "bf16" else None)
+    adapters = {k: torch.empty(v.shape) for k, v in model.state_dict().items() if k.endswith(ADAPTER_NAMES)}
+    state = {"model": adapters}
+    _dcp_load(state, ckpt)
+    model.load_state_dict(state["model"], strict=False)
+    if spec.quantized:  # the adapters learned against the 4-bit base: merge into what they saw
+        quantize_base(model)
+    merged, _ = merge_state_dict(model.state_dict(), spec)
+    plain = Llama(args)
+    plain.load_state_dict(merged, strict=not args.tie_embeddings)
+    if args.tie_embeddings:
+        plain.output.weight = plain.tok_embeddings.weight
+    return plain
 
 
 def hf_state_dict(model: Llama, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -305,7 +361,7 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
     """Copy Hugging Face weights into this rank's (possibly sharded, possibly partial) model, one
     tensor at a time."""
     directory = Path(directory)
-    wanted = {clean_fqn(n): p for part in parts for n, p in part.named_parameters()}
+    wanted = {clean_fqn(n): p for part in parts for n, p in part.named_parameters() if not n.endswith(ADAPTER_NAMES)}
     with contextlib.ExitStack() as stack, torch.no_grad():
         weights = HFWeights(directory, stack)
         ours_all = {p.name for p in Shape.from_args(args).parameters()} | {"output.weight"}

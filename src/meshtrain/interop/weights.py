@@ -44,10 +44,23 @@ def model_bytes(n_params: int) -> int:
     return 4 * n_params
 
 
-def save_model(state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path) -> Path:
-    """model.safetensors + model.json (the shape), each written atomically."""
+ADAPTER_FILE, ADAPTER_RECORD = "adapter.safetensors", "adapter.json"
+
+
+def save_model(state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path, peft: dict | None = None) -> Path:
+    """model.safetensors + model.json (the shape), each written atomically. A LoRA run (`peft`: its
+    settings and base) writes its adapters merged into the base there, so everything that reads a
+    run reads it as any other, and the adapters alone beside them (adapter.safetensors + adapter.json,
+    what `meshtrain export --adapter` writes out in the peft format)."""
     from safetensors.torch import save_file
 
+    if peft is not None:
+        from meshtrain.model.lora import LoraSpec, merge_state_dict
+
+        state, adapters = merge_state_dict(state, LoraSpec.from_dict(peft))
+        adapters = {k: v.contiguous() for k, v in adapters.items()}
+        atomic_write(run_dir / ADAPTER_FILE, lambda tmp: save_file(adapters, str(tmp), metadata={"format": "pt"}))
+        write_text(run_dir / ADAPTER_RECORD, json.dumps(peft, indent=2))
     tensors = {k: v.contiguous() for k, v in state.items() if not (args.tie_embeddings and k == "output.weight")}
     path = atomic_write(
         run_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})

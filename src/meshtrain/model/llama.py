@@ -191,6 +191,11 @@ class Llama(nn.Module):
                 full = torch.ones(param.shape)
             elif name.endswith(".bias"):
                 full = torch.zeros(param.shape)
+            elif name.endswith((".lora_a", ".lora_b")):
+                from meshtrain.model.lora import init_adapter
+
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                full = init_adapter(name, param.shape, gen)
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 if name == "output.weight" and self.args.tie_embeddings:

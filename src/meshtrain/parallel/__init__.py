@@ -1,5 +1,5 @@
 """Layouts, composed the way torchtitan does: one small function per technique, applied in order
-bf16 arithmetic choice -> TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise
+LoRA adapters -> bf16 arithmetic choice -> TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise
 -> DDP; pipeline stages first."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtrain.model.lora import LoraSpec, apply_lora
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
@@ -49,6 +50,12 @@ class ParallelModel:
     grad_average_group: object | None = None  # pipeline stages with plain DP: average after backward
     tied_group: object | None = None  # tied embeddings over a pipeline: the first and last stage's ranks
     ties_across_stages: bool = False  # the first stage's embedding and the last's output are copies
+    preference: Callable | None = None  # DPO (train/preference.py): replaces loss_fn, with a reference pass
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Sequences a sample of the batch is: a preference pair is two."""
+        return 2 if self.preference is not None else 1
 
     @property
     def has_first_stage(self) -> bool:
@@ -77,12 +84,14 @@ def parallelize(
     device: torch.device,
     loss_fn: Callable,
     materialize: contextlib.AbstractContextManager | None = None,
+    lora: LoraSpec | None = None,
 ) -> ParallelModel:
     """`model` is built on the meta device; returns materialised, initialised parts. Who holds and
     computes what comes from the layout (`dims.layout`) alone; from `training` only the arithmetic
     (dtype, bf16_compute, compile; "auto" resolved by train/arithmetic.py) and the seed of the
     weights. `materialize`: the context the parameters are allocated and initialised in (a dry run's
-    FakeTensorMode, which allocates nothing)."""
+    FakeTensorMode, which allocates nothing). `lora`: adapters on a frozen base (its storage bf16
+    under bf16 training)."""
     layout = dims.layout
     if training.compile and layout.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
@@ -93,6 +102,8 @@ def parallelize(
         staged = [(0, model)]
     parts = []
     for _, part in staged:
+        if lora is not None:
+            apply_lora(part, lora, torch.bfloat16 if training.dtype == "bf16" else None)
         fp32_gemm, fp32_attention = fp32_classes(training)
         if fp32_gemm or fp32_attention:
             apply_fp32_compute(part, fp32_gemm, fp32_attention)

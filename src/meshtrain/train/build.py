@@ -23,10 +23,12 @@ from meshtrain.launch.distributed import init_distributed
 from meshtrain.layout import Layout
 from meshtrain.logs import log
 from meshtrain.model import Llama, ModelArgs, num_params
+from meshtrain.model.lora import LoraSpec
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.arithmetic import Choice
 from meshtrain.train.arithmetic import resolve as resolve_arithmetic
+from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
 from meshtrain.train.preflight import preflight, warn_if_too_big
 from meshtrain.train.step import cross_entropy, step_context, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
@@ -77,6 +79,10 @@ class TrainState:
     checkpointer: Checkpointer | None = None
 
     @property
+    def lora(self) -> LoraSpec | None:
+        return LoraSpec.from_config(self.cfg.peft)
+
+    @property
     def layout(self) -> Layout:
         return self.dims.layout
 
@@ -120,7 +126,10 @@ def build_model(
     dims.build_mesh(device.type)
     with torch.device("meta"):
         full_model = Llama(args)
-    model = parallelize(full_model, dims, cfg.training, device, cross_entropy, materialize)
+    lora = LoraSpec.from_config(cfg.peft)
+    model = parallelize(full_model, dims, cfg.training, device, cross_entropy, materialize, lora)
+    if cfg.training.objective == "dpo":
+        model.preference = PreferenceLoss(cfg.training.dpo_beta or DEFAULT_BETA, device)
     with materialize or contextlib.nullcontext():
         dp_group = dims.dp_group if layout.dp > 1 else None
         optimizer, scheduler = build_optimizer(model.parameters(), cfg.training, layout.zero, dp_group)

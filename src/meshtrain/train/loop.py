@@ -5,6 +5,7 @@ runs on is built in train/build.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint import (
+    TRAIN_STATE,
     Checkpointer,
     checkpoint_root,
     committed_checkpoints,
@@ -26,13 +28,14 @@ from meshtrain.data.chat import TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_tflops
-from meshtrain.interop.hf import keep_source_files
+from meshtrain.interop.hf import base_identity, keep_source_files
 from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.lock import RunLock
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
+from meshtrain.model.lora import quantize_base
 from meshtrain.model.shapes import Shape
 from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
@@ -144,15 +147,16 @@ def validation_losses(s: TrainState) -> dict:
 
 
 def resume(s: TrainState) -> tuple[int, int]:
-    """(steps done, updates skipped so far) from the checkpoint to resume, or a fresh start."""
+    """(steps done, updates skipped so far) from the checkpoint to resume, or a fresh start. With
+    LoRA the checkpoint holds the adapters only: the base is loaded (and quantized) first, as at
+    the start, and must be the one the adapters were trained on."""
     ckpt = s.checkpointer
     path = find_resume(s.cfg.checkpoint.resume, ckpt.root, log.warning, retire_skipped=True)
+    if path is not None:
+        check_same_base(s, path)
+    if path is None or s.lora is not None:
+        load_base(s)
     if path is None:
-        if s.cfg.model.init_from:
-            from meshtrain.interop import load_hf_weights
-
-            load_hf_weights(s.model.parts, s.cfg.model.init_from.removeprefix("hf:"), s.args)
-            log.info(f"initialised from {s.cfg.model.init_from}")
         return 0, 0
     state = ckpt.load(path, dataclasses.asdict(s.args))
     s.loader.load_state_dict(state["loader"])
@@ -161,6 +165,45 @@ def resume(s: TrainState) -> tuple[int, int]:
         group["lr"] = lr
     log.info(f"resumed from {path} (step {state['step']}, saved with {state['layout']})")
     return state["step"], state.get("skipped_steps", 0)
+
+
+def load_base(s: TrainState) -> None:
+    """The weights training starts from: model.init_from's, else the seeded initialisation already
+    in place; QLoRA then stores the adapted linears' weights in 4-bit."""
+    if s.cfg.model.init_from:
+        from meshtrain.interop import load_hf_weights
+
+        load_hf_weights(s.model.parts, s.cfg.model.init_from.removeprefix("hf:"), s.args)
+        log.info(f"initialised from {s.cfg.model.init_from}")
+    if s.lora is not None and s.lora.quantized:
+        for part in s.model.parts:
+            quantize_base(part)
+
+
+def peft_record(s: TrainState) -> dict | None:
+    """What a LoRA checkpoint's adapters belong to: their settings and the base model."""
+    if s.lora is None:
+        return None
+    storage = "bf16" if s.cfg.training.dtype == "bf16" else "fp32"
+    return {**s.lora.to_dict(), "base": base_identity(s.cfg), "base_storage": storage}
+
+
+def check_same_base(s: TrainState, path: Path) -> None:
+    saved = json.loads((path / TRAIN_STATE).read_text()).get("peft")
+    mine = peft_record(s)
+    if saved == mine:
+        return
+    if saved is None or mine is None:
+        held = "LoRA adapters" if saved else "every weight"
+        raise MeshtrainError(
+            f"checkpoint {path} holds {held}, but this run's peft.method is {s.cfg.peft.method}: resume with the "
+            "peft settings it was saved with, or set checkpoint.resume = none"
+        )
+    diff = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v)
+    raise MeshtrainError(
+        f"checkpoint {path} holds adapters for another setting or base ({diff}); resume with the same [peft] and "
+        "model.init_from, or set checkpoint.resume = none"
+    )
 
 
 def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None:
@@ -182,6 +225,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
             "scheduler": s.scheduler.state_dict(),
             "layout": layout,
             "model": dataclasses.asdict(s.args),
+            "peft": peft_record(s),
         },
         blocking=blocking,
     )
@@ -237,12 +281,16 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
         committed = committed_checkpoints(s.checkpointer.root)
         try:
             ensure_room(run.dir, model_bytes(s.n_params), "the trained weights")
-            log.info(f"saved the trained weights to {save_model(state, s.args, Path(run.dir))}")
+            log.info(f"saved the trained weights to {save_model(state, s.args, Path(run.dir), peft_record(s))}")
         except MeshtrainError as e:
             kept = (
                 f"; the checkpoint {committed[-1]} holds them: `meshtrain export` writes them out" if committed else ""
             )
             raise MeshtrainError(f"{e}{kept}") from None
+    if s.lora is not None:
+        from meshtrain.model.lora import merge_state_dict
+
+        state, _ = merge_state_dict(state, s.lora)
     if run.sample_prompt:
         from meshtrain.serve import sample_text
 

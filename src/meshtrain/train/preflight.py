@@ -52,9 +52,43 @@ def preflight(cfg: Config, world: int, dataset: Blend | None = None) -> tuple[Mo
     check_model_args(args, cfg, vocab)
     layout = Layout.from_config(cfg, world)
     layout.validate(args, cfg)
+    check_peft_layout(cfg, layout)
     if dataset is not None:
         check_init_tokenizer(cfg, dataset)
+        check_objective_data(cfg, dataset)
     return args, layout
+
+
+def check_peft_layout(cfg: Config, layout: Layout) -> None:
+    """What LoRA, QLoRA and DPO run on."""
+    from meshtrain.errors import ConfigError
+
+    if cfg.peft.method == "qlora" and (layout.tp > 1 or layout.pp > 1 or layout.fsdp):
+        raise ConfigError(
+            "peft.method = qlora keeps a whole 4-bit base on each rank: use one process or DDP (parallel.zero 0 "
+            "or 1, tp = pp = 1), or peft.method = lora, which shards its base with ZeRO-3 and TP"
+        )
+    if cfg.training.objective == "dpo" and layout.pp > 1:
+        raise ConfigError(
+            "training.objective = dpo is not implemented for pipelines (parallel.pp > 1): use ZeRO-3 or TP"
+        )
+
+
+def check_objective_data(cfg: Config, dataset: Blend) -> None:
+    """DPO learns from preference pairs, and only DPO does."""
+    from meshtrain.errors import ConfigError
+
+    preference = getattr(dataset, "preference", False)
+    if cfg.training.objective == "dpo" and not preference:
+        raise ConfigError(
+            f"training.objective = dpo learns from preference pairs, but {cfg.data.path} is not: prepare them "
+            "with `meshtrain data prepare --format preference`"
+        )
+    if preference and cfg.training.objective != "dpo":
+        raise ConfigError(
+            f"{cfg.data.path} holds preference pairs: train on them with training.objective = dpo "
+            "(plain chat data is prepared with --format chat)"
+        )
 
 
 def prepared_dataset(cfg: Config) -> Blend | None:

@@ -26,11 +26,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshtrain.config import TrainingConfig
 from meshtrain.data.loader import IGNORE_INDEX
 from meshtrain.layout import Layout
+from meshtrain.model.lora import adapters_off
 from meshtrain.optim import local_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel
 from meshtrain.parallel.data_parallel import average_gradients
 from meshtrain.parallel.grads import global_grad_norm
 from meshtrain.parallel.pipeline import sum_tied_gradients
+from meshtrain.train.preference import sequence_logps
 from meshtrain.train.watchdog import phase
 
 
@@ -67,6 +69,16 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def micro_batch_loss(model: ParallelModel, part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The summed loss of one micro-batch: cross-entropy of its targets, or DPO's over its pairs
+    after a reference pass with the adapters off."""
+    if model.preference is None:
+        return model.loss_fn(part(x), y)
+    with torch.no_grad(), adapters_off(model.parts):
+        reference = sequence_logps(part(x), y)
+    return model.preference(part(x), y, reference)
+
+
 def forward_backward(
     model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int, device, scale: float
 ) -> torch.Tensor:
@@ -87,7 +99,7 @@ def forward_backward(
         if hasattr(part, "set_requires_gradient_sync"):  # FSDP
             part.set_requires_gradient_sync(last)
         with nullcontext() if last or not hasattr(part, "no_sync") else part.no_sync():  # DDP
-            loss = model.loss_fn(part(x), y) * scale
+            loss = micro_batch_loss(model, part, x, y) * scale
             loss.backward()
         total += local_value(loss.detach())
     return total
@@ -117,7 +129,8 @@ def train_step(
     inputs, targets = to_device(inputs, device), to_device(targets, device)
     with context():
         scale = loss_scale(targets, n_targets, layout.dp)
-        loss = forward_backward(model, inputs, targets, layout.micro_batch_size, device, scale)
+        micro_batch = layout.micro_batch_size * model.rows_per_sample
+        loss = forward_backward(model, inputs, targets, micro_batch, device, scale)
     phase("optimizer")
     grad_norm = global_grad_norm(model.distinct_parameters(), pp_group)
     skipped = (~torch.isfinite(grad_norm)).float()
@@ -184,9 +197,9 @@ def evaluate(model: ParallelModel, batches, device: torch.device, dims: Parallel
             if model.schedule is not None:
                 total += pipeline_loss(model, inputs, targets, device, train=False, scale=scale)
                 continue
-            micro_batch = dims.layout.micro_batch_size
+            micro_batch = dims.layout.micro_batch_size * model.rows_per_sample
             for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
-                total += local_value(model.loss_fn(model.parts[0](x), y)) * scale
+                total += local_value(micro_batch_loss(model, model.parts[0], x, y)) * scale
     for part in model.parts:
         part.train()
     return reduce_loss(total / len(batches), dims)

@@ -1,0 +1,198 @@
+"""LoRA (Hu et al. 2021) and QLoRA (Dettmers et al. 2023): fine-tune a frozen model through low-rank
+adapters beside its linears.
+
+A target linear W (out x in) computes  y = W x + b + (alpha / r) B A dropout(x),  A (r x in), B (out x r).
+B starts at zero, so the adapted model starts equal to the base; only A and B train, so the optimizer
+holds 2 r (in + out) states per linear instead of 2 in out. QLoRA stores the frozen W in 4-bit NF4
+(torchao's NF4Tensor: 0.52 bytes a parameter) and dequantizes it to bf16 in each forward.
+
+The adapters live inside the linear (`wq.lora_a`, `wq.lora_b`), so the module tree, the parallel plans
+and every base parameter's name stay as they are; tensor parallelism splits B with a column-parallel
+linear's outputs and A with a row-parallel linear's inputs (parallel/tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Our linears and their Hugging Face (and peft target_modules) names.
+HF_NAMES = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w1": "gate_proj",
+    "w2": "down_proj",
+    "w3": "up_proj",
+}
+GROUPS = {"all": tuple(HF_NAMES), "attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w2", "w3")}
+ADAPTER_NAMES = ("lora_a", "lora_b")
+
+
+def parse_targets(text: str | None) -> tuple[str, ...]:
+    """ "all", "attention", "mlp", or a comma list of our or Hugging Face linear names -> our names."""
+    text = (text or "all").strip()
+    if text in GROUPS:
+        return GROUPS[text]
+    from_hf = {hf: ours for ours, hf in HF_NAMES.items()}
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [n for n in names if n not in HF_NAMES and n not in from_hf]
+    if unknown or not names:
+        raise ValueError(
+            f"{', '.join(unknown) or 'nothing'} is not a linear of the model: use all, attention, mlp, or a comma "
+            f"list of {', '.join(HF_NAMES)} (or {', '.join(HF_NAMES.values())})"
+        )
+    ours = {from_hf.get(n, n) for n in names}
+    return tuple(n for n in HF_NAMES if n in ours)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """[peft] with its defaults resolved (rank 8, alpha 2 x rank, no dropout, every linear)."""
+
+    method: str  # "lora" or "qlora"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = GROUPS["all"]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def quantized(self) -> bool:
+        return self.method == "qlora"
+
+    @classmethod
+    def from_config(cls, peft) -> LoraSpec | None:
+        """None when peft.method is "none"."""
+        if peft.method == "none":
+            return None
+        rank = peft.rank or 8
+        alpha = peft.alpha if peft.alpha is not None else 2.0 * rank
+        return cls(peft.method, rank, alpha, peft.dropout or 0.0, parse_targets(peft.targets))
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoraSpec:
+        return cls(d["method"], d["rank"], d["alpha"], d["dropout"], tuple(d["targets"]))
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear plus its adapters; `adapters_on` False computes the base alone (DPO's reference)."""
+
+    def __init__(self, base: nn.Linear, spec: LoraSpec):
+        super().__init__(base.in_features, base.out_features, base.bias is not None, device=base.weight.device)
+        self.weight, self.bias = base.weight, base.bias
+        device = base.weight.device
+        self.lora_a = nn.Parameter(torch.empty(spec.rank, base.in_features, device=device))
+        self.lora_b = nn.Parameter(torch.empty(base.out_features, spec.rank, device=device))
+        self.scale = spec.scale
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        self.adapters_on = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.adapters_on:
+            return y
+        return y + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A, in fp32 (the base dequantized first under QLoRA)."""
+        return dequantized(self.weight) + self.scale * (self.lora_b.float() @ self.lora_a.float())
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, frozen_dtype: torch.dtype | None = None) -> None:
+    """Put adapters on the target linears of every block in place and freeze everything else.
+    `frozen_dtype`: the frozen weights' storage (bf16 under bf16 training: they never update, so
+    they need no fp32 master copy). On the meta device, before any parallel plan."""
+    for block in model.layers.values():
+        for parent in (block.attention, block.feed_forward):
+            for name in spec.targets:
+                base = getattr(parent, name, None)
+                if isinstance(base, nn.Linear) and not isinstance(base, LoRALinear):
+                    setattr(parent, name, LoRALinear(base, spec))
+    for name, param in model.named_parameters():
+        adapter = name.endswith(ADAPTER_NAMES)
+        param.requires_grad_(adapter)
+        if not adapter and frozen_dtype is not None and param.ndim >= 2:
+            param.data = param.data.to(frozen_dtype)
+
+
+def lora_modules(model: nn.Module) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+@contextlib.contextmanager
+def adapters_off(parts: list[nn.Module]):
+    """The base model alone, for the duration (DPO's reference forward: no second copy in memory)."""
+    modules = [m for part in parts for m in lora_modules(part)]
+    for m in modules:
+        m.adapters_on = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.adapters_on = True
+
+
+def quantize_base(model: nn.Module) -> None:
+    """QLoRA: the target linears' frozen weights to NF4 (block 64, torchao), in place. Their
+    values must be final (initialised or loaded): NF4 cannot be loaded into."""
+    from torchao.quantization import to_nf4
+
+    for m in lora_modules(model):
+        if not is_nf4(m.weight):
+            m.weight = nn.Parameter(to_nf4(m.weight.detach().to(torch.bfloat16)), requires_grad=False)
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "NF4Tensor"
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """A weight in fp32, an NF4 one dequantized."""
+    weight = weight.detach()
+    if hasattr(weight, "full_tensor"):
+        weight = weight.full_tensor()
+    return (weight.get_original_weight() if is_nf4(weight) else weight).float()
+
+
+def init_adapter(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A as nn.Linear's default (Kaiming-uniform, bound 1 / sqrt(in)), as peft does; B zero."""
+    if name.endswith("lora_b"):
+        return torch.zeros(shape)
+    bound = 1 / math.sqrt(shape[1])
+    return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+
+def merge_state_dict(state: dict[str, torch.Tensor], spec: LoraSpec) -> tuple[dict, dict]:
+    """A full state dict of an adapted model -> (the base's names with B A merged into their weights,
+    the adapters alone)."""
+    adapters = {k: v for k, v in state.items() if k.endswith(ADAPTER_NAMES)}
+    merged = {}
+    for name, value in state.items():
+        if name in adapters:
+            continue
+        prefix = name.removesuffix(".weight")
+        if name.endswith(".weight") and f"{prefix}.lora_a" in adapters:
+            delta = adapters[f"{prefix}.lora_b"].float() @ adapters[f"{prefix}.lora_a"].float()
+            merged[name] = dequantized(value) + spec.scale * delta
+        else:
+            merged[name] = dequantized(value) if is_nf4(value) else value
+    return merged, adapters
