@@ -16,10 +16,14 @@ class ExportOptions:
     """A run directory (its latest checkpoint, else model.safetensors) or a checkpoint."""
     out: str = option()
     """Output directory."""
-    max_shard_size: int = option(5 << 30, parse=parse_size)
-    """Split the safetensors above this size (default 5G)."""
+    max_shard_size: int | None = option(None, parse=parse_size)
+    """Split the safetensors above this size (default 5G; not with --adapter)."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Weights' dtype on disk; auto: the dtype of the Hugging Face model the run started from, else fp32."""
+    """Weights' dtype on disk; auto: the dtype of the Hugging Face model the run started from, else fp32
+    (the adapters: fp32)."""
+    adapter: bool = False
+    """A LoRA run: write its adapters in the peft format (adapter_config.json + adapter_model.safetensors)
+    instead of the merged model."""
 
 
 def add_parser(sub) -> None:
@@ -30,8 +34,14 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
-    from meshtrain.interop import export_hf
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.interop.hf import export_adapter, export_hf
 
     o: ExportOptions = options_of(args, ExportOptions)
-    print(f"wrote {export_hf(o.source, o.out, o.max_shard_size, o.dtype)}")
+    if o.adapter:
+        if o.max_shard_size is not None:
+            raise MeshtrainError("--max-shard-size splits a model's weights; the adapters are one small file")
+        print(f"wrote {export_adapter(o.source, o.out, o.dtype)}")
+        return 0
+    print(f"wrote {export_hf(o.source, o.out, o.max_shard_size or 5 << 30, o.dtype)}")
     return 0

@@ -304,6 +304,70 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     return out
 
 
+def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> Path:
+    """A LoRA run's adapters in the peft format (adapter_config.json + adapter_model.safetensors),
+    which `peft.PeftModel.from_pretrained` loads onto the Hugging Face model the run started from.
+    From the run's adapter.safetensors, or the adapters of any of its checkpoints."""
+    from safetensors.torch import load_file, save_file
+
+    from meshtrain.interop.weights import ADAPTER_FILE, ADAPTER_RECORD
+    from meshtrain.model.lora import HF_NAMES
+
+    check_output_dir(out, [source], "adapter_config.json", "meshtrain export --adapter")
+    ckpt, run_dir = _resolve_source(Path(source))
+    if ckpt is not None:
+        train_state = json.loads((ckpt / TRAIN_STATE).read_text())
+        record, args = train_state.get("peft"), ModelArgs(**train_state["model"])
+    else:
+        record = _read_json(run_dir / ADAPTER_RECORD) or None
+        args = ModelArgs(**json.loads((run_dir / "model.json").read_text()))
+    if not record:
+        raise MeshtrainError(f"{source} was trained without adapters (peft.method none): export it without --adapter")
+    if "init_from" not in record["base"]:
+        raise MeshtrainError(
+            f"the adapters of {source} belong to a randomly initialised base, not a Hugging Face model peft could "
+            "load them onto: export the merged model (without --adapter)"
+        )
+    spec = LoraSpec.from_dict(record)
+    if ckpt is not None:
+        model = Llama(args)
+        apply_lora(model, spec)
+        state = {"model": {k: v for k, v in model.state_dict().items() if k.endswith(ADAPTER_NAMES)}}
+        _dcp_load(state, ckpt)
+        adapters = state["model"]
+    else:
+        adapters = load_file(run_dir / ADAPTER_FILE)
+    dtype = SHORT_DTYPES.get(dtype, "float32" if dtype == "auto" else dtype)
+    tensors = {}
+    for name, t in adapters.items():
+        layer, kind = name.rsplit(".", 1)  # layers.0.attention.wq, lora_a
+        if kind == "lora_b" and (heads := rotary_heads(name, args)) is not None:
+            t = pairs_to_halves(t, heads)  # B's rows are the projection's output rows
+        hf_layer = to_hf_name(f"{layer}.weight").removesuffix(".weight")
+        tensors[f"base_model.model.{hf_layer}.lora_{kind[-1].upper()}.weight"] = t.to(TORCH_DTYPES[dtype]).contiguous()
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": record["base"]["init_from"],
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": [HF_NAMES[name] for name in spec.targets],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    out = Path(out)
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def keep_source_files(directory: str | Path, run_dir: Path) -> None:
     """Copy a Hugging Face directory's files other than its weights into <run>/hf_source/."""
     from meshtrain.files import copy_file

@@ -127,11 +127,17 @@ def apply_lora(model: nn.Module, spec: LoraSpec, frozen_dtype: torch.dtype | Non
                 base = getattr(parent, name, None)
                 if isinstance(base, nn.Linear) and not isinstance(base, LoRALinear):
                     setattr(parent, name, LoRALinear(base, spec))
+    freeze_base(model)
     for name, param in model.named_parameters():
-        adapter = name.endswith(ADAPTER_NAMES)
-        param.requires_grad_(adapter)
-        if not adapter and frozen_dtype is not None and param.ndim >= 2:
+        if not name.endswith(ADAPTER_NAMES) and frozen_dtype is not None and param.ndim >= 2:
             param.data = param.data.to(frozen_dtype)
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only the adapters train. Again after tensor parallelism: its SequenceParallel re-registers
+    the norms' weights as new (trainable) parameters."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith(ADAPTER_NAMES))
 
 
 def lora_modules(model: nn.Module) -> list[LoRALinear]:
@@ -151,14 +157,22 @@ def adapters_off(parts: list[nn.Module]):
             m.adapters_on = True
 
 
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: 64 weights share a scale, 256 scales a second-level one
+
+
 def quantize_base(model: nn.Module) -> None:
-    """QLoRA: the target linears' frozen weights to NF4 (block 64, torchao), in place. Their
-    values must be final (initialised or loaded): NF4 cannot be loaded into."""
+    """QLoRA: the target linears' frozen weights to NF4 (torchao), in place. Their values must be
+    final (initialised or loaded): NF4 cannot be loaded into. A weight too small for 256 blocks
+    (only toy models have one) double-quantizes its scales in smaller groups."""
     from torchao.quantization import to_nf4
 
     for m in lora_modules(model):
-        if not is_nf4(m.weight):
-            m.weight = nn.Parameter(to_nf4(m.weight.detach().to(torch.bfloat16)), requires_grad=False)
+        if is_nf4(m.weight):
+            continue
+        blocks = m.weight.numel() // NF4_BLOCK
+        scaler_block = next(s for s in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % s == 0)
+        weight = m.weight.detach().to(torch.bfloat16)
+        m.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, scaler_block), requires_grad=False)
 
 
 def is_nf4(t: torch.Tensor) -> bool:

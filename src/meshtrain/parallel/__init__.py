@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.model.lora import LoraSpec, apply_lora
+from meshtrain.model.lora import LoraSpec, apply_lora, freeze_base
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
@@ -109,6 +109,8 @@ def parallelize(
             apply_fp32_compute(part, fp32_gemm, fp32_attention)
         if layout.tp > 1:
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
+            if lora is not None:
+                freeze_base(part)
         apply_ac(part, layout.activation_checkpointing, layout.ac_every)
         if training.compile:
             whole_model = layout.tp > 1 or (layout.dp == 1 and layout.pp == 1)

@@ -13,7 +13,14 @@ from meshtrain.optim import local_optimizer
 
 
 def _local_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds here: a DTensor's local piece; a tensor subclass's inner tensors
+    (QLoRA's NF4 weight: its 4-bit codes and scales, not its bf16 shape)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     local = t.to_local() if isinstance(t, DTensor) else t
+    if is_traceable_wrapper_subclass(local):
+        inner, _ = local.__tensor_flatten__()
+        return sum(_local_bytes(getattr(local, name)) for name in inner)
     return local.numel() * local.element_size()
 
 

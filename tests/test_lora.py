@@ -1,0 +1,191 @@
+"""LoRA and QLoRA: adapters on a frozen base, the same on every layout, checkpointed alone, exported
+merged or in the peft format that the peft library loads onto the base model."""
+
+import json
+
+import pytest
+import torch
+from hf_families import make_model, probe_tokens
+from safetensors.torch import load_file
+
+from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
+from meshtrain.config import load_config
+from meshtrain.errors import ConfigError
+from meshtrain.model.lora import LoraSpec, merge_state_dict, parse_targets
+from meshtrain.parallel.memory import model_state_bytes
+from meshtrain.train import build as build_state
+from meshtrain.train.preflight import preflight
+
+QLORA = {"method": "qlora"}
+LORA = ("--peft.method", "lora", "--peft.rank", "4", "--training.lr", "1e-2")
+
+
+def test_targets_take_our_names_or_hugging_faces():
+    assert parse_targets("all") == ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+    assert parse_targets("q_proj, v_proj") == ("wq", "wv")
+    assert parse_targets("mlp") == ("w1", "w2", "w3")
+    with pytest.raises(ValueError, match="lm_head is not a linear"):
+        parse_targets("wq,lm_head")
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        ({"peft": {"rank": 16}}, 1, "peft.rank sets the adapters, but peft.method is none"),
+        ({"peft": {"method": "lora", "targets": "wq,bogus"}}, 1, "bogus is not a linear"),
+        ({"training": {"dpo_beta": 0.2}}, 1, "training.dpo_beta is DPO's"),
+        ({"training": {"objective": "dpo"}}, 1, "set peft.method = lora"),
+        ({"peft": {"method": "qlora"}}, 1, "set training.dtype = bf16"),
+        ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"zero": 3}}, 2, "one process or DDP"),
+        ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"tp": 2}}, 2, "one process or DDP"),
+        (
+            {"peft": {"method": "lora"}, "training": {"objective": "dpo"}, "parallel": {"pp": 2}},
+            2,
+            "not implemented for pipelines",
+        ),
+    ],
+)
+def test_peft_and_objective_keys_take_effect_or_are_refused(overrides, world, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        cfg = load_config(None, dotted(overrides))
+        preflight(cfg, world)
+
+
+def dotted(sections: dict) -> dict:
+    return {f"{section}.{key}": value for section, keys in sections.items() for key, value in keys.items()}
+
+
+def test_the_optimizer_holds_the_adapters_only():
+    """The default model with LoRA on every linear: the optimizer's states are a few percent of the
+    parameters' bytes, the base is frozen, and B starts at zero (the model starts as the base)."""
+    cfg = load_config(None, {"peft.method": "lora", "run.dir": "unused"})
+    s = build_state(cfg, with_data=False)
+    part = s.model.parts[0]
+    used = model_state_bytes(list(part.parameters()), s.optimizer)
+    trainable = [n for n, p in part.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith(("lora_a", "lora_b")) for n in trainable)
+    assert len(trainable) == 2 * 7 * s.args.n_layers
+    # states exist after a step
+    tokens = torch.randint(0, s.args.vocab_size, (2, 33))
+    s.step(tokens[:, :-1], tokens[:, 1:])
+    used = model_state_bytes(list(part.parameters()), s.optimizer)
+    assert 0 < used["optimizer"] <= 0.10 * used["params"], used
+    assert used["grads"] * 2 == used["optimizer"]
+
+
+@pytest.mark.multiproc
+def test_lora_loss_is_the_same_on_one_process_zero3_and_tp2_and_resumes_exactly(corpus, cli_env, tmp_path):
+    runs = {}
+    for name, extra in {
+        "single": (),
+        "zero3": ("--nproc", "2", "--parallel.zero", "3"),
+        "tp2": ("--nproc", "2", "--parallel.tp", "2"),
+    }.items():
+        runs[name] = tmp_path / name
+        args = train_args(corpus, runs[name], *LORA, "--checkpoint.every", "5", *extra)
+        result = run_cli(args, cli_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("zero3", "tp2"):
+        assert_same_run(runs[name], runs["single"])
+    losses = [r["loss"] for r in read_metrics(runs["single"])]
+    assert losses[-1] < losses[0] - 0.05  # the adapters learn
+
+    # the checkpoint holds the adapters and names the base; the run holds them merged and alone
+    state = json.loads((runs["single"] / "checkpoints/step_00000010/train_state.json").read_text())
+    assert state["peft"]["rank"] == 4 and state["peft"]["base"] == {"seed": 0}
+    adapters = load_file(runs["single"] / "adapter.safetensors")
+    assert len(adapters) == 2 * 7 * 2 and all(k.endswith(("lora_a", "lora_b")) for k in adapters)
+    merged = load_file(runs["single"] / "model.safetensors")
+    assert not any(k.endswith(("lora_a", "lora_b")) for k in merged)
+
+    # stopped at step 5 and resumed from the adapters' checkpoint: equal to the run that did not stop
+    resumed = tmp_path / "resumed"
+    args = train_args(corpus, resumed, *LORA, "--checkpoint.every", "5")
+    assert run_cli([*args, "--training.stop_at_step", "5"], cli_env).returncode == 0
+    assert run_cli(args, cli_env).returncode == 0
+    assert_same_run(resumed, runs["single"], exact=True)
+    # another rank, and a full fine-tune, cannot resume these adapters
+    result = run_cli(train_args(corpus, resumed, "--peft.method", "lora", "--peft.rank", "8"), cli_env)
+    assert_user_error(result, "holds adapters for another setting or base", "rank 4 -> 8")
+    result = run_cli(train_args(corpus, resumed), cli_env)
+    assert_user_error(result, "holds LoRA adapters", "peft.method is none")
+
+
+@pytest.mark.multiproc
+def test_peft_loads_the_exported_adapter_onto_the_base_as_the_merged_export(corpus, cli_env, tmp_path):
+    """A Qwen3 (per-head norms, biases, head_dim apart from dim / heads) fine-tuned with LoRA on
+    every linear: transformers + peft with the exported adapter equals the merged export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = make_model("qwen3-bias", tmp_path / "base", corpus / "tokenizer.json")
+    run = tmp_path / "run"
+    args = train_args(corpus, run, *LORA, "--peft.alpha", "16", "--model.init_from", f"hf:{base}", model=())
+    result = run_cli([*args, "--training.steps", "6", "--checkpoint.every", "6"], cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged_dir, adapter_dir, from_ckpt = tmp_path / "merged", tmp_path / "adapter", tmp_path / "adapter-ckpt"
+    assert run_cli(["export", str(run), "--out", str(merged_dir), "--dtype", "fp32"], cli_env).returncode == 0
+    assert run_cli(["export", str(run), "--out", str(adapter_dir), "--adapter"], cli_env).returncode == 0
+    ckpt = run / "checkpoints/step_00000006"
+    assert run_cli(["export", str(ckpt), "--out", str(from_ckpt), "--adapter"], cli_env).returncode == 0
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 16 and config["base_model_name_or_path"] == str(base)
+    assert (
+        load_file(adapter_dir / "adapter_model.safetensors").keys()
+        == load_file(from_ckpt / "adapter_model.safetensors").keys()
+    )
+
+    tokens = probe_tokens()
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()(tokens).logits
+        before = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(tokens).logits
+        for directory in (adapter_dir, from_ckpt):
+            plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            adapted = PeftModel.from_pretrained(plain, directory).eval()(tokens).logits
+            scale = merged.abs().max().item()
+            assert (adapted - merged).abs().max().item() <= 1e-4 * scale
+    assert (merged - before).abs().max().item() > 1e-2  # the adapters changed the model
+
+    # what cannot be exported as adapters is refused in one line
+    full = tmp_path / "full"
+    assert run_cli(train_args(corpus, full, "--training.steps", "2"), cli_env).returncode == 0
+    result = run_cli(["export", str(full), "--out", str(tmp_path / "x"), "--adapter"], cli_env)
+    assert_user_error(result, "without adapters")
+    result = run_cli(["export", str(run), "--out", str(tmp_path / "y"), "--adapter", "--max-shard-size", "1G"], cli_env)
+    assert_user_error(result, "--max-shard-size")
+
+
+def test_qlora_keeps_its_frozen_base_in_4_bit_and_trains(corpus, tmp_path):
+    """The default model's adapted linears in NF4: the bytes they hold, measured, are about half a
+    byte a weight; the adapters train (bf16 compute over the dequantized base)."""
+    from meshtrain.model.lora import is_nf4, lora_modules
+    from meshtrain.train.loop import load_base
+
+    overrides = {
+        "peft": {"method": "qlora"},
+        "training": {"dtype": "bf16", "lr": 1e-2, "warmup_steps": 0, "seq_len": 64},
+        "data": {"path": str(corpus), "corpus": ""},
+        "run": {"dir": str(tmp_path / "run")},
+    }
+    s = build_state(load_config(None, dotted(overrides)))
+    load_base(s)
+    linears = lora_modules(s.model.parts[0])
+    assert linears and all(is_nf4(m.weight) for m in linears)
+    weights = [m.weight for m in linears]
+    held = model_state_bytes(weights, s.optimizer)["params"]
+    n = sum(w.numel() for w in weights)
+    assert held / n < 0.56, held / n  # 4 bits + one bf16 scale per 64 weights, double-quantized
+    losses = []
+    for _ in range(12):
+        inputs, targets, n_targets = s.loader.next_batch()
+        loss, _, _ = s.step(inputs, targets, n_targets)
+        losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+    # merged: the dequantized base plus B A
+    state = s.model.parts[0].state_dict()
+    merged, adapters = merge_state_dict(state, LoraSpec.from_config(s.cfg.peft))
+    name = "layers.0.attention.wq"
+    want = state[f"{name}.weight"].get_original_weight().float() + LoraSpec.from_config(s.cfg.peft).scale * (
+        adapters[f"{name}.lora_b"] @ adapters[f"{name}.lora_a"]
+    )
+    assert torch.equal(merged[f"{name}.weight"], want)
