@@ -21,16 +21,19 @@ class PrepareOptions:
     out: str = option()
     """Output directory."""
     text_field: str | None = None
-    """The JSON field or column holding text (default "text"; not with --format chat)."""
-    format: Literal["text", "chat"] = "text"
-    """chat: rows of "messages" (or "prompt"/"completion"), rendered with the chat template, with a loss mask."""
+    """The JSON field or column holding text (default "text"; not with --format chat or preference)."""
+    format: Literal["text", "chat", "preference"] = "text"
+    """chat: rows of "messages" (or "prompt"/"completion"), rendered with the chat template, with a loss mask;
+    preference: TRL's preference rows ("prompt", "chosen", "rejected"; the prompt may be implicit in
+    conversations), for training.objective dpo."""
     chat_template: str | None = None
-    """chat: a Jinja chat template file (default: the tokenizer's own, beside its tokenizer.json, else
-    meshtrain's)."""
+    """chat, preference: a Jinja chat template file (default: the tokenizer's own, beside its tokenizer.json,
+    else meshtrain's)."""
     chat_targets: Literal["assistant", "all"] | None = None
     """chat: the tokens the loss learns, the assistant's answers (default) or every token."""
     max_tokens: int | None = option(None, gt=0)
-    """chat: leave out (and count) conversations longer than this many tokens."""
+    """chat, preference: leave out (and count) conversations (pairs with an answer) longer than this many
+    tokens."""
     workers: int | None = option(None, gt=0)
     """Tokenizing processes on this machine (default: every core)."""
     tokenizer_sample: int | None = option(None, parse=parse_size)
@@ -93,7 +96,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             f"wrote {o.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} validation tokens "
             f"in {len(manifest['shards'])} shards, vocabulary {manifest['vocab_size']} ({manifest['dtype']})"
         )
-        if chat:
+        if chat and chat.preference:
+            pairs = manifest["pairs"]
+            print(
+                f"preference: {pairs['train']:,} train and {pairs['val']:,} validation pairs, "
+                f"{manifest['target_tokens']:,} training targets"
+                + (f"; {manifest['skipped_longer']:,} longer than --max-tokens left out" if chat.max_tokens else "")
+            )
+        elif chat:
             docs = manifest["documents"]
             print(
                 f"chat: {docs['train']:,} train and {docs['val']:,} validation conversations, "
@@ -104,20 +114,25 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _chat_options(o: PrepareOptions):
-    """--format chat's options (each refused without it), with the template resolved: --chat-template,
-    else the tokenizer's own (a chat_template.jinja or tokenizer_config.json beside it), else
-    meshtrain's default."""
+    """--format chat's (and preference's) options (each refused without it), with the template
+    resolved: --chat-template, else the tokenizer's own (a chat_template.jinja or tokenizer_config.json
+    beside it), else meshtrain's default."""
     from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, template_of
     from meshtrain.data.prepare import ChatOptions
 
     chat_only = {"--chat-template": o.chat_template, "--chat-targets": o.chat_targets, "--max-tokens": o.max_tokens}
-    if o.format != "chat":
+    if o.format == "text":
         given = [flag for flag, value in chat_only.items() if value is not None]
         if given:
             raise MeshtrainError(f"{given[0]} is an option of chat data: add --format chat")
         return None
+    if o.format == "preference" and o.chat_targets is not None:
+        raise MeshtrainError(
+            "--chat-targets is not an option of --format preference: the targets are the chosen and rejected answers"
+        )
     if o.text_field is not None:
-        raise MeshtrainError('--text-field names the text of plain documents; chat rows hold "messages"')
+        rows = '"messages"' if o.format == "chat" else '"prompt", "chosen" and "rejected"'
+        raise MeshtrainError(f"--text-field names the text of plain documents; {o.format} rows hold {rows}")
     if o.chat_template:
         path = Path(o.chat_template)
         if not path.is_file():
@@ -126,4 +141,4 @@ def _chat_options(o: PrepareOptions):
     else:
         template = template_of(Path(o.tokenizer).parent) if o.tokenizer else DEFAULT_CHAT_TEMPLATE
     ChatTemplate(template, None)  # a clear error now for one that does not parse
-    return ChatOptions(template, o.chat_targets or "assistant", o.max_tokens or 0)
+    return ChatOptions(template, o.chat_targets or "assistant", o.max_tokens or 0, o.format)

@@ -2,14 +2,24 @@
 deterministic, resumable order over one prepared directory or a weighted blend)."""
 
 from meshtrain.data.format import read_manifest
-from meshtrain.data.loader import Blend, Dataset, DistributedLoader, TokenWindows, validation_batches
+from meshtrain.data.loader import (
+    IGNORE_INDEX,
+    Blend,
+    Dataset,
+    DistributedLoader,
+    PreferencePairs,
+    TokenWindows,
+    validation_batches,
+)
 from meshtrain.data.prepare import prepare
 from meshtrain.data.sources import stdlib_sources
 
 __all__ = [
+    "IGNORE_INDEX",
     "Blend",
     "Dataset",
     "DistributedLoader",
+    "PreferencePairs",
     "TokenWindows",
     "prepare",
     "read_manifest",

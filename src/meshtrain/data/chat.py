@@ -7,6 +7,10 @@ prompt format `meshtrain serve`, transformers' `apply_chat_template`, vLLM and T
 The targets are the characters of each assistant turn, found by rendering the conversation up to
 the turn with the generation prompt (where the answer starts) and up to its end (where it ends,
 trimmed after its end-of-turn token); every token that starts inside such a span is a target.
+
+Preference data (for DPO) is a prompt with a chosen and a rejected answer, in TRL's spellings
+(`preference_pair`): each answer is stored as the conversation prompt + answer, whose targets are the
+answer's assistant turns only.
 """
 
 from __future__ import annotations
@@ -59,14 +63,17 @@ class ChatTemplate:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=self.eos_token
         )
 
-    def target_spans(self, messages: list[dict], targets: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, the character spans whose tokens are targets)."""
+    def target_spans(
+        self, messages: list[dict], targets: str = "assistant", answers_from: int = 0
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, the character spans whose tokens are targets): the assistant
+        turns from message `answers_from` on (those before are a prompt), or with "all" every token."""
         text = self.render(messages)
         if targets == "all":
             return text, [(0, len(text))]
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < answers_from:
                 continue
             prompt, through = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
             start, end = len(prompt), len(through)
@@ -97,23 +104,97 @@ def conversation(record: object, where: str) -> list[dict]:
             f'{where} has no "messages" list (nor "prompt" and "completion"); is this plain text? '
             "then leave out --format chat"
         )
+    return _messages(messages, where)
+
+
+def _messages(messages: list, where: str, what: str = "message") -> list[dict]:
+    """Each message as {"role", "content"}, checked (other keys dropped)."""
     out = []
     for i, message in enumerate(messages, 1):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
-            raise DataError(f"{where}: message {i} has role {role!r}; the roles are {', '.join(ROLES)}")
+            raise DataError(f"{where}: {what} {i} has role {role!r}; the roles are {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
-            raise DataError(f"{where}: message {i} ({role}) has no string content")
+            raise DataError(f"{where}: {what} {i} ({role}) has no string content")
         out.append({"role": role, "content": message["content"]})
     return out
 
 
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def preference_pair(record: object, where: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen answer, rejected answer) of one row, as messages, in any of TRL's spellings:
+    {"prompt": str, "chosen": str, "rejected": str} (a user message and the assistant's answers);
+    {"prompt": [messages], "chosen": [assistant messages], "rejected": [...]}; or {"chosen": [whole
+    conversation], "rejected": [...]}, whose prompt is their longest common prefix of messages. One-line
+    errors name the row."""
+    if not isinstance(record, dict):
+        raise DataError(f'{where} is not a JSON object with "prompt", "chosen" and "rejected"')
+    chosen, rejected, prompt = record.get("chosen"), record.get("rejected"), record.get("prompt")
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(answer, str | list):
+            raise DataError(
+                f'{where} has no "{name}" string or list of messages (rows: "prompt", "chosen", "rejected")'
+            )
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise DataError(f'{where}: "chosen" and "rejected" must both be strings or both lists of messages')
+    if isinstance(chosen, str):
+        if prompt is None:
+            raise DataError(
+                f'{where} has string answers but no "prompt": add the prompt (only conversations, lists of '
+                "messages, may leave it implicit)"
+            )
+        if not isinstance(prompt, str):
+            raise DataError(f'{where}: with string answers, "prompt" must be a string')
+        prompt_messages = [{"role": "user", "content": prompt}]
+        chosen_messages = [{"role": "assistant", "content": chosen}]
+        rejected_messages = [{"role": "assistant", "content": rejected}]
+    else:
+        chosen_messages = _messages(chosen, where, "chosen message")
+        rejected_messages = _messages(rejected, where, "rejected message")
+        if prompt is None:  # implicit: the messages both conversations begin with
+            pairs = zip(chosen_messages, rejected_messages)
+            n = next((i for i, (c, r) in enumerate(pairs) if c != r), min(len(chosen_messages), len(rejected_messages)))
+            if chosen_messages == rejected_messages:
+                raise DataError(f"{where}: chosen and rejected are the same conversation; a pair must differ")
+            if n == 0:
+                raise DataError(f"{where}: chosen and rejected share no first message, so there is no prompt")
+            prompt_messages, chosen_messages, rejected_messages = (
+                chosen_messages[:n],
+                chosen_messages[n:],
+                rejected_messages[n:],
+            )
+        elif isinstance(prompt, list) and prompt:
+            prompt_messages = _messages(prompt, where, "prompt message")
+        else:
+            raise DataError(
+                f'{where}: with answers as lists of messages, "prompt" must be a non-empty list of messages'
+            )
+    for name, answer in (("chosen", chosen_messages), ("rejected", rejected_messages)):
+        if not answer or not "".join(m["content"] for m in answer).strip():
+            raise DataError(f"{where}: the {name} answer is empty")
+        if (role := next((m["role"] for m in answer if m["role"] != "assistant"), None)) is not None:
+            raise DataError(
+                f"{where}: the {name} answer holds a {role} message; after the prompt come assistant messages only"
+            )
+    if chosen_messages == rejected_messages:
+        raise DataError(f"{where}: chosen and rejected are the same answer; a pair must differ")
+    return prompt_messages, chosen_messages, rejected_messages
+
+
 def tokenize_conversations(
-    tokenizer, template: ChatTemplate, conversations: list[tuple[list[dict], str]], targets: str
+    tokenizer,
+    template: ChatTemplate,
+    conversations: list[tuple[list[dict], str]],
+    targets: str,
+    answers_from: list[int] | None = None,
 ) -> list[tuple[list[int], list[int]]]:
-    """(token ids, 1 for a target token else 0) of each (messages, where); a conversation with no
-    target token is an error (it would teach nothing, silently)."""
-    rendered = [template.target_spans(messages, targets) for messages, _ in conversations]
+    """(token ids, 1 for a target token else 0) of each (messages, where), its targets from message
+    `answers_from[i]` on (default: all its assistant turns); a conversation with no target token is
+    an error (it would teach nothing, silently)."""
+    firsts = answers_from or [0] * len(conversations)
+    rendered = [template.target_spans(m, targets, first) for (m, _), first in zip(conversations, firsts)]
     encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     out = []
     for (_, spans), encoding, (_, where) in zip(rendered, encodings, conversations):

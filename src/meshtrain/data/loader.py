@@ -92,11 +92,8 @@ class TokenWindows:
         return to_batch([self.window(int(w)) for w in windows], pin_memory)
 
 
-class PackedConversations:
-    """Chat data: conversations packed, in order, into sequences of seq_len + 1 tokens, none split
-    (a sequence is closed when the next conversation does not fit, and padded with masked
-    end-of-text tokens). A conversation longer than seq_len + 1 is left out and counted
-    (`too_long`). Attention is causal over the whole sequence, as in Megatron's packed SFT."""
+class _Conversations:
+    """Chat data's split: token and mask streams, and the (stream start, length) of every conversation."""
 
     def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, pad_id: int, name: str = ""):
         self.seq_len, self.name, self.pad_id = seq_len, name, pad_id
@@ -107,8 +104,25 @@ class PackedConversations:
             own = np.fromfile(path.with_suffix(".len"), dtype=np.uint32).astype(np.int64)
             ends = np.cumsum(own)
             lengths.append(own[(ends > first) & (ends <= first + n)])
-        lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+        self.starts = np.cumsum(self.lengths) - self.lengths
+
+    def _read(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.tokens.read(start, start + length), self.mask.read(start, start + length)
+
+    def gather(self, windows, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_batch([self.window(int(w)) for w in windows], pin_memory)
+
+
+class PackedConversations(_Conversations):
+    """Chat data: conversations packed, in order, into sequences of seq_len + 1 tokens, none split
+    (a sequence is closed when the next conversation does not fit, and padded with masked
+    end-of-text tokens). A conversation longer than seq_len + 1 is left out and counted
+    (`too_long`). Attention is causal over the whole sequence, as in Megatron's packed SFT."""
+
+    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, pad_id: int, name: str = ""):
+        super().__init__(segments, dtype, seq_len, pad_id, name)
+        lengths, starts = self.lengths, self.starts
         fits = lengths <= seq_len + 1
         self.too_long = int((~fits).sum())
         self.conversations = int(fits.sum())
@@ -130,8 +144,7 @@ class PackedConversations:
         mask = np.zeros(self.seq_len + 1, dtype=np.uint8)
         at = 0
         for start, length in self.sequences[w]:
-            tokens[at : at + length] = self.tokens.read(start, start + length)
-            mask[at : at + length] = self.mask.read(start, start + length)
+            tokens[at : at + length], mask[at : at + length] = self._read(start, length)
             at += length
         return tokens, mask
 
@@ -142,8 +155,37 @@ class PackedConversations:
             self.mask.read(first, first + 1)[0]
         )
 
-    def gather(self, windows, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return to_batch([self.window(int(w)) for w in windows], pin_memory)
+
+class PreferencePairs(_Conversations):
+    """Preference data (DPO): one window per pair, its chosen and its rejected conversation (stored
+    adjacent, in that order) each alone in a row of seq_len + 1 tokens, padded with pad_id and mask 0.
+    A pair with a conversation longer than seq_len + 1 is left out and counted (`too_long`);
+    `conversations` (= `pairs`) counts the pairs kept. A window's target count is 1: the DPO loss is a
+    mean over pairs."""
+
+    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, pad_id: int, name: str = ""):
+        super().__init__(segments, dtype, seq_len, pad_id, name)
+        if len(self.lengths) % 2:
+            raise DataError(f"{name} holds an odd number of conversations, so not whole pairs; prepare it again")
+        starts, lengths = self.starts.reshape(-1, 2), self.lengths.reshape(-1, 2)
+        fits = (lengths <= seq_len + 1).all(axis=1)
+        self.too_long = int((~fits).sum())
+        self.pairs = self.conversations = int(fits.sum())
+        self.pair_starts, self.pair_lengths = starts[fits], lengths[fits]  # (pairs, 2): chosen, rejected
+
+    def __len__(self) -> int:
+        return self.pairs
+
+    def window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, target mask), each (2, seq_len + 1): row 0 the chosen conversation, row 1 the rejected."""
+        tokens = np.full((2, self.seq_len + 1), self.pad_id, dtype=np.int64)
+        mask = np.zeros((2, self.seq_len + 1), dtype=np.uint8)
+        for row, (start, length) in enumerate(zip(self.pair_starts[w].tolist(), self.pair_lengths[w].tolist())):
+            tokens[row, :length], mask[row, :length] = self._read(start, length)
+        return tokens, mask
+
+    def targets_in(self, w: int) -> int:
+        return 1
 
 
 IGNORE_INDEX = -100  # a target the loss leaves out (cross_entropy's ignore_index)
@@ -151,16 +193,17 @@ IGNORE_INDEX = -100  # a target the loss leaves out (cross_entropy's ignore_inde
 
 def to_batch(rows: list[tuple[np.ndarray, np.ndarray | None]], pin_memory: bool = False):
     """(inputs, targets) of (tokens, target mask or None) rows: the targets are the tokens shifted by
-    one, IGNORE_INDEX where the mask says the token is not a target. In page-locked memory with
-    `pin_memory` (so the copy to the GPU is asynchronous)."""
-    tokens = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
+    one, IGNORE_INDEX where the mask says the token is not a target. A row of shape (2, seq_len + 1),
+    a preference pair, gives two rows of the batch, chosen then rejected: B pairs are 2B rows
+    [chosen 0, rejected 0, chosen 1, ...]. In page-locked memory with `pin_memory` (so the copy to
+    the GPU is asynchronous)."""
+    tokens = torch.from_numpy(np.concatenate([t.reshape(-1, t.shape[-1]) for t, _ in rows]).astype(np.int64))
     if all(mask is None for _, mask in rows):  # plain text: two views of one buffer
         batch = tokens.pin_memory() if pin_memory else tokens
         return batch[:, :-1], batch[:, 1:]
+    masks = np.concatenate([(np.ones(t.shape, np.uint8) if m is None else m).reshape(-1, t.shape[-1]) for t, m in rows])
     targets = tokens[:, 1:].clone()
-    for i, (_, mask) in enumerate(rows):
-        if mask is not None:
-            targets[i, torch.from_numpy(mask[1:] == 0)] = IGNORE_INDEX
+    targets[torch.from_numpy(masks[:, 1:] == 0)] = IGNORE_INDEX
     batch = torch.stack([tokens[:, :-1], targets])
     if pin_memory:
         batch = batch.pin_memory()
@@ -251,7 +294,11 @@ class DistributedLoader:
 
 
 def validation_batches(
-    windows: TokenWindows | PackedConversations, n_batches: int, global_batch: int, dp_rank: int, dp_size: int
+    windows: TokenWindows | PackedConversations | PreferencePairs,
+    n_batches: int,
+    global_batch: int,
+    dp_rank: int,
+    dp_size: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """The first n_batches global batches of the validation split, in file order (wrapping), as
     (inputs, targets, targets in the global batch)."""
@@ -266,7 +313,11 @@ def validation_batches(
 
 class Dataset:
     """A prepared data directory: manifest, tokenizer path, train and validation windows. Shard
-    sizes and the tokenizer's hash are checked on opening; shard checksums by `verify`."""
+    sizes and the tokenizer's hash are checked on opening; shard checksums by `verify`.
+
+    `chat`: rendered with a chat template (`template_path`), with a loss mask: chat data
+    (PackedConversations) and preference data; `preference`: preference pairs (PreferencePairs, whose
+    batches hold two rows per pair)."""
 
     def __init__(self, path: str | Path, seq_len: int):
         self.path = Path(path)
@@ -275,7 +326,8 @@ class Dataset:
         self.eos_id: int | None = self.manifest["eos_id"]
         self.tokenizer_path = self.path / self.manifest["tokenizer"]
         dtype = self.manifest["dtype"]
-        self.chat = self.manifest.get("format") == "chat"
+        self.preference = self.manifest.get("format") == "preference"
+        self.chat = self.manifest.get("format") == "chat" or self.preference
         self.template_path = self.path / self.manifest["chat_template"] if self.chat else None
         if self.manifest.get("format_version", 1) == 1:  # one train.bin and one val.bin
             self.train = TokenWindows.from_file(self.path / "train.bin", dtype, seq_len)
@@ -283,6 +335,11 @@ class Dataset:
         else:
             self._check_files()
             self.train, self.val = (self._split(s, dtype, seq_len) for s in ("train", "val"))
+        if self.preference and len(self.train) == 0:
+            raise DataError(
+                f"every one of the {self.train.too_long} training pairs in {self.path} has a conversation (prompt "
+                f"and answer) longer than training.seq_len + 1 = {seq_len + 1} tokens; raise training.seq_len"
+            )
         if self.chat and len(self.train) == 0:
             raise DataError(
                 f"every one of the {self.train.too_long} training conversations in {self.path} is longer than "
@@ -297,6 +354,8 @@ class Dataset:
     def _split(self, split: str, dtype: str, seq_len: int):
         segments = [(self.path / f, a, n) for f, a, n in self.manifest["splits"][split]]
         name = f"{self.path} ({split})"
+        if self.preference:
+            return PreferencePairs(segments, dtype, seq_len, self.eos_id or 0, name)
         if self.chat:
             return PackedConversations(segments, dtype, seq_len, self.eos_id or 0, name)
         return TokenWindows(segments, dtype, seq_len, name)
@@ -344,7 +403,8 @@ class Dataset:
 
 
 class Blend:
-    """data.path: one prepared directory, or several with weights, all tokenized alike."""
+    """data.path: one prepared directory, or several with weights, all tokenized alike (and all
+    preference data, `preference`, or none)."""
 
     def __init__(self, spec: str, seq_len: int):
         parsed = parse_data_path(spec)
@@ -359,6 +419,14 @@ class Blend:
                     f"both with one, `meshtrain data prepare --tokenizer {first.tokenizer_path} ...`"
                 )
         self.vocab_size, self.eos_id, self.tokenizer_path = first.vocab_size, first.eos_id, first.tokenizer_path
+        self.preference = first.preference
+        for other in self.sources[1:]:
+            if other.preference != self.preference:
+                pairs, rest = (other, first) if other.preference else (first, other)
+                raise DataError(
+                    f"data.path: {pairs.path} holds preference pairs and {rest.path} does not; a blend is all "
+                    "preference data (for training.objective dpo) or none"
+                )
         chat = [s for s in self.sources if s.chat]
         self.template_path = chat[0].template_path if chat else None
         for other in chat[1:]:

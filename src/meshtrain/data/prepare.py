@@ -11,7 +11,11 @@ alone, not on how many workers or ranks wrote it: the dataset is the units' shar
 
 With `--format chat` the rows are conversations (`data.chat`): each is rendered with the chat
 template and stored as its tokens (no end-of-text token added: the template ends each answer), with
-a `.mask` of its target tokens and its length in a `.len` beside each shard.
+a `.mask` of its target tokens and its length in a `.len` beside each shard. With `--format
+preference` the rows are preference pairs (`data.chat.preference_pair`): each pair is stored as two
+such conversations, prompt + chosen answer then prompt + rejected answer, adjacent in one split, each
+masked to its answer (the prompt's own assistant turns are not targets); the shards' documents are
+the pairs.
 
 Output directory:
   tokenizer.json   the Hugging Face tokenizer (given, or a byte-level BPE trained on a bounded sample)
@@ -37,9 +41,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, conversation, tokenize_conversations
+from meshtrain.data.chat import (
+    PREFERENCE_COLUMNS,
+    TEMPLATE_FILE,
+    ChatTemplate,
+    conversation,
+    preference_pair,
+    tokenize_conversations,
+)
 from meshtrain.data.format import FORMAT_VERSION, MANIFEST, ShardWriter, resolve_dtype
-from meshtrain.data.sources import LongDocument, Piece, expand_inputs, pieces, read_piece, read_rows
+from meshtrain.data.sources import LongDocument, Piece, _records, expand_inputs, pieces, read_piece, read_rows
 from meshtrain.data.tokenizer import encode_long, end_of_text, load_tokenizer, tokenizer_fingerprint, train_bpe
 from meshtrain.data.workers import Ranks, default_workers, run_units
 from meshtrain.errors import DataError
@@ -80,26 +91,57 @@ def plan_units(inputs: list[str | Path]) -> list[Unit]:
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """--format chat: conversations rendered with `template`; which tokens are targets; the longest
-    conversation kept (0: any; longer ones are skipped and counted)."""
+    """--format chat (or preference, `format`): conversations rendered with `template`; which tokens
+    are targets; the longest conversation kept (0: any; longer ones, or pairs with a longer one, are
+    skipped and counted)."""
 
     template: str
     targets: str = "assistant"
     max_tokens: int = 0
+    format: str = "chat"
+
+    @property
+    def preference(self) -> bool:
+        return self.format == "preference"
 
 
-def _texts(piece: Piece, text_field: str, chat: bool) -> Iterator[str]:
+def preference_rows(piece: Piece) -> Iterator[tuple[object, object]]:
+    """The rows of one piece for preference data, each with its place."""
+    if piece.file.kind == "txt":
+        raise DataError(
+            f'{piece.file.path} is plain text; --format preference reads JSON lines or Parquet rows with "prompt", '
+            '"chosen" and "rejected"'
+        )
+    yield from _records(piece, list(PREFERENCE_COLUMNS), needed=False)
+
+
+def _conversations(piece: Piece, chat: ChatOptions) -> Iterator[tuple[list[tuple[list[dict], str]], int]]:
+    """The rows of a chat piece, each as its conversations [(messages, where)] (a preference pair: prompt +
+    chosen, prompt + rejected) and the index of the first message that may be a target."""
+    if not chat.preference:
+        for record, where in read_rows(piece):
+            yield [(conversation(record, where), where)], 0
+        return
+    for record, where in preference_rows(piece):
+        prompt, chosen, rejected = preference_pair(record, where)
+        yield [(prompt + chosen, where), (prompt + rejected, where)], len(prompt)
+
+
+def _texts(piece: Piece, text_field: str, chat: ChatOptions | None) -> Iterator[str]:
     """A piece's documents, or for chat data the contents of its conversations' messages."""
     if not chat:
         for document in read_piece(piece, text_field):
             yield from document.chunks if isinstance(document, LongDocument) else [document]
         return
-    for record, where in read_rows(piece):
-        for message in conversation(record, where):
-            yield message["content"]
+    for conversations, first in _conversations(piece, chat):
+        for i, (messages, _) in enumerate(conversations):
+            for message in messages[first if i else 0 :]:  # a pair's prompt once
+                yield message["content"]
 
 
-def tokenizer_sample(units: list[Unit], text_field: str, sample_bytes: int, chat: bool = False) -> Iterator[str]:
+def tokenizer_sample(
+    units: list[Unit], text_field: str, sample_bytes: int, chat: ChatOptions | None = None
+) -> Iterator[str]:
     """What a BPE is trained on: the first documents of every unit, an equal share of `sample_bytes`
     each (at least one document per unit), so the sample spans the whole input."""
     share = max(1, sample_bytes // max(1, len(units)))
@@ -211,27 +253,35 @@ def _long_document(job: UnitJob, tok, document: str | LongDocument, shards: dict
 
 def _chat_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) -> int:
     """Conversations rendered with the chat template, tokenized with their loss masks; returns how
-    many were longer than --max-tokens (skipped)."""
+    many rows were longer than --max-tokens (skipped). A preference row is two conversations, chosen
+    then rejected, written as one document (kept or skipped together, in one split)."""
     template, skipped = ChatTemplate(job.chat.template, job.eos_token), 0
-    batch: list[tuple[list[dict], object]] = []
+    rows: list[list[tuple[list[dict], str]]] = []  # each row's conversations
+    firsts: list[int] = []  # each conversation's first message that may be a target
 
     def flush() -> int:
         long = 0
-        for (messages, _), (ids, mask) in zip(batch, tokenize_conversations(tok, template, batch, job.chat.targets)):
-            if job.chat.max_tokens and len(ids) > job.chat.max_tokens:
+        batch = [c for row in rows for c in row]
+        encoded = iter(tokenize_conversations(tok, template, batch, job.chat.targets, firsts))
+        for row in rows:
+            sequences = [next(encoded) for _ in row]
+            if job.chat.max_tokens and max(len(ids) for ids, _ in sequences) > job.chat.max_tokens:
                 long += 1
                 continue
-            key = json.dumps(messages, sort_keys=True)
-            shards["val" if _is_val(key, job.val_fraction) else "train"].add(ids, mask)
-        batch.clear()
+            key = json.dumps([messages for messages, _ in row] if len(row) > 1 else row[0][0], sort_keys=True)
+            shard = shards["val" if _is_val(key, job.val_fraction) else "train"]
+            for i, (ids, mask) in enumerate(sequences):
+                shard.add(ids, mask, end=i == len(sequences) - 1)
+        rows.clear()
+        firsts.clear()
         return long
 
     chars = 0
     for piece in unit.pieces:
-        for record, where in read_rows(piece):
-            messages = conversation(record, where)
-            batch.append((messages, where))
-            chars += sum(len(m["content"]) for m in messages)
+        for conversations, first in _conversations(piece, job.chat):
+            rows.append(conversations)
+            firsts.extend([first] * len(conversations))
+            chars += sum(len(m["content"]) for messages, _ in conversations for m in messages)
             if chars >= BATCH_CHARS:
                 skipped += flush()
                 chars = 0
@@ -256,6 +306,7 @@ def _spec(units: list[Unit], tokenizer, vocab_size, val_fraction, dtype, text_fi
                 "val_fraction": val_fraction,
                 "dtype": dtype,
                 "text_field": text_field,
+                "format": chat.format if chat else "text",
                 "chat": dataclasses.asdict(chat) if chat else None,
             }
         )
@@ -291,7 +342,7 @@ def _open_partial(work: Path, spec: dict) -> RunLock:
 
 
 def _make_tokenizer(
-    work: Path, units: list[Unit], tokenizer, vocab_size: int, text_field: str, sample: int, chat: bool
+    work: Path, units: list[Unit], tokenizer, vocab_size: int, text_field: str, sample: int, chat: ChatOptions | None
 ) -> Path:
     """The tokenizer in the partial directory: the given one, or a BPE trained on a sample."""
     path = work / "tokenizer.json"
@@ -333,18 +384,20 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
             records.append(json.loads(_unit_record(work, unit.index).read_text()))
         except (OSError, ValueError):
             raise DataError(f"unit {unit.index} of the prepare in {work} is missing: run the prepare again") from None
-    splits, docs = _splits(records, val_fraction)
+    splits, docs = _splits(records, val_fraction)  # preference data: a document is a pair
     skipped = sum(r["skipped"] for r in records)
+    preference = job.chat is not None and job.chat.preference
     if not sum(docs.values()):
         raise DataError(
-            f"all {skipped} conversations are longer than --max-tokens {job.chat.max_tokens}; raise it"
+            f"all {skipped} {'pairs have a conversation' if preference else 'conversations are'} longer than "
+            f"--max-tokens {job.chat.max_tokens}; raise it"
             if skipped
             else "the input holds no text"
         )
     tok = load_tokenizer(work / "tokenizer.json")
     manifest = {
         "format_version": FORMAT_VERSION,
-        "format": "chat" if job.chat else "text",
+        "format": job.chat.format if job.chat else "text",
         "dtype": job.dtype,
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "eos_id": job.eos_id,
@@ -353,7 +406,7 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
         "tokenizer_fingerprint": tokenizer_fingerprint(work / "tokenizer.json"),
         "train_tokens": sum(s[2] for s in splits["train"]),
         "val_tokens": sum(s[2] for s in splits["val"]),
-        "documents": docs,
+        "documents": {split: 2 * n for split, n in docs.items()} if preference else docs,
         "val_fraction": val_fraction,
         "text_field": job.text_field,
         "input_files": len({p.file.path for u in units for p in u.pieces}),
@@ -375,6 +428,8 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
             "max_tokens": job.chat.max_tokens,
             "skipped_longer": skipped,
         }
+    if preference:
+        manifest["pairs"] = docs
     write_json(work / MANIFEST, manifest)
     for path in [*work.glob("unit-*.json"), work / SPEC]:
         path.unlink()
@@ -417,7 +472,7 @@ def prepare(
         units = plan_units(inputs)
         spec = _spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes, chat)
         locks.append(_open_partial(work, spec))
-        tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes, bool(chat))
+        tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes, chat)
         tok = load_tokenizer(tok_path)
         resolved = resolve_dtype(dtype, tok.get_vocab_size(with_added_tokens=True))
         eos_token, eos_id = end_of_text(tok, Path(tokenizer).parent if tokenizer else None)

@@ -164,6 +164,9 @@ def quantize_base(model: nn.Module) -> None:
     """QLoRA: the target linears' frozen weights to NF4 (torchao), in place. Their values must be
     final (initialised or loaded): NF4 cannot be loaded into. A weight too small for 256 blocks
     (only toy models have one) double-quantizes its scales in smaller groups."""
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its GPU kernels' libraries, absent on a CPU
     from torchao.quantization import to_nf4
 
     for m in lora_modules(model):
@@ -193,6 +196,12 @@ def init_adapter(name: str, shape: torch.Size, generator: torch.Generator) -> to
         return torch.zeros(shape)
     bound = 1 / math.sqrt(shape[1])
     return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+
+def adapter_count(shape, spec: LoraSpec) -> int:
+    """Parameters of the adapters on a model of `shape` (model.shapes.Shape): r (in + out) per target."""
+    targets = tuple(f".{name}.weight" for name in spec.targets)
+    return sum(spec.rank * sum(p.shape) for p in shape.parameters() if p.name.endswith(targets))
 
 
 def merge_state_dict(state: dict[str, torch.Tensor], spec: LoraSpec) -> tuple[dict, dict]:

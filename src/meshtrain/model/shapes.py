@@ -167,15 +167,25 @@ class Shape:
         return sum(p.numel for p in self.parameters())
 
     @functools.cache  # noqa: B019 (a frozen value object: cached by its fields, few shapes per process)
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, lora=None, reference_forward: bool = False) -> float:
         """Model FLOPs of training one token: 6 x the parameters a token multiplies (no embedding
         lookup or positions) plus attention scores and weighted sum, 12 x layers x n_heads x head_dim x seq (PaLM
-        appendix B; torchtitan's convention, no causal halving). MFU in the training log uses this too."""
+        appendix B; torchtitan's convention, no causal halving). MFU in the training log uses this too.
+        `lora` (a LoraSpec): the frozen weights take no weight gradient, 4 x instead of 6 x, and the
+        adapters 6 x theirs; `reference_forward` (DPO): one more forward, 2 x and the attention's third."""
         lookups = ("tok_embeddings.weight", "wte.weight", "wpe.weight")
         matmul = sum(p.numel for p in self.parameters() if p.name not in lookups)
         if self.tie_embeddings:
             matmul += self.vocab_size * self.dim  # the output projection is the embedding matrix
-        return 6.0 * matmul + 12.0 * self.n_layers * self.q_dim * seq_len
+        attention = 4.0 * self.n_layers * self.q_dim * seq_len  # forward; backward twice that
+        flops = (4.0 if lora else 6.0) * matmul + 3 * attention
+        if lora:
+            from meshtrain.model.lora import adapter_count
+
+            flops += 6.0 * adapter_count(self, lora)
+        if reference_forward:
+            flops += 2.0 * matmul + attention
+        return flops
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from meshtrain.model.shapes import Shape
 from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
 from meshtrain.train.build import TrainState, build
+from meshtrain.train.preference import DEFAULT_BETA
 from meshtrain.train.step import evaluate, reduce_loss
 from meshtrain.train.stragglers import ComputeTimer, StragglerDetector, timed_modules
 from meshtrain.train.watchdog import Watchdog, phase
@@ -102,6 +103,17 @@ def announce(s: TrainState) -> None:
         f"{' pipeline micro-batches' if s.layout.pp > 1 else ' accumulation'}) | {t.steps} steps"
     )
     log.info(f"  arithmetic: {s.arithmetic.describe()}")
+    if s.lora is not None:
+        from meshtrain.model.lora import adapter_count
+
+        trains = adapter_count(Shape.from_args(s.args), s.lora)
+        base = "4-bit NF4" if s.lora.quantized else "frozen"
+        log.info(
+            f"  {s.lora.method}: rank {s.lora.rank}, alpha {s.lora.alpha:g} on {', '.join(s.lora.targets)}: "
+            f"{trains / 1e6:.2f}M trainable parameters ({100 * trains / s.n_params:.2f}%), the base {base}"
+        )
+    if t.objective == "dpo":
+        log.info(f"  DPO, beta {t.dpo_beta or DEFAULT_BETA}: batch sizes count preference pairs (two sequences each)")
     for line in s.dims.describe_groups():
         log.info("  " + line)
     warn_pointless_settings(s)
@@ -136,11 +148,16 @@ def warn_pointless_settings(s: TrainState) -> None:
 
 def validation_losses(s: TrainState) -> dict:
     """val_loss: the blend's weights over its sources' losses (one source: its loss); for a blend
-    also val_loss_by_source."""
+    also val_loss_by_source; for DPO the held-out pairs' rewards and preference accuracy."""
+    preference = s.model.preference
+    training_sums = preference.sums.clone() if preference else None
     losses = {name: evaluate(s.model, batches, s.device, s.dims, s.context) for name, batches in s.val.items()}
     weights = dict(zip(s.dataset.names, s.dataset.weights))
     total = sum(weights[name] for name in losses)
     record = {"val_loss": sum(weights[name] * loss for name, loss in losses.items()) / total}
+    if preference:  # DPO: the rewards of the held-out pairs (over all sources), apart from training's
+        record |= {f"val_{key}": value for key, value in preference.report(s.dims.dp_group).items()}
+        preference.sums.copy_(training_sums)
     if len(s.dataset.sources) > 1:
         record["val_loss_by_source"] = losses
     return record
@@ -348,11 +365,14 @@ def start_watchdog(s: TrainState) -> Watchdog:
 
 def log_record(s: TrainState, step: int, lr: float, loss, grad_norm, n_targets, meter, detector) -> dict:
     """The metrics of a logged step (every rank calls this: the loss and compute times are reduced)."""
+    preference = s.model.preference
     return {
         "loss": reduce_loss(loss, s.dims),
         "lr": lr,
         "grad_norm": grad_norm.item(),
-        "target_tokens": n_targets,  # of this step's global batch (chat data: the loss mask's)
+        # of this step's global batch: target tokens (chat data: the loss mask's), or DPO's pairs
+        "pairs" if preference else "target_tokens": n_targets,
+        **(preference.report(s.dims.dp_group) if preference else {}),
         **meter.report(),
         **detector.report(),
     }
@@ -367,7 +387,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress, start_step
     )
     meter = Throughput(
-        Shape.from_args(s.args).flops_per_token(t.seq_len),
+        Shape.from_args(s.args).flops_per_token(t.seq_len, s.lora, t.objective == "dpo"),
         mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
         env.world_size,
     )
@@ -396,7 +416,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         if step in (start_step + 1, start_step + 2):  # states exist now; then the peak of a step with them
             report_memory(s, metrics, quiet=step == start_step + 2)
         s.scheduler.step()
-        meter.add(t.global_batch_size * t.seq_len)
+        meter.add(t.global_batch_size * s.model.rows_per_sample * t.seq_len)
         metrics.advance(step)
 
         record = {}
