@@ -2,16 +2,29 @@
 reference is the base with the adapters off, and training on pairs makes held-out pairs preferred
 the chosen way."""
 
+import json
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
 from meshtrain.config import load_config
+from meshtrain.data import prepare
+from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE
 from meshtrain.data.loader import IGNORE_INDEX
+from meshtrain.data.prepare import ChatOptions
 from meshtrain.model.llama import copy_full_into
 from meshtrain.train import build as build_state
 
 BETA = 0.25
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 MODEL = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 128}
 
 
@@ -95,3 +108,96 @@ def test_the_dpo_loss_is_trls_formula_against_the_base_with_adapters_off():
         s.step(inputs, targets, n_targets=4)
         margins.append(s.model.preference.report()["reward_margin"])
     assert margins[-1] > margins[0] + 0.1, margins
+
+
+COLORS, THINGS = "red blue green black white".split(), "cat dog fish bird tree sun moon star rain snow wind".split()
+
+
+def color_pairs(n: int, seed: int = 0) -> list[dict]:
+    """A preference no prompt decides: answers of colour words preferred over answers of things."""
+    rng = random.Random(seed)
+
+    def three(words):
+        return " ".join(rng.choice(words) for _ in range(3))
+
+    return [
+        {
+            "prompt": [{"role": "user", "content": three(COLORS + THINGS)}],
+            "chosen": [{"role": "assistant", "content": three(COLORS)}],
+            "rejected": [{"role": "assistant", "content": three(THINGS)}],
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def pairs_data(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prefs") / "pairs"
+    write_jsonl(out.with_suffix(".jsonl"), color_pairs(1500))
+    prepare(
+        [out.with_suffix(".jsonl")],
+        out,
+        tokenizer=corpus / "tokenizer.json",
+        val_fraction=0.1,
+        progress=False,
+        workers=1,
+        chat=ChatOptions(DEFAULT_CHAT_TEMPLATE, format="preference"),
+    )
+    return out
+
+
+def preferred_share(model, pairs) -> float:
+    """How often the model gives the chosen answer the higher log-probability (held-out pairs)."""
+    from meshtrain.train.preference import sequence_logps
+
+    wins = 0
+    with torch.no_grad():
+        for w in range(len(pairs)):
+            inputs, targets = pairs.gather([w])
+            logps = sequence_logps(model(inputs), targets)
+            wins += int(logps[0] > logps[1])
+    return wins / len(pairs)
+
+
+DPO_RUN = ("--training.objective", "dpo", "--peft.method", "lora", "--training.lr", "1e-2", "--training.seq_len", "64")
+
+
+def test_dpo_makes_held_out_pairs_preferred_the_chosen_way(pairs_data, cli_env, tmp_path):
+    from meshtrain.data.loader import Dataset
+    from meshtrain.interop.hf import load_full_model
+    from meshtrain.model import Llama
+
+    run = tmp_path / "run"
+    args = train_args(pairs_data, run, *DPO_RUN, "--training.steps", "120", "--training.global_batch_size", "16")
+    result = run_cli([*args, "--training.micro_batch_size", "16", "--training.eval_every", "60"], cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run)
+    assert {"chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "pairs"} <= metrics[0].keys()
+    assert metrics[-1]["val_reward_accuracy"] >= 0.9 and metrics[-1]["val_reward_margin"] > 0
+    held_out = Dataset(pairs_data, 64).val
+    trained, args_, _ = load_full_model(run)
+    base = Llama(args_)
+    base.init_weights(0)  # the run's base: the seed's initialisation
+    before, after = preferred_share(base.eval(), held_out), preferred_share(trained.eval(), held_out)
+    assert after >= 0.8 and after >= before + 0.4, (before, after)  # 0.32 -> 0.89 when written
+
+
+@pytest.mark.multiproc
+def test_dpo_is_the_same_on_one_process_zero3_and_tp2(pairs_data, cli_env, tmp_path):
+    runs = {}
+    for name, extra in {"single": (), "zero3": ("--parallel.zero", "3"), "tp2": ("--parallel.tp", "2")}.items():
+        runs[name] = tmp_path / name
+        args = train_args(pairs_data, runs[name], *DPO_RUN, "--training.steps", "4", "--training.eval_every", "2")
+        result = run_cli([*args, *(("--nproc", "2") if extra else ()), *extra], cli_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("zero3", "tp2"):
+        assert_same_run(runs[name], runs["single"])
+        for got, want in zip(read_metrics(runs[name]), read_metrics(runs["single"])):
+            assert got["reward_margin"] == pytest.approx(want["reward_margin"], rel=1e-3, abs=1e-6)
+
+
+def test_dpo_needs_preference_data_and_preference_data_needs_dpo(corpus, pairs_data, cli_env, tmp_path):
+    result = run_cli(train_args(corpus, tmp_path / "a", *DPO_RUN), cli_env)
+    assert_user_error(result, "learns from preference pairs", "--format preference")
+    result = run_cli(train_args(pairs_data, tmp_path / "b", "--peft.method", "lora"), cli_env)
+    assert_user_error(result, "holds preference pairs", "training.objective = dpo")

@@ -1,5 +1,6 @@
 """`meshtrain plan`: resolve the model, the job and the device, search (or explain one layout),
-print, write the best layout as a training config, and dry-run it (--verify).
+print, write the best layout as a training config, and dry-run it (--verify). [peft] (--peft
+lora|qlora, --lora-rank, --lora-targets, ...) and --objective dpo are planned too, and written.
 
 The flags that name config keys (--model.*, --training.*, --parallel.*, with short aliases) are read
 by the config loader, so they take exactly the values the trainer takes; a layout key given on the
@@ -20,6 +21,7 @@ from meshtrain.config import Config, config_keys, load_config, option, section_o
 from meshtrain.errors import MeshtrainError
 from meshtrain.layout import Layout
 from meshtrain.model import PRESETS, ModelArgs
+from meshtrain.model.lora import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import KINDS, Workload, device, search
 
@@ -49,6 +51,12 @@ PLAN_KEYS = {
     "parallel.pp_virtual_stages": ("--virtual-stages",),
     "parallel.sequence_parallel": ("--sequence-parallel",),
     "parallel.loss_parallel": (),
+    "training.objective": ("--objective",),
+    "peft.method": ("--peft",),
+    "peft.rank": ("--lora-rank",),
+    "peft.alpha": ("--lora-alpha",),
+    "peft.dropout": ("--lora-dropout",),
+    "peft.targets": ("--lora-targets",),
 }
 # The layout's knobs plan searches over (every Layout field but the resolved ones).
 KNOBS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("dp_shard", "global_batch_size"))
@@ -119,6 +127,8 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
     values = dict(zip(overrides[::2], overrides[1::2]))
     if "model.n_heads" in given and "model.n_kv_heads" not in given:  # multi-head attention, as GPT sizes it
         overrides += ["--model.n_kv_heads", values["--model.n_heads"]]
+    if values.get("--peft.method") == "qlora" and "training.dtype" not in given and not o.config:
+        overrides += ["--training.dtype", "bf16"]  # QLoRA computes in bf16
     if "training.seq_len" in given and "model.max_seq_len" not in given:  # the planned model covers the sequence
         model = load_config(o.config, [*(["--model.preset", preset] if preset else [])]).model_args()
         seq_len = config_keys()["training.seq_len"].from_text(values["--training.seq_len"])
@@ -152,6 +162,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     compiled = t.compile if explain or "training.compile" in given else False
     if compiled and not llama:
         raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
+    peft = LoraSpec.from_config(cfg.peft)
+    pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
+    check_peft(peft, o.arch, dtype, gpus, {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "zero") if k in pinned})
     w = Workload(
         shape,
         seq_len,
@@ -161,14 +174,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         "cpu" if o.gpu == "cpu" else "cuda",
         compiled,
         fp32_attention,
+        peft,
+        t.objective,
     )
-    pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
     fixed = {k: getattr(getattr(cfg, section_of(k)), k) for k in KNOBS if k in pinned}
     training = dataclasses.replace(t, seq_len=seq_len, global_batch_size=global_batch, compile=compiled)
     if dtype != "fp16":  # the trainer's precisions; an fp16 plan is refused by --write-config and --verify
         training.dtype = dtype
         training.bf16_compute = t.bf16_compute if dtype == "bf16" else "auto"
-    base = dataclasses.replace(cfg, training=training)
+    base = dataclasses.replace(cfg, training=training, peft=planned_peft(cfg, peft))
     estimates, refused = search(w, dev, inter, gpus, global_batch, fixed, base if llama else None, model)
 
     if o.write_config:
@@ -186,6 +200,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             "seq_len": seq_len,
             "global_batch": global_batch,
             "dtype": dtype,
+            "objective": t.objective,
+            "peft": peft.to_dict() if peft else None,
             "layouts": [
                 {**e.as_dict(), **({"built": built[i]} if i in built else {})} for i, e in enumerate(estimates)
             ],
@@ -200,7 +216,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     title = (
         f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {gpus} x {dev.name} ({dev.gpus_per_node} per node, "
         f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {inter:.1f} GB/s per GPU), seq {seq_len}, "
-        f"global batch {global_batch}, {dtype}"
+        f"global batch {global_batch}{' pairs' if t.objective == 'dpo' else ''}, {dtype}"
+        + (f", {peft.method} rank {peft.rank} on {','.join(peft.targets)}" if peft else "")
     )
     render(title, estimates, refused, o.top, Console(width=None if sys.stdout.isatty() else 120))
     from meshtrain.train.dry_run import KEYS
@@ -210,6 +227,33 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         where = f"#{i + 1} {estimates[i].layout.describe()}"
         print(f"built (dry run) {where}: {cells} GiB built/planned on rank {gib['rank']}")
     return 0
+
+
+def check_peft(peft: LoraSpec | None, arch: str, dtype: str, gpus: int, pinned: dict) -> None:
+    """What meshtrain cannot train with [peft], refused in one line: adapters on a GPT shape; QLoRA
+    outside bf16, or with a pinned TP, PP or FSDP (it runs on one process or plain DDP)."""
+    if peft is None:
+        return
+    if arch != "llama":
+        raise MeshtrainError(f"--peft {peft.method} plans meshtrain's adapters on its Llama: drop it with --arch gpt")
+    if not peft.quantized:
+        return
+    if dtype != "bf16":
+        raise MeshtrainError(f"--peft qlora computes in bf16 (NF4 weights dequantize to bf16): not {dtype}")
+    used = [f"--{k} {v}" for k, v in pinned.items() if (k != "zero" and v > 1) or (k == "zero" and v >= 2 and gpus > 1)]
+    if used:
+        raise MeshtrainError(
+            f"--peft qlora runs on one process or plain DDP (zero 0/1), not with {', '.join(used)} (no FSDP/TP/PP)"
+        )
+
+
+def planned_peft(cfg: Config, peft: LoraSpec | None):
+    """[peft] as planned, its defaults spelled out (what --write-config writes)."""
+    if peft is None:
+        return cfg.peft
+    return dataclasses.replace(
+        cfg.peft, rank=peft.rank, alpha=peft.alpha, dropout=peft.dropout, targets=cfg.peft.targets or "all"
+    )
 
 
 def planned_arithmetic(cfg: Config, model: ModelArgs, dtype: str, seq_len: int, dev, gpu: str, llama: bool):

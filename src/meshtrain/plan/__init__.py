@@ -3,7 +3,7 @@ best one. A pure estimator below the trainer: it reads the model's shape facts (
 the trainer's own Layout, and imports nothing of train/ (the dry run, in train/, holds it to what a
 built job measures; cli/plan.py is the command).
 
-workload.py  what is trained beside the layout: model, sequence, precision, kernels
+workload.py  what is trained beside the layout: model, sequence, precision, kernels, LoRA/QLoRA, objective
 hardware.py  accelerators and networks (data sheets, overridable; the CPU measured)
 memory.py    model states (exact), activations (per saved tensor), in-flight micro-batches, buffers
 speed.py     matmuls, memory-bound work, TP/PP/DP communication, bubble, optimizer
@@ -12,10 +12,10 @@ report.py    the table
 """
 
 from meshtrain.plan.hardware import CATALOG, KINDS, device
-from meshtrain.plan.memory import activation_bytes, estimate_memory, model_state_bytes
+from meshtrain.plan.memory import activation_bytes, estimate_memory, model_state_bytes, nf4_bytes
 from meshtrain.plan.search import Estimate, evaluate, search
 from meshtrain.plan.speed import step_time
-from meshtrain.plan.workload import Workload
+from meshtrain.plan.workload import Workload, peft_refusal, workload_of_config
 
 __all__ = [
     "CATALOG",
@@ -27,6 +27,9 @@ __all__ = [
     "estimate_memory",
     "evaluate",
     "model_state_bytes",
+    "nf4_bytes",
+    "peft_refusal",
     "search",
     "step_time",
+    "workload_of_config",
 ]

@@ -7,6 +7,12 @@ copies exist only while computing), gradients are fp32, AdamW keeps two fp32 mom
 16 bytes per parameter, the same 16 as the ZeRO paper's 2 + 2 + 12 with the fp32 master counted as
 the parameter. ZeRO-1 shards the moments (whole tensors, greedily, as ZeroRedundancyOptimizer
 does); ZeRO-2/3 (FSDP2) shard parameters, gradients and moments along dim 0.
+
+LoRA/QLoRA (model/lora.py): only the adapters A (r x in) and B (out x r) of each target linear train,
+with the same 16 bytes a parameter, sharded like the layout (TP splits B with a column-parallel
+linear's outputs, A with a row-parallel one's inputs). The frozen base has no gradient and no moments;
+its matrices are stored in bf16 under bf16 training (they need no fp32 master), its vectors (norms)
+as they are; QLoRA stores the target linears' weights in NF4 (NF4_BYTES).
 """
 
 from __future__ import annotations
@@ -16,10 +22,20 @@ import math
 from dataclasses import dataclass
 
 from meshtrain.layout import Layout, zero1_partition
-from meshtrain.model.shapes import Param, Shape
+from meshtrain.model.lora import LoraSpec
+from meshtrain.model.shapes import COLUMN, ROW, Param, Shape
 from meshtrain.plan.workload import Workload
 
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per local parameter element
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's to_nf4 defaults, which QLoRA uses
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes of torchao's NF4Tensor of `numel` elements: 4-bit codes, an int8 scale per block of 64,
+    a bf16 factor per 256 of those scales, the 16-entry bf16 code table and a bf16 mean (a
+    1024 x 1024 weight: 540,834 bytes, 0.5158 a parameter, as measured)."""
+    blocks = -(-numel // NF4_BLOCK)
+    return -(-numel // 2) + blocks + 2 * -(-blocks // NF4_SCALER_BLOCK) + 2 * 16 + 2
 
 
 def _chunk(n: int, parts: int, index: int) -> int:
@@ -64,9 +80,56 @@ def _stage_params(shape: Shape, pipeline: Layout, pp_rank: int) -> tuple[Param, 
     return params
 
 
-def model_state_bytes(shape: Shape, layout: Layout, rank: int = 0) -> dict[str, int]:
-    """Parameter, gradient and optimizer-state bytes one rank holds (what memory.json measures)."""
-    return _model_state_bytes(shape, _sharding(layout), rank)
+def model_state_bytes(
+    shape: Shape, layout: Layout, rank: int = 0, peft: LoraSpec | None = None, dtype: str = "bf16"
+) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes one rank holds (what memory.json measures).
+    `peft`: LoRA/QLoRA adapters train on a frozen base stored in `dtype` (training.dtype)."""
+    if peft is None:
+        return _model_state_bytes(shape, _sharding(layout), rank)
+    return _peft_state_bytes(shape, _sharding(layout), rank, peft, dtype)
+
+
+def is_target(p: Param, peft: LoraSpec) -> bool:
+    """A target linear's weight (layers.N.attention.wq.weight, ...)."""
+    parts = p.name.split(".")
+    return isinstance(p.owner, int) and parts[-1] == "weight" and len(p.shape) == 2 and parts[-2] in peft.targets
+
+
+def adapters(params: tuple[Param, ...], peft: LoraSpec) -> tuple[Param, ...]:
+    """The adapters of the target linears among `params`: A (r x in) split with a row-parallel
+    linear's inputs, B (out x r) with a column-parallel linear's outputs, else replicated."""
+    out = []
+    for p in params:
+        if is_target(p, peft):
+            rows, cols = p.shape
+            prefix = p.name.removesuffix(".weight")
+            out.append(Param(f"{prefix}.lora_a", (peft.rank, cols), p.owner, 1 if p.tp_dim == ROW else None))
+            out.append(Param(f"{prefix}.lora_b", (rows, peft.rank), p.owner, 0 if p.tp_dim == COLUMN else None))
+    return tuple(out)
+
+
+def frozen_bytes(p: Param, numel: int, peft: LoraSpec, dtype: str) -> float:
+    """Storage of a frozen base parameter's local `numel` elements: NF4 for QLoRA's targets (never
+    sharded), bf16 matrices under bf16 training, the rest (norms; everything under fp32) fp32."""
+    if peft.quantized and is_target(p, peft):
+        return nf4_bytes(numel)
+    return (2 if dtype != "fp32" and len(p.shape) >= 2 else 4) * numel
+
+
+@functools.cache
+def _peft_state_bytes(shape: Shape, layout: Layout, rank: int, peft: LoraSpec, dtype: str) -> dict[str, int]:
+    c = layout.coordinates(rank)
+    params = stage_params(shape, layout, c["pp"])
+    base = sum(frozen_bytes(p, local_numel(p, layout, c["tp"], c["dp_shard"]), peft, dtype) for p in params)
+    local = [(local_numel(a, layout, c["tp"], c["dp_shard"]), True) for a in adapters(params, peft)]
+    held = sum(n for n, _ in local)
+    moments = zero1_partition(local, layout.dp)[c["dp"]] if layout.zero == 1 and layout.dp > 1 else held
+    return {
+        "params": int(base) + STATE_BYTES["params"] * held,
+        "grads": STATE_BYTES["grads"] * held,
+        "optimizer": STATE_BYTES["optimizer"] * moments,
+    }
 
 
 def _sharding(layout: Layout) -> Layout:
@@ -116,6 +179,51 @@ def _stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
     )
 
 
+def trainable_sums(w: Workload, layout: Layout, pp_rank: int) -> StageSums:
+    """stage_sums of what trains: every parameter, or under LoRA/QLoRA the adapters."""
+    if w.peft is None:
+        return stage_sums(w.shape, layout, pp_rank)
+    return _adapter_sums(
+        w.shape,
+        w.peft,
+        Layout(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.pp_virtual_stages),
+        pp_rank,
+    )
+
+
+@functools.cache
+def _adapter_sums(shape: Shape, peft: LoraSpec, layout: Layout, pp_rank: int) -> StageSums:
+    params = stage_params(shape, layout, pp_rank)
+    ads = adapters(params, peft)
+    tp_only = Layout(tp=layout.tp)
+    local = [local_numel(a, tp_only, 0, 0) for a in ads]
+    owners = sorted({a.owner for a in ads})
+    return StageSums(
+        total=sum(local),
+        linear=sum(local),
+        blocks=tuple(sum(n for a, n in zip(ads, local, strict=True) if a.owner == i) for i in owners),
+        outer=0,
+        block_full=sum(a.numel for a in ads if owners and a.owner == owners[0]),
+    )
+
+
+def largest_target(w: Workload, layout: Layout, pp_rank: int) -> int:
+    """Elements of the largest target linear weight a pipeline rank holds (after TP): QLoRA
+    dequantizes one at a time to bf16, in forward and again in backward."""
+    if w.peft is None:
+        return 0
+    params = stage_params(w.shape, layout, pp_rank)
+    return max((local_numel(p, Layout(tp=layout.tp), 0, 0) for p in params if is_target(p, w.peft)), default=0)
+
+
+def target_elements(w: Workload, layout: Layout, pp_rank: int) -> int:
+    """Elements of the target linear weights a pipeline rank holds (after TP)."""
+    if w.peft is None:
+        return 0
+    params = stage_params(w.shape, layout, pp_rank)
+    return sum(local_numel(p, Layout(tp=layout.tp), 0, 0) for p in params if is_target(p, w.peft))
+
+
 @functools.cache
 def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int]:
     c = layout.coordinates(rank)
@@ -145,7 +253,9 @@ class Precision:
     """Bytes of the tensors a block saves, by the path the step takes (see parallel/precision.py):
     fp32; bf16 under autocast (the residual stream stays fp32, each linear casts and saves its own
     bf16 input); bf16 FSDP mixed precision (everything bf16, norms upcast to fp32 inside); and either
-    bf16 path with fp32 arithmetic (attention on fp32 copies of q, k, v)."""
+    bf16 path with fp32 arithmetic (attention on fp32 copies of q, k, v). LoRA under autocast saves
+    as FSDP does: the frozen embedding is bf16, so is the residual stream, and each norm's output is
+    bf16 already (no cast per linear)."""
 
     stream: int  # the residual stream between blocks (what a checkpointed block keeps)
     linear_input: int
@@ -159,33 +269,40 @@ class Precision:
         if w.dtype == "fp32":
             return cls(4, 4, False, 4, 4, False)
         attention = 4 if w.fp32_attention else 2
-        if fsdp:
+        if fsdp or w.peft is not None:  # LoRA's frozen bf16 embedding makes a bf16 residual stream
             return cls(2, 2, False, attention, 2, False)
         return cls(4, 2, True, attention, 2, True)
 
 
-def llama_block(shape: Shape, prec: Precision, fused_norm: bool) -> list[tuple[str, float, int, str]]:
+def llama_block(
+    shape: Shape, prec: Precision, fused_norm: bool, peft: LoraSpec | None = None
+) -> list[tuple[str, float, int, str]]:
     """The eager block. RMSNorm: CUDA's fused kernel saves its input and 1/rms; the CPU's composite
-    one upcasts (the fp32 input) and also keeps the normalised input for the weight's gradient."""
+    one upcasts (the fp32 input) and also keeps the normalised input for the weight's gradient.
+    A frozen base (`peft`) keeps less: a frozen linear's input gradient needs its weight, not its
+    input, so a linear's input is kept only where an adapter's A needs it (autocast: each A its own
+    cast of a norm's fp32 output; with dropout A keeps the dropped input instead, adapter_saved);
+    SwiGLU's product only for an adapted w2; a frozen norm weight needs no normalised input."""
     h, q, kv, f, heads = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
+    normalised = not fused_norm and peft is None
     saved = []
-    for norm, consumers in (("attention_norm", 3), ("ffn_norm", 2)):
+    for norm, consumers in (("attention_norm", ("wq", "wk", "wv")), ("ffn_norm", ("w1", "w3"))):
+        if peft is None:
+            copies = len(consumers) if prec.per_linear_copies else 1
+        else:
+            adapted = 0 if peft.dropout > 0 else sum(c in peft.targets for c in consumers)
+            copies = adapted if prec.per_linear_copies else min(1, adapted)
         saved += [
             (f"{norm} input", h, prec.stream if fused_norm else 4, "sp"),
             (f"{norm} 1/rms", 1, 4, "sp"),
-            *([] if fused_norm else [(f"{norm} normalised input", h, 4, "sp")]),
-            (
-                f"{norm} output as the linears save it",
-                h * (consumers if prec.per_linear_copies else 1),
-                prec.linear_input,
-                "full",
-            ),
+            *([(f"{norm} normalised input", h, 4, "sp")] if normalised else []),
+            (f"{norm} output as the linears save it", h * copies, prec.linear_input, "full"),
         ]
     if shape.qk_norm:  # Qwen3: the same norm per head of q and k, its output cast for the rotation
         saved += [
             ("q/k norm inputs", q + kv, prec.stream if fused_norm else 4, "tp"),
             ("q/k norm 1/rms", heads + shape.n_kv_heads, 4, "tp"),
-            *([] if fused_norm else [("q/k normalised inputs", q + kv, 4, "tp")]),
+            *([("q/k normalised inputs", q + kv, 4, "tp")] if normalised else []),
             ("q/k norm outputs", q + kv, prec.linear_input, "tp"),
         ]
     saved += [
@@ -195,7 +312,8 @@ def llama_block(shape: Shape, prec: Precision, fused_norm: bool) -> list[tuple[s
     ]
     if prec.attention != prec.linear_input:  # fp32 arithmetic: wo saves its bf16 input besides the fp32 output
         saved.append(("wo input (bf16)", q, 2, "tp"))
-    saved.append(("SwiGLU: w1 out, w3 out, silu, product", 4 * f, prec.mlp, "tp"))
+    product = peft is None or ("w2" in peft.targets and peft.dropout == 0)
+    saved.append(("SwiGLU: w1 out, w3 out, silu, product", (4 if product else 3) * f, prec.mlp, "tp"))
     return saved
 
 
@@ -215,6 +333,26 @@ def compiled_llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float
         ("SwiGLU: w1 out, w3 out, product", 3 * f, prec.mlp, "tp"),
         *([("q/k before their norms, 1/rms", q + kv, prec.attention, "tp")] if shape.qk_norm else []),
     ]
+
+
+def adapter_saved(shape: Shape, prec: Precision, peft: LoraSpec) -> list:
+    """What LoRA adds to a block, per target linear and token: A's rank-sized output, which B keeps
+    (compute dtype); with dropout, A's input is the dropped input (in-size, compute dtype) and
+    dropout keeps its mask (a byte an element). Without dropout A's input is the linear's own
+    input, counted by llama_block."""
+    h, q, f = shape.dim, shape.q_dim, shape.ffn_dim
+    inputs = {"wq": (h, "full"), "wk": (h, "full"), "wv": (h, "full"), "wo": (q, "tp"), "w1": (h, "full")}
+    inputs |= {"w2": (f, "tp"), "w3": (h, "full")}
+    saved = []
+    for name in peft.targets:
+        size, split = inputs[name]
+        saved.append((f"{name} A output", peft.rank, prec.linear_input, "full"))
+        if peft.dropout > 0:
+            saved += [
+                (f"{name} dropped input", size, prec.linear_input, split),
+                (f"{name} dropout mask", size, 1, split),
+            ]
+    return saved
 
 
 def gpt_block(shape: Shape, w: Workload) -> list[tuple[str, float, int, str]]:
@@ -259,9 +397,10 @@ def block_bytes_per_token(w: Workload, layout: Layout) -> float:
     if shape.arch == "gpt":
         return _per_token(gpt_block(shape, w), layout)
     prec = Precision.of(w, layout.fsdp)
+    lora = adapter_saved(shape, prec, w.peft) if w.peft else []
     if w.compiled:
-        return _per_token(compiled_llama_block(shape, prec), layout)
-    return _per_token(llama_block(shape, prec, fused_norm=w.device == "cuda"), layout)
+        return _per_token(compiled_llama_block(shape, prec) + lora, layout)
+    return _per_token(llama_block(shape, prec, w.device == "cuda", w.peft) + lora, layout)
 
 
 def checkpointed_block_bytes_per_token(w: Workload, layout: Layout) -> float:
@@ -278,9 +417,10 @@ def ends_bytes_per_token(w: Workload, layout: Layout, first: bool, last: bool) -
         h, t = w.shape.dim, layout.tp
         linear_input = _half_bytes(w)
         sp = t if layout.sequence_parallel else 1
-        norm = (h * 4 + 4) if w.device == "cuda" or w.compiled else (2 * h * 4 + 4)
+        frozen = w.peft is not None  # a frozen output layer keeps no input, a frozen norm no normalised one
+        norm = (h * 4 + 4) if w.device == "cuda" or w.compiled or frozen else (2 * h * 4 + 4)
         loss = linear_input if w.compiled else 4
-        total += norm / sp + h * linear_input + loss * _vocab(w, layout) + 8
+        total += norm / sp + (0 if frozen else h * linear_input) + loss * _vocab(w, layout) + 8
     return total
 
 
@@ -316,8 +456,9 @@ def in_flight(layout: Layout, micro_batches: int) -> float:
 
 def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str, float]:
     """Bytes of saved activations on one rank at the peak of a step, and the transient working
-    set on top of them (the logits' gradient; one checkpointed block recomputed in backward)."""
-    tokens = layout.micro_batch_size * w.seq_len
+    set on top of them (the logits' gradient; one checkpointed block recomputed in backward; DPO's
+    no-grad reference forward: one block's working set and the logits with their fp32 log-softmax)."""
+    tokens = layout.micro_batch_size * w.seq_len * w.sequences
     layers = [n for stage in layout.stage_layers(w.shape.n_layers, pp_rank) for n in stage]
     full, ckpt = block_bytes_per_token(w, layout), checkpointed_block_bytes_per_token(w, layout)
     if layout.activation_checkpointing == "full":
@@ -342,6 +483,7 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str,
         "logits_grad": tokens * _vocab(w, layout) * _half_bytes(w) if last else 0.0,
         "loss_freed": tokens * _vocab(w, layout) * (_half_bytes(w) if w.compiled else 4) if last else 0.0,
         "transient": max(recompute, logits),
+        "reference": tokens * (full + (_half_bytes(w) + 8) * _vocab(w, layout) * last) if w.objective == "dpo" else 0.0,
     }
 
 
@@ -353,15 +495,20 @@ def other_bytes(
     w: Workload, layout: Layout, pp_rank: int, runtime_gib: float, fragmentation: float, activations: float
 ) -> float:
     """Buffers besides model states, saved activations and FSDP's gathered parameters, on one rank
-    for the whole step: autocast's bf16 weight copies, DDP's gradient buckets (allocated with the
-    reducer and kept; the gradients are views of them except while micro-batches accumulate under
-    no_sync), the runtime's own memory (CUDA context, NCCL) and the caching allocator's
-    fragmentation, as a fraction of the activations."""
+    for the whole step: autocast's bf16 weight copies (of the weights that train: it caches only
+    leaves that require a gradient, so under LoRA the adapters'), DDP's gradient buckets (allocated
+    with the reducer and kept; the gradients are views of them except while micro-batches accumulate
+    under no_sync; under LoRA the adapters' only), QLoRA's bf16 dequantization of one target
+    weight (DPO's reference is the base with the adapters off: no copy), the runtime's own memory
+    (CUDA context, NCCL) and the caching allocator's fragmentation, as a fraction of the activations."""
     total = 0.0
+    trainable = trainable_sums(w, layout, pp_rank)
     if w.dtype != "fp32" and not layout.fsdp and w.shape.arch == "llama":
-        total += 2 * stage_sums(w.shape, layout, pp_rank).linear
+        total += 2 * trainable.linear
     if ddp_buckets(layout):
-        total += STATE_BYTES["grads"] * stage_sums(w.shape, layout, pp_rank).total
+        total += STATE_BYTES["grads"] * trainable.total
+    if w.quantized:
+        total += 2 * largest_target(w, layout, pp_rank)
     return total + runtime_gib * 2**30 + fragmentation * activations
 
 
@@ -380,14 +527,20 @@ def fsdp_gathered_bytes(w: Workload, layout: Layout, pp_rank: int) -> dict[str, 
     gradients before their reduce-scatter."""
     if not layout.fsdp:
         return {"loss": 0.0, "root": 0.0, "blocks": 0.0}
-    sums = stage_sums(w.shape, layout, pp_rank)
-    largest, half = max(sums.blocks, default=0), _half_bytes(w)
+    sums, trainable = stage_sums(w.shape, layout, pp_rank), trainable_sums(w, layout, pp_rank)
+    half = _half_bytes(w)
+    if w.peft is not None:  # the adapters are gathered with their block; only they have gradients
+        blocks = [b + a for b, a in zip(sums.blocks, trainable.blocks, strict=False)] or list(sums.blocks)
+        total = sums.total + trainable.total
+    else:
+        blocks, total = list(sums.blocks), sums.total
+    largest, grads = max(blocks, default=0), max(trainable.blocks, default=0) * STATE_BYTES["grads"]
     if layout.zero == 2:
-        return {"loss": sums.total * half, "root": 0.0, "blocks": sums.total * half + largest * 4}
+        return {"loss": total * half, "root": 0.0, "blocks": total * half + grads}
     return {
         "loss": largest * half,
         "root": (2 * sums.outer + largest) * half,
-        "blocks": (sums.outer + 2 * largest) * half + largest * 4,
+        "blocks": (sums.outer + 2 * largest) * half + grads,
     }
 
 
@@ -395,8 +548,8 @@ def unsharded_grad_bytes(w: Workload, layout: Layout, pp_rank: int) -> float:
     """FSDP reduce-scatters only after a step's last micro-batch: until then each rank accumulates
     whole (unsharded) fp32 gradients of its stage, and under TP the vocabulary-parallel embedding's
     comes back whole from DTensor."""
-    grads = stage_sums(w.shape, layout, pp_rank).total
-    if layout.tp > 1 and layout.holds_first_stage(pp_rank):
+    grads = trainable_sums(w, layout, pp_rank).total
+    if layout.tp > 1 and layout.holds_first_stage(pp_rank) and w.peft is None:
         grads += (w.shape.vocab_size - w.shape.vocab_size // layout.tp) * w.shape.dim
     return STATE_BYTES["grads"] * grads
 
@@ -448,7 +601,7 @@ def rank_memory(
     """The bytes of pipeline rank `pp_rank`'s largest shard (tp, dp coordinates 0), itemised, with
     its peak (see estimate_memory)."""
     rank = pp_rank * layout.dp * layout.tp
-    states = model_state_bytes(w.shape, layout, rank)
+    states = model_state_bytes(w.shape, layout, rank, w.peft, w.dtype)
     act = activation_bytes(w, layout, pp_rank)
     buffers = other_bytes(w, layout, pp_rank, runtime_gib, fragmentation, act["saved"] + act["transient"])
     gathered = fsdp_gathered_bytes(w, layout, pp_rank)
@@ -460,9 +613,12 @@ def rank_memory(
         saved - act["loss_freed"] + act["logits_grad"] + gathered["root"] + resident,  # ZeRO-3 regathers the root
         saved + recompute + gathered["blocks"] + resident,  # the blocks' backward (an upper bound)
         states["grads"] + recompute + gathered["blocks"],  # the end of backward
+        act["reference"] + gathered["blocks"] + resident,  # DPO's reference forward, before the policy's
     )
     peak = states["params"] + moments + buffers + working
-    other = buffers + max(act["logits"] + gathered["loss"], gathered["root"], recompute + gathered["blocks"])
+    other = buffers + max(
+        act["logits"] + gathered["loss"], gathered["root"], recompute + gathered["blocks"], act["reference"]
+    )
     if first_step:  # the step ends with parameters, gradients and the moments AdamW just made
         peak = max(peak, sum(states.values()))
     return {**states, "activations": act["saved"], "other": other, "total": peak}

@@ -11,7 +11,7 @@ from meshtrain.layout import AC_MODES, Layout
 from meshtrain.plan.hardware import Device
 from meshtrain.plan.memory import estimate_memory
 from meshtrain.plan.speed import step_time
-from meshtrain.plan.workload import Workload
+from meshtrain.plan.workload import Workload, peft_refusal
 
 GIB = 2**30
 
@@ -59,7 +59,10 @@ def evaluate(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> Est
 
 def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
     """Why meshtrain would refuse this layout ("" if it would not): the trainer's own checks for
-    the Llama it trains; the divisibility rules of Megatron for a GPT shape."""
+    the Llama it trains; the divisibility rules of Megatron for a GPT shape; QLoRA's layouts."""
+    refusal = peft_refusal(w, layout)
+    if refusal:
+        return refusal
     if base is not None:
         cfg = layout.apply_to(base)
         try:
@@ -105,19 +108,22 @@ def schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
 def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fixed: dict) -> list[Layout]:
     """Every combination of the free knobs; `fixed` pins any of the Layout's fields by its config key
     name (tp, pp, zero, dp_replicate, micro_batch_size, activation_checkpointing, ac_every, pp_schedule,
-    pp_virtual_stages, sequence_parallel, loss_parallel)."""
+    pp_virtual_stages, sequence_parallel, loss_parallel). QLoRA runs on one process or plain DDP:
+    only TP 1, PP 1 and ZeRO 0/1 are proposed (a pinned other value is refused by `check`)."""
 
     def options(name, values):
         return [fixed[name]] if fixed.get(name) is not None else values
 
+    q = w.quantized
     out = []
-    for tp in options("tp", [d for d in _divisors(gpus_per_node) if gpus % d == 0]):
-        for pp in options("pp", [d for d in _divisors(gpus // tp) if d <= w.shape.n_layers]):
+    for tp in options("tp", [1] if q else [d for d in _divisors(gpus_per_node) if gpus % d == 0]):
+        for pp in options("pp", [1] if q else [d for d in _divisors(gpus // tp) if d <= w.shape.n_layers]):
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
+            zeros = ([0, 1] if q else [0, 1, 2, 3]) if dp > 1 else [0]
             for zero, ac in itertools.product(
-                options("zero", [0, 1, 2, 3] if dp > 1 else [0]), options("activation_checkpointing", list(AC_MODES))
+                options("zero", zeros), options("activation_checkpointing", list(AC_MODES))
             ):
                 replicate = [1] + [
                     r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and dp // r * tp == gpus_per_node

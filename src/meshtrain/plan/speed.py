@@ -17,6 +17,8 @@ from meshtrain.plan.memory import (
     ends_bytes_per_token,
     logits_working_bytes_per_token,
     stage_sums,
+    target_elements,
+    trainable_sums,
 )
 from meshtrain.plan.workload import Workload
 
@@ -66,20 +68,33 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     gemm_dtype = "fp32" if w.dtype == "fp32" or w.fp32_arithmetic else w.dtype
     attention_dtype = "fp32" if w.dtype == "fp32" or w.fp32_attention else w.dtype
     act_bytes = 4 if w.dtype == "fp32" else 2
-    tokens = layout.micro_batch_size * s
+    tokens = layout.micro_batch_size * s * w.sequences
     layers = [n for stage in layout.stage_layers(shape.n_layers, pp_rank) for n in stage]
     block = stage_sums(shape, layout, pp_rank).block_full
     head = shape.vocab_size * h if layout.holds_last_stage(pp_rank) else 0
     attention = 12 * shape.q_dim * s  # scores and weighted sum, forward + backward
     recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}
     recomputed = recomputed.get(layout.activation_checkpointing, 0)
-    gemm = tokens * (6 * (len(layers) * block + head) + 2 * recomputed * block)
-    attend = tokens * attention * (len(layers) + recomputed / 3)
+    # A frozen base (LoRA) computes no weight gradients: forward and input gradient, 4 of the 6; its
+    # adapters train whole. DPO's reference forward adds one more forward (2 and a third of attention).
+    frozen = w.peft is not None
+    adapter = trainable_sums(w, layout, pp_rank).block_full if frozen else 0
+    reference = 1 if w.objective == "dpo" else 0
+    gemm = tokens * (
+        (4 if frozen else 6) * (len(layers) * block + head)
+        + 6 * len(layers) * adapter
+        + 2 * recomputed * (block + adapter)
+        + 2 * reference * (len(layers) * block + head)
+    )
+    attend = tokens * attention * (len(layers) + (recomputed + reference * len(layers)) / 3)
     compute = (
         gemm / gemm_efficiency(dev, h // t) / dev.peak(gemm_dtype)
         + attend / attention_efficiency(dev, shape.head_dim) / dev.peak(attention_dtype)
     ) / (t * 1e12)
     traffic = tokens * memory_traffic_per_token(w, layout, pp_rank, len(layers), recomputed)
+    if w.quantized:  # QLoRA dequantizes each target weight in every pass over it: NF4 read, bf16 written and read
+        targets = target_elements(w, layout, pp_rank)
+        traffic += (2 + recomputed / max(1, len(layers)) + reference) * targets * (0.52 + 4)
     memory_bound = traffic / (dev.memory_gbs * 1e9)
     tp_comm = 0.0
     if t > 1:  # 4 all-reduces (or reduce-scatter + all-gather pairs) per block and pass: 8 b s h (t-1)/t
@@ -98,6 +113,21 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     }
 
 
+def model_flops_per_token(w: Workload) -> float:
+    """Model FLOPs of training one token (Shape.flops_per_token: 6 x the matmul parameters plus
+    attention); a frozen base (LoRA) computes 4 of the 6 for its weights, 6 for its adapters; DPO's
+    reference forward 2 more and a third of the attention."""
+    shape, s = w.shape, w.seq_len
+    if w.peft is None and w.objective == "lm":
+        return shape.flops_per_token(s)
+    attention = 12.0 * shape.n_layers * shape.q_dim * s
+    matmul = (shape.flops_per_token(s) - attention) / 6
+    k = 6 if w.peft is None else 4
+    adapters = sum(trainable_sums(w, Layout(), 0).blocks) if w.peft is not None else 0
+    reference = 1 if w.objective == "dpo" else 0
+    return k * matmul + 6 * adapters + attention + reference * (2 * matmul + attention / 3)
+
+
 def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> dict[str, float]:
     """Seconds per optimizer step and what they buy: tokens/s, model TFLOP/s per GPU and MFU."""
     p, dp, t = layout.pp, layout.dp, layout.tp
@@ -109,7 +139,8 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
         bubble /= 3  # splitting backward into input and weight gradients fills most of the bubble
     pipeline = m * slowest["total"] + bubble
 
-    local = stage_sums(w.shape, layout, 0).total
+    local = trainable_sums(w, layout, 0).total  # what has gradients to reduce and moments to update
+    gathered = stage_sums(w.shape, layout, 0).total + (local if w.peft is not None else 0)
     half = 4 if w.dtype == "fp32" else 2
     dp_comm = 0.0
     if dp > 1:  # gradients, psi bytes in fp32
@@ -117,7 +148,9 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
         if layout.fsdp:  # reduce-scatter the gradients, all-gather the parameters (twice for ZeRO-3)
             ring = (layout.dp_shard - 1) / layout.dp_shard
             gathers = 2 if layout.zero == 3 else 1
-            dp_comm = ring * (psi + gathers * local * half) / (_bandwidth(layout.dp_shard * t, dev, inter_gbps) * 1e9)
+            dp_comm = (
+                ring * (psi + gathers * gathered * half) / (_bandwidth(layout.dp_shard * t, dev, inter_gbps) * 1e9)
+            )
             if layout.dp_replicate > 1:
                 r = layout.dp_replicate
                 dp_comm += 2 * (r - 1) / r * psi / layout.dp_shard / (inter_gbps * 1e9)
@@ -132,8 +165,8 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
     optimizer = moments * 28 / (dev.memory_gbs * 1e9)
 
     step = pipeline + exposed + optimizer
-    tokens_per_s = layout.global_batch_size * w.seq_len / step / layout.world
-    tflops = tokens_per_s * w.shape.flops_per_token(w.seq_len) / 1e12
+    tokens_per_s = layout.global_batch_size * w.sequences * w.seq_len / step / layout.world
+    tflops = tokens_per_s * model_flops_per_token(w) / 1e12
     return {
         "step_time_s": step,
         "tokens_per_s_per_gpu": tokens_per_s,

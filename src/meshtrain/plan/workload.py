@@ -1,10 +1,12 @@
 """What the planner plans beside a layout (meshtrain.layout, the trainer's own): the workload, the
-model, tokens per sequence and the kernels that run it."""
+model, tokens per sequence, the kernels that run it, and what trains (every weight, or LoRA/QLoRA
+adapters on a frozen base) on which objective."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.model.lora import LoraSpec
 from meshtrain.model.shapes import Shape
 
 
@@ -14,7 +16,10 @@ class Workload:
     GEMMs: `fp32_arithmetic`, with fp32 attention: `fp32_attention`; training.bf16_compute), the
     device type whose kernels run the step (CUDA fuses RMSNorm into one kernel that saves less than
     the CPU's composite one) and whether the blocks and the loss are compiled (training.compile:
-    inductor keeps fewer, fused tensors for backward). The batch and its split are the layout's."""
+    inductor keeps fewer, fused tensors for backward). `peft`: [peft] resolved
+    (`LoraSpec.from_config(cfg.peft)`; None: every weight trains); `objective`: training.objective
+    ("dpo": each batch element is a pair of sequences, and a no-grad reference forward runs per
+    micro-batch). The batch and its split are the layout's."""
 
     shape: Shape
     seq_len: int
@@ -24,3 +29,53 @@ class Workload:
     device: str = "cuda"  # "cuda" or "cpu"
     compiled: bool = False
     fp32_attention: bool = False
+    peft: LoraSpec | None = None
+    objective: str = "lm"
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per batch element: a DPO pair is two (chosen, rejected)."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.peft is not None and self.peft.quantized
+
+
+def peft_refusal(w: Workload, layout) -> str:
+    """Why meshtrain cannot train this workload on this layout ("" if it can): QLoRA's NF4 weights
+    run on one process or plain DDP (ZeRO-0/1), not under FSDP, TP or PP."""
+    if not w.quantized:
+        return ""
+    used = [
+        name
+        for name, on in (
+            (f"tp {layout.tp}", layout.tp > 1),
+            (f"pp {layout.pp}", layout.pp > 1),
+            (f"zero {layout.zero} (FSDP)", layout.fsdp),
+        )
+        if on
+    ]
+    if not used:
+        return ""
+    return f"peft.method qlora runs on one process or plain DDP (zero 0/1), not with {', '.join(used)}"
+
+
+def workload_of_config(cfg, shape: Shape, device: str = "cuda") -> Workload:
+    """A resolved training config's workload (its arithmetic resolved, train/arithmetic.py), with
+    its [peft] and objective: what the trainer's preflight and plan_check should estimate."""
+    from meshtrain.parallel.precision import fp32_classes
+
+    t = cfg.training
+    fp32_gemm, fp32_attention = fp32_classes(t)
+    return Workload(
+        shape,
+        t.seq_len,
+        t.dtype,
+        fp32_gemm,
+        device=device,
+        compiled=t.compile,
+        fp32_attention=fp32_attention,
+        peft=LoraSpec.from_config(cfg.peft),
+        objective=t.objective,
+    )

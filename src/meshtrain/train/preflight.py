@@ -131,21 +131,11 @@ def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
 
 
 def workload_of(cfg: Config, args: ModelArgs, device: torch.device) -> Workload:
-    """What the planner needs beside the layout: the model, the sequence and the kernels that run
-    (of a config whose arithmetic is resolved, train/arithmetic.py)."""
-    from meshtrain.parallel.precision import fp32_classes
+    """What the planner needs beside the layout: the model, the sequence, the kernels that run (of a
+    config whose arithmetic is resolved, train/arithmetic.py), the adapters and the objective."""
+    from meshtrain.plan.workload import workload_of_config
 
-    t = cfg.training
-    fp32_gemm, fp32_attention = fp32_classes(t)
-    return Workload(
-        Shape.from_args(args),
-        t.seq_len,
-        t.dtype,
-        fp32_gemm,
-        device="cuda" if device.type == "cuda" else "cpu",
-        compiled=t.compile,
-        fp32_attention=fp32_attention,
-    )
+    return workload_of_config(cfg, Shape.from_args(args), "cuda" if device.type == "cuda" else "cpu")
 
 
 def device_capacity(device: torch.device, local_world_size: int) -> float:
@@ -174,7 +164,7 @@ def compare(cfg: Config, args: ModelArgs, device: torch.device, measured: list[d
     peak = estimate_memory(w, layout)["total"]
     lines = []
     for rank, got in enumerate(measured):
-        predicted = model_state_bytes(w.shape, layout, rank)
+        predicted = model_state_bytes(w.shape, layout, rank, w.peft, w.dtype)
         states = " | ".join(f"{k} {predicted[k] / 2**20:.2f}/{got[k] / 2**20:.2f}" for k in predicted)
         lines.append(
             f"rank {rank} planner/measured MiB: {states} | predicted peak of a step {peak / 2**20:.1f} "
