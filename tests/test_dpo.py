@@ -62,37 +62,37 @@ def trl_dpo_loss(policy_logits, reference_logits, targets, beta):
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def test_the_dpo_loss_is_trls_formula_against_the_base_with_adapters_off():
-    cfg = load_config(
-        None,
-        {
-            **MODEL,
-            "model.vocab_size": 256,
-            "peft.method": "lora",
-            "training.objective": "dpo",
-            "training.dpo_beta": BETA,
-            "training.global_batch_size": 4,
-            "training.micro_batch_size": 2,
-            "training.seq_len": 24,
-            "run.dir": "unused",
-        },
-    )
-    s = build_state(cfg, with_data=False)
+@pytest.mark.parametrize("peft", ["lora", "none"])
+def test_the_dpo_loss_is_trls_formula_against_the_base(peft):
+    """The reference: LoRA's base with the adapters off, or without adapters a frozen copy of the
+    base (recomputed here from the seed, apart from the trainer's copy)."""
+    from meshtrain.model import Llama
+
+    overrides = {
+        **MODEL,
+        "model.vocab_size": 256,
+        "training.objective": "dpo",
+        "training.dpo_beta": BETA,
+        "training.global_batch_size": 4,
+        "training.micro_batch_size": 2,
+        "training.seq_len": 24,
+        "run.dir": "unused",
+    }
+    s = build_state(load_config(None, {**overrides, "peft.method": peft}), with_data=False)
     part = s.model.parts[0]
     inputs, targets = pair_batch(4, 24, 256)
-    with torch.no_grad():  # adapters that change the model; the reference: B = 0, the base alone
-        b_matrices = {n: p for n, p in part.named_parameters() if n.endswith("lora_b")}
-        for name, p in b_matrices.items():
-            copy_full_into(p, 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    with torch.no_grad():
+        base = Llama(s.args)
+        base.init_weights(s.cfg.training.seed)
+        reference_logits = base(inputs)
+        # a policy apart from its base: B != 0, or every weight moved
+        moved = [p for n, p in part.named_parameters() if n.endswith("lora_b") or peft == "none"]
+        for i, p in enumerate(moved):
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+            copy_full_into(p, p.detach().clone() + (0.3 if peft == "lora" else 0.02) * noise)
         policy_logits = part(inputs)
-        trained = {n: p.detach().clone() for n, p in b_matrices.items()}
-        for p in b_matrices.values():
-            p.zero_()
-        reference_logits = part(inputs)
-        for name, p in b_matrices.items():
-            p.copy_(trained[name])
     want, chosen, rejected = trl_dpo_loss(policy_logits, reference_logits, targets, BETA)
-    assert want.item() > 0.05 and (chosen - rejected).abs().max() > 1e-3  # the adapters matter
+    assert want.item() > 0.05 and (chosen - rejected).abs().max() > 1e-3  # the policy differs from its base
 
     loss, _, _ = s.step(inputs, targets, n_targets=4)  # two micro-batches of two pairs
     assert torch.allclose(loss, want, rtol=1e-5), (loss.item(), want.item())
@@ -183,16 +183,25 @@ def test_dpo_makes_held_out_pairs_preferred_the_chosen_way(pairs_data, cli_env, 
 
 
 @pytest.mark.multiproc
-def test_dpo_is_the_same_on_one_process_zero3_and_tp2(pairs_data, cli_env, tmp_path):
+def test_dpo_is_the_same_on_one_process_zero3_and_tp2_with_lora_and_without(pairs_data, cli_env, tmp_path):
+    """With LoRA, and full-weight (its frozen copy of the base laid out as the model)."""
     runs = {}
-    for name, extra in {"single": (), "zero3": ("--parallel.zero", "3"), "tp2": ("--parallel.tp", "2")}.items():
+    layouts = {
+        "single": (),
+        "zero3": ("--parallel.zero", "3"),
+        "tp2": ("--parallel.tp", "2"),
+        "full-single": ("--peft.method", "none"),
+        "full-zero3": ("--peft.method", "none", "--parallel.zero", "3"),
+    }
+    for name, extra in layouts.items():
         runs[name] = tmp_path / name
         args = train_args(pairs_data, runs[name], *DPO_RUN, "--training.steps", "4", "--training.eval_every", "2")
-        result = run_cli([*args, *(("--nproc", "2") if extra else ()), *extra], cli_env)
+        nproc = ("--nproc", "2") if {"--parallel.zero", "--parallel.tp"} & set(extra) else ()
+        result = run_cli([*args, *nproc, *extra], cli_env)
         assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("zero3", "tp2"):
-        assert_same_run(runs[name], runs["single"])
-        for got, want in zip(read_metrics(runs[name]), read_metrics(runs["single"])):
+    for name, reference in (("zero3", "single"), ("tp2", "single"), ("full-zero3", "full-single")):
+        assert_same_run(runs[name], runs[reference])
+        for got, want in zip(read_metrics(runs[name]), read_metrics(runs[reference])):
             assert got["reward_margin"] == pytest.approx(want["reward_margin"], rel=1e-3, abs=1e-6)
 
 

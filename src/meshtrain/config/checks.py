@@ -45,11 +45,6 @@ def check_peft_keys(cfg: Config) -> None:
             raise ConfigError(f"peft.{given[0]} sets the adapters, but peft.method is none: set peft.method = lora")
     if t.dpo_beta is not None and t.objective != "dpo":
         raise ConfigError("training.dpo_beta is DPO's: set training.objective = dpo, or drop it")
-    if t.objective == "dpo" and p.method == "none":
-        raise ConfigError(
-            "training.objective = dpo compares the model with its frozen base: set peft.method = lora (or qlora), "
-            "whose base is the same weights with the adapters off"
-        )
     if p.method == "qlora" and t.dtype != "bf16":
         raise ConfigError(
             f"peft.method = qlora computes in bf16 over its 4-bit base, but training.dtype is {t.dtype}: "

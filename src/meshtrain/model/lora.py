@@ -127,17 +127,18 @@ def apply_lora(model: nn.Module, spec: LoraSpec, frozen_dtype: torch.dtype | Non
                 base = getattr(parent, name, None)
                 if isinstance(base, nn.Linear) and not isinstance(base, LoRALinear):
                     setattr(parent, name, LoRALinear(base, spec))
-    freeze_base(model)
+    freeze_base(model, frozen_dtype)
+
+
+def freeze_base(model: nn.Module, frozen_dtype: torch.dtype | None = None) -> None:
+    """Only the adapters train (a model without adapters: nothing does, as DPO's reference);
+    `frozen_dtype`: the storage of the frozen matrices. Again after tensor parallelism: its
+    SequenceParallel re-registers the norms' weights as new (trainable) parameters."""
     for name, param in model.named_parameters():
-        if not name.endswith(ADAPTER_NAMES) and frozen_dtype is not None and param.ndim >= 2:
+        adapter = name.endswith(ADAPTER_NAMES)
+        param.requires_grad_(adapter)
+        if not adapter and frozen_dtype is not None and param.ndim >= 2:
             param.data = param.data.to(frozen_dtype)
-
-
-def freeze_base(model: nn.Module) -> None:
-    """Only the adapters train. Again after tensor parallelism: its SequenceParallel re-registers
-    the norms' weights as new (trainable) parameters."""
-    for name, param in model.named_parameters():
-        param.requires_grad_(name.endswith(ADAPTER_NAMES))
 
 
 def lora_modules(model: nn.Module) -> list[LoRALinear]:

@@ -51,6 +51,7 @@ class ParallelModel:
     tied_group: object | None = None  # tied embeddings over a pipeline: the first and last stage's ranks
     ties_across_stages: bool = False  # the first stage's embedding and the last's output are copies
     preference: Callable | None = None  # DPO (train/preference.py): replaces loss_fn, with a reference pass
+    reference: list[nn.Module] | None = None  # DPO without adapters: the frozen copy of the base
 
     @property
     def rows_per_sample(self) -> int:
@@ -85,13 +86,15 @@ def parallelize(
     loss_fn: Callable,
     materialize: contextlib.AbstractContextManager | None = None,
     lora: LoraSpec | None = None,
+    frozen: bool = False,
 ) -> ParallelModel:
     """`model` is built on the meta device; returns materialised, initialised parts. Who holds and
     computes what comes from the layout (`dims.layout`) alone; from `training` only the arithmetic
     (dtype, bf16_compute, compile; "auto" resolved by train/arithmetic.py) and the seed of the
     weights. `materialize`: the context the parameters are allocated and initialised in (a dry run's
     FakeTensorMode, which allocates nothing). `lora`: adapters on a frozen base (its storage bf16
-    under bf16 training)."""
+    under bf16 training). `frozen`: nothing trains (DPO's reference model): no DDP, bf16 storage
+    under bf16 training."""
     layout = dims.layout
     if training.compile and layout.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
@@ -102,14 +105,17 @@ def parallelize(
         staged = [(0, model)]
     parts = []
     for _, part in staged:
+        frozen_dtype = torch.bfloat16 if training.dtype == "bf16" else None
         if lora is not None:
-            apply_lora(part, lora, torch.bfloat16 if training.dtype == "bf16" else None)
+            apply_lora(part, lora, frozen_dtype)
+        elif frozen:
+            freeze_base(part, frozen_dtype)
         fp32_gemm, fp32_attention = fp32_classes(training)
         if fp32_gemm or fp32_attention:
             apply_fp32_compute(part, fp32_gemm, fp32_attention)
         if layout.tp > 1:
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
-            if lora is not None:
+            if lora is not None or frozen:
                 freeze_base(part)
         apply_ac(part, layout.activation_checkpointing, layout.ac_every)
         if training.compile:
@@ -120,7 +126,7 @@ def parallelize(
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)
             part.init_weights(training.seed, buffer_device=device)
-        if layout.ddp:
+        if layout.ddp and not frozen:
             part = apply_ddp(part, dims.mesh("dp"))
         parts.append(part)
     stage_ids = [idx for idx, _ in staged]

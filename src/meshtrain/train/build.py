@@ -130,6 +130,11 @@ def build_model(
     model = parallelize(full_model, dims, cfg.training, device, cross_entropy, materialize, lora)
     if cfg.training.objective == "dpo":
         model.preference = PreferenceLoss(cfg.training.dpo_beta or DEFAULT_BETA, device)
+        if lora is None:  # the reference: a frozen copy of the base, laid out as the model
+            with torch.device("meta"):
+                copy = Llama(args)
+            reference = parallelize(copy, dims, cfg.training, device, cross_entropy, materialize, frozen=True)
+            model.reference = reference.parts
     with materialize or contextlib.nullcontext():
         dp_group = dims.dp_group if layout.dp > 1 else None
         optimizer, scheduler = build_optimizer(model.parameters(), cfg.training, layout.zero, dp_group)

@@ -171,8 +171,8 @@ def resume(s: TrainState) -> tuple[int, int]:
     path = find_resume(s.cfg.checkpoint.resume, ckpt.root, log.warning, retire_skipped=True)
     if path is not None:
         check_same_base(s, path)
-    if path is None or s.lora is not None:
-        load_base(s)
+    if path is None or s.lora is not None or s.model.reference is not None:
+        load_base(s, into_model=path is None or s.lora is not None)
     if path is None:
         return 0, 0
     state = ckpt.load(path, dataclasses.asdict(s.args))
@@ -184,13 +184,17 @@ def resume(s: TrainState) -> tuple[int, int]:
     return state["step"], state.get("skipped_steps", 0)
 
 
-def load_base(s: TrainState) -> None:
+def load_base(s: TrainState, into_model: bool = True) -> None:
     """The weights training starts from: model.init_from's, else the seeded initialisation already
-    in place; QLoRA then stores the adapted linears' weights in 4-bit."""
+    in place; into the model (`into_model`) and DPO's frozen reference copy. QLoRA then stores the
+    adapted linears' weights in 4-bit."""
     if s.cfg.model.init_from:
         from meshtrain.interop import load_hf_weights
 
-        load_hf_weights(s.model.parts, s.cfg.model.init_from.removeprefix("hf:"), s.args)
+        directory = s.cfg.model.init_from.removeprefix("hf:")
+        for parts in (s.model.parts if into_model else None, s.model.reference):
+            if parts:
+                load_hf_weights(parts, directory, s.args)
         log.info(f"initialised from {s.cfg.model.init_from}")
     if s.lora is not None and s.lora.quantized:
         for part in s.model.parts:

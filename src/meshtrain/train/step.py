@@ -71,11 +71,15 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 def micro_batch_loss(model: ParallelModel, part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The summed loss of one micro-batch: cross-entropy of its targets, or DPO's over its pairs
-    after a reference pass with the adapters off."""
+    after a reference pass (the adapters off, or the frozen copy of the base)."""
     if model.preference is None:
         return model.loss_fn(part(x), y)
-    with torch.no_grad(), adapters_off(model.parts):
-        reference = sequence_logps(part(x), y)
+    with torch.no_grad():
+        if model.reference is not None:  # a frozen copy of the base (full-weight DPO; no pipelines)
+            reference = sequence_logps(model.reference[0](x), y)
+        else:  # LoRA: the same weights with the adapters off
+            with adapters_off(model.parts):
+                reference = sequence_logps(part(x), y)
     return model.preference(part(x), y, reference)
 
 
