@@ -575,6 +575,19 @@ def grads_resident(w: Workload, layout: Layout) -> bool:
     return m > 1
 
 
+def reference_copy_bytes(w: Workload, layout: Layout, rank: int) -> int:
+    """Full-weight DPO's reference: a frozen copy of the model laid out as the model is, its matrices
+    in bf16 under bf16 training (counted under "other"; memory.json's params are the model's)."""
+    if w.objective != "dpo" or w.peft is not None:
+        return 0
+    c = layout.coordinates(rank)
+    params = stage_params(w.shape, layout, c["pp"])
+    return sum(
+        (2 if w.dtype != "fp32" and len(p.shape) >= 2 else 4) * local_numel(p, layout, c["tp"], c["dp_shard"])
+        for p in params
+    )
+
+
 def estimate_memory(
     w: Workload, layout: Layout, runtime_gib: float = 0.0, fragmentation: float = 0.0, first_step: bool = False
 ) -> dict[str, float]:
@@ -615,6 +628,7 @@ def rank_memory(
         states["grads"] + recompute + gathered["blocks"],  # the end of backward
         act["reference"] + gathered["blocks"] + resident,  # DPO's reference forward, before the policy's
     )
+    buffers += reference_copy_bytes(w, layout, rank)
     peak = states["params"] + moments + buffers + working
     other = buffers + max(
         act["logits"] + gathered["loss"], gathered["root"], recompute + gathered["blocks"], act["reference"]
