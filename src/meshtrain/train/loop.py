@@ -123,10 +123,11 @@ def warn_pointless_settings(s: TrainState) -> None:
     """Settings that are valid alone but make little sense with this data or schedule."""
     t, c = s.cfg.training, s.cfg.checkpoint
     for name, source in zip(s.dataset.names, s.dataset.sources):
+        what = "preference pairs" if source.preference else "conversations"
         if source.chat and source.train.too_long:
             log.warning(
                 f"{name}: {source.train.too_long} of {source.train.too_long + source.train.conversations} training "
-                f"conversations are longer than training.seq_len + 1 = {t.seq_len + 1} tokens and are left out"
+                f"{what} are longer than training.seq_len + 1 = {t.seq_len + 1} tokens and are left out"
             )
         if name not in s.val:
             log.warning(f"{source.val.name or name} holds less than one sequence; no validation loss for it")
@@ -141,8 +142,9 @@ def warn_pointless_settings(s: TrainState) -> None:
         epochs = t.steps * t.global_batch_size * weight / len(source.train)
         if epochs > 1:
             log.warning(
-                f"the schedule reads the training data of {name} {epochs:.1f} times ({len(source.train)} sequences "
-                f"of {t.seq_len} tokens): expect overfitting; add data or lower training.steps"
+                f"the schedule reads the training data of {name} {epochs:.1f} times ({len(source.train)} "
+                f"{'pairs' if source.preference else 'sequences'} of {t.seq_len} tokens): expect overfitting; add "
+                "data or lower training.steps"
             )
 
 
