@@ -145,6 +145,13 @@ def test_peft_loads_the_exported_adapter_onto_the_base_as_the_merged_export(corp
             assert (adapted - merged).abs().max().item() <= 1e-4 * scale
     assert (merged - before).abs().max().item() > 1e-2  # the adapters changed the model
 
+    # serve and generate read the LoRA run itself (its checkpoint's adapters merged into the base)
+    from meshtrain.serve.loading import load_served_model
+
+    with torch.no_grad():
+        served = load_served_model(run, torch.device("cpu"), torch.float32).model(tokens)
+    assert (served[..., : merged.shape[-1]] - merged).abs().max().item() <= 1e-4 * merged.abs().max().item()
+
     # what cannot be exported as adapters is refused in one line
     full = tmp_path / "full"
     assert run_cli(train_args(corpus, full, "--training.steps", "2"), cli_env).returncode == 0
