@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from meshtrain.layout import Layout, zero1_partition
 from meshtrain.model.lora import LoraSpec
 from meshtrain.model.shapes import COLUMN, ROW, Param, Shape
+from meshtrain.plan.saved import Precision, adapter_saved, compiled_llama_block, gpt_block, llama_block, per_token_bytes
 from meshtrain.plan.workload import Workload
 
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per local parameter element
@@ -248,159 +249,16 @@ def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int
 # residuals), "full" never (a column-parallel layer's all-gathered input, which DTensor saves whole).
 
 
-@dataclass(frozen=True)
-class Precision:
-    """Bytes of the tensors a block saves, by the path the step takes (see parallel/precision.py):
-    fp32; bf16 under autocast (the residual stream stays fp32, each linear casts and saves its own
-    bf16 input); bf16 FSDP mixed precision (everything bf16, norms upcast to fp32 inside); and either
-    bf16 path with fp32 arithmetic (attention on fp32 copies of q, k, v). LoRA under autocast saves
-    as FSDP does: the frozen embedding is bf16, so is the residual stream, and each norm's output is
-    bf16 already (no cast per linear)."""
-
-    stream: int  # the residual stream between blocks (what a checkpointed block keeps)
-    linear_input: int
-    per_linear_copies: bool  # autocast: wq, wk, wv (w1, w3) each save their own cast of the norm output
-    attention: int  # q, k, v and the attention output
-    mlp: int  # the SwiGLU intermediates
-    weight_copies: bool  # autocast caches a bf16 copy of every weight for the step
-
-    @classmethod
-    def of(cls, w: Workload, fsdp: bool) -> "Precision":
-        if w.dtype == "fp32":
-            return cls(4, 4, False, 4, 4, False)
-        attention = 4 if w.fp32_attention else 2
-        if fsdp or w.peft is not None:  # LoRA's frozen bf16 embedding makes a bf16 residual stream
-            return cls(2, 2, False, attention, 2, False)
-        return cls(4, 2, True, attention, 2, True)
-
-
-def llama_block(
-    shape: Shape, prec: Precision, fused_norm: bool, peft: LoraSpec | None = None
-) -> list[tuple[str, float, int, str]]:
-    """The eager block. RMSNorm: CUDA's fused kernel saves its input and 1/rms; the CPU's composite
-    one upcasts (the fp32 input) and also keeps the normalised input for the weight's gradient.
-    A frozen base (`peft`) keeps less: a frozen linear's input gradient needs its weight, not its
-    input, so a linear's input is kept only where an adapter's A needs it (autocast: each A its own
-    cast of a norm's fp32 output; with dropout A keeps the dropped input instead, adapter_saved);
-    SwiGLU's product only for an adapted w2; a frozen norm weight needs no normalised input."""
-    h, q, kv, f, heads = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
-    normalised = not fused_norm and peft is None
-    saved = []
-    for norm, consumers in (("attention_norm", ("wq", "wk", "wv")), ("ffn_norm", ("w1", "w3"))):
-        if peft is None:
-            copies = len(consumers) if prec.per_linear_copies else 1
-        else:
-            adapted = 0 if peft.dropout > 0 else sum(c in peft.targets for c in consumers)
-            copies = adapted if prec.per_linear_copies else min(1, adapted)
-        saved += [
-            (f"{norm} input", h, prec.stream if fused_norm else 4, "sp"),
-            (f"{norm} 1/rms", 1, 4, "sp"),
-            *([(f"{norm} normalised input", h, 4, "sp")] if normalised else []),
-            (f"{norm} output as the linears save it", h * copies, prec.linear_input, "full"),
-        ]
-    if shape.qk_norm:  # Qwen3: the same norm per head of q and k, its output cast for the rotation
-        saved += [
-            ("q/k norm inputs", q + kv, prec.stream if fused_norm else 4, "tp"),
-            ("q/k norm 1/rms", heads + shape.n_kv_heads, 4, "tp"),
-            *([("q/k normalised inputs", q + kv, 4, "tp")] if normalised else []),
-            ("q/k norm outputs", q + kv, prec.linear_input, "tp"),
-        ]
-    saved += [
-        ("q, k after rotary; v", q + 2 * kv, prec.attention, "tp"),
-        ("attention log-sum-exp", heads, 4, "tp"),
-        ("attention output", q, prec.attention, "tp"),
-    ]
-    if prec.attention != prec.linear_input:  # fp32 arithmetic: wo saves its bf16 input besides the fp32 output
-        saved.append(("wo input (bf16)", q, 2, "tp"))
-    product = peft is None or ("w2" in peft.targets and peft.dropout == 0)
-    saved.append(("SwiGLU: w1 out, w3 out, silu, product", (4 if product else 3) * f, prec.mlp, "tp"))
-    return saved
-
-
-def compiled_llama_block(shape: Shape, prec: Precision) -> list[tuple[str, float, int, str]]:
-    """The block under torch.compile, as inductor's partitioner keeps it for backward (measured with
-    saved-tensor hooks): the block's input, each norm's output cast once (not once per linear),
-    q, k, v, the attention output and wo's contiguous copy of it, and three of SwiGLU's four
-    intermediates (silu is recomputed); the residual sum and the normalised inputs are recomputed."""
-    h, q, kv, f, heads = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
-    return [
-        ("block input", h, prec.stream, "sp"),
-        ("2 x 1/rms", 2, 4, "sp"),
-        ("2 x norm output, cast once", 2 * h, prec.linear_input, "full"),
-        ("q, k after rotary; v", q + 2 * kv, prec.attention, "tp"),
-        ("attention log-sum-exp", heads, 4, "tp"),
-        ("attention output and wo's input", 2 * q, prec.attention, "tp"),
-        ("SwiGLU: w1 out, w3 out, product", 3 * f, prec.mlp, "tp"),
-        *([("q/k before their norms, 1/rms", q + kv, prec.attention, "tp")] if shape.qk_norm else []),
-    ]
-
-
-def adapter_saved(shape: Shape, prec: Precision, peft: LoraSpec) -> list:
-    """What LoRA adds to a block, per target linear and token: A's rank-sized output, which B keeps
-    (compute dtype); with dropout, A's input is the dropped input (in-size, compute dtype) and
-    dropout keeps its mask (a byte an element). Without dropout A's input is the linear's own
-    input, counted by llama_block."""
-    h, q, f = shape.dim, shape.q_dim, shape.ffn_dim
-    inputs = {"wq": (h, "full"), "wk": (h, "full"), "wv": (h, "full"), "wo": (q, "tp"), "w1": (h, "full")}
-    inputs |= {"w2": (f, "tp"), "w3": (h, "full")}
-    saved = []
-    for name in peft.targets:
-        size, split = inputs[name]
-        saved.append((f"{name} A output", peft.rank, prec.linear_input, "full"))
-        if peft.dropout > 0:
-            saved += [
-                (f"{name} dropped input", size, prec.linear_input, split),
-                (f"{name} dropout mask", size, 1, split),
-            ]
-    return saved
-
-
-def gpt_block(shape: Shape, w: Workload) -> list[tuple[str, float, int, str]]:
-    """Korthikanti et al. 2022, section 4.1: 34 s b h + 5 a s^2 b bytes per layer in 16-bit, with
-    Megatron's sequence parallelism saving the sharded (not the gathered) linear inputs. Flash
-    attention keeps the log-sum-exp instead of the s x s scores."""
-    h, f, a, s = shape.dim, shape.ffn_dim, shape.n_heads, w.seq_len
-    b = 4 if w.dtype == "fp32" else 2
-    saved = [
-        ("LayerNorm inputs", 2 * h, b, "sp"),
-        ("QKV input", h, b, "sp"),
-        ("Q, K", 2 * h, b, "tp"),
-        ("V", h, b, "tp"),
-        ("projection input", h, b, "tp"),
-        ("dropout masks", 2 * h, 1, "sp"),
-        ("fc1 input", h, b, "sp"),
-        ("GELU input, fc2 input", 2 * f, b, "tp"),
-    ]
-    if w.attention == "math":
-        saved += [
-            ("softmax output", a * s, b, "tp"),
-            ("attention dropout mask", a * s, 1, "tp"),
-            ("attention dropout output", a * s, b, "tp"),
-        ]
-    else:
-        saved.append(("attention log-sum-exp", a, 4, "tp"))
-    return saved
-
-
-def _per_token(saved, layout: Layout) -> float:
-    t, sp = layout.tp, layout.sequence_parallel
-
-    def divisor(split):
-        return t if split == "tp" or (split == "sp" and sp) else 1
-
-    return sum(n * b / divisor(split) for _, n, b, split in saved)
-
-
 def block_bytes_per_token(w: Workload, layout: Layout) -> float:
     """What one block keeps for backward, per token of a micro-batch, on one tensor-parallel rank."""
     shape = w.shape
     if shape.arch == "gpt":
-        return _per_token(gpt_block(shape, w), layout)
+        return per_token_bytes(gpt_block(shape, w), layout)
     prec = Precision.of(w, layout.fsdp)
     lora = adapter_saved(shape, prec, w.peft) if w.peft else []
     if w.compiled:
-        return _per_token(compiled_llama_block(shape, prec) + lora, layout)
-    return _per_token(llama_block(shape, prec, w.device == "cuda", w.peft) + lora, layout)
+        return per_token_bytes(compiled_llama_block(shape, prec) + lora, layout)
+    return per_token_bytes(llama_block(shape, prec, w.device == "cuda", w.peft) + lora, layout)
 
 
 def checkpointed_block_bytes_per_token(w: Workload, layout: Layout) -> float:
