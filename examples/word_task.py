@@ -34,11 +34,11 @@ def split(n_train: int = 1500, n_held_out: int = 40) -> tuple[list[tuple], list[
     return combos[:n_held_out], combos[n_held_out : n_held_out + n_train]
 
 
-def conversations(triples) -> list[dict]:
+def conversations(triples, tasks=tuple(TASKS)) -> list[dict]:
     return [
         {"messages": [*ask(task, words), {"role": "assistant", "content": answer(task, words)}]}
         for words in triples
-        for task in TASKS
+        for task in tasks
     ]
 
 

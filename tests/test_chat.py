@@ -249,45 +249,67 @@ def greedy_answers(client, model: str, held) -> list:
     return out
 
 
-@pytest.mark.multiproc
-def test_fine_tune_a_pretrained_model_into_a_chat_assistant(corpus, cli_env, tmp_path):
+def scores_of(directory, cli_env, held) -> list:
+    """Greedy answers to the held-out requests through the openai client and `meshtrain serve`."""
     from openai import OpenAI
     from test_serve import start_server
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    held, trained = split()
-    # a "pretrained" model: the corpus, exported to the Hugging Face format
+    proc, url = start_server(directory, cli_env, "--max-batch", "8")
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        return greedy_answers(client, directory.name, held)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def exact(rows) -> float:
+    return sum(got == want for got, _, want in rows) / len(rows)
+
+
+@pytest.fixture(scope="module")
+def pretrained(corpus, cli_env, tmp_path_factory):
+    """A "pretrained" model (the corpus, exported to the Hugging Face format) and chat data tokenized
+    with its tokenizer (and so its template)."""
+    _, trained = split()
+    tmp_path = tmp_path_factory.mktemp("pretrained")
     pretrained, base = tmp_path / "pretrained", tmp_path / "base-hf"
     run = ["train", "--data.path", str(corpus), "--run.dir", str(pretrained), *E2E_MODEL, "--training.steps", "30"]
     assert run_cli(run, cli_env).returncode == 0
     assert run_cli(["export", str(pretrained), "--out", str(base)], cli_env).returncode == 0
-    # chat data tokenized with the pretrained model's tokenizer (and so its template)
-    rows = conversations(trained)
-    write_jsonl(tmp_path / "chat.jsonl", rows)
-    data = tmp_path / "chat-data"
-    prep = ["data", "prepare", "--format", "chat", "--input", str(tmp_path / "chat.jsonl"), "--out", str(data)]
-    result = run_cli([*prep, "--tokenizer", str(base / "tokenizer.json"), "--val-fraction", "0.02"], cli_env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    tuned, out = tmp_path / "tuned", tmp_path / "tuned-hf"
-    run = ["train", "--data.path", str(data), "--run.dir", str(tuned), *E2E_MODEL, "--training.steps", "400"]
-    run += ["--model.init_from", f"hf:{base}", "--training.lr", "3e-3", "--training.warmup_steps", "20"]
-    result = run_cli([*run, "--run.log_every", "100"], cli_env)
+    data = {}
+    for name, rows in (("both", conversations(trained)), ("repeat", conversations(trained, ["Repeat the words."]))):
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        data[name] = tmp_path / f"{name}-data"
+        prep = ["data", "prepare", "--format", "chat", "--input", str(tmp_path / f"{name}.jsonl")]
+        prep += ["--out", str(data[name]), "--tokenizer", str(base / "tokenizer.json"), "--val-fraction", "0.02"]
+        result = run_cli(prep, cli_env)
+        assert result.returncode == 0, result.stderr[-2000:]
+    return base, data
+
+
+def fine_tune(base, data, run_dir, cli_env, steps: int, *extra: str) -> None:
+    run = ["train", "--data.path", str(data), "--run.dir", str(run_dir), *E2E_MODEL, "--training.steps", str(steps)]
+    run += ["--model.init_from", f"hf:{base}", "--training.warmup_steps", "20", "--run.log_every", "100", *extra]
+    result = run_cli(run, cli_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"initialised from hf:{base}" in result.stderr + result.stdout
+
+
+@pytest.mark.multiproc
+def test_fine_tune_a_pretrained_model_into_a_chat_assistant(pretrained, cli_env, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    held, _ = split()
+    base, data = pretrained
+    tuned, out = tmp_path / "tuned", tmp_path / "tuned-hf"
+    fine_tune(base, data["both"], tuned, cli_env, 400, "--training.lr", "3e-3")
     assert run_cli(["export", str(tuned), "--out", str(out)], cli_env).returncode == 0
 
-    scores = {}
-    for name, directory in (("before", base), ("after", out)):
-        proc, url = start_server(directory, cli_env, "--max-batch", "8")
-        try:
-            client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-            scores[name] = greedy_answers(client, directory.name, held)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    exact = {name: sum(got == want for got, _, want in rows) / len(rows) for name, rows in scores.items()}
+    scores = {"before": scores_of(base, cli_env, held), "after": scores_of(out, cli_env, held)}
+    accuracy = {name: exact(rows) for name, rows in scores.items()}
     stopped = sum(reason == "stop" for _, reason, _ in scores["after"]) / len(scores["after"])
-    assert exact["after"] >= 0.8 and exact["after"] >= exact["before"] + 0.7, exact
+    assert accuracy["after"] >= 0.8 and accuracy["after"] >= accuracy["before"] + 0.7, accuracy
     assert stopped >= 0.95, stopped
 
     # transformers renders the same prompt from the exported template and generates the same text
@@ -301,3 +323,23 @@ def test_fine_tune_a_pretrained_model_into_a_chat_assistant(corpus, cli_env, tmp
         with torch.no_grad():
             new = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
         assert tok.decode(new[0, ids.shape[1] :], skip_special_tokens=True) == got
+
+
+@pytest.mark.multiproc
+def test_lora_teaches_a_chat_model_a_new_task(pretrained, cli_env, tmp_path):
+    """A chat model that only repeats (fully fine-tuned on "Repeat the words.") learns to reverse
+    through LoRA adapters on its frozen weights; the LoRA run's own directory is served (its
+    adapters merged into the base)."""
+    held, _ = split()
+    base, data = pretrained
+    repeats, repeats_hf, lora = tmp_path / "repeats", tmp_path / "repeats-hf", tmp_path / "lora"
+    fine_tune(base, data["repeat"], repeats, cli_env, 150, "--training.lr", "3e-3")
+    assert run_cli(["export", str(repeats), "--out", str(repeats_hf)], cli_env).returncode == 0
+    adapters = ("--peft.method", "lora", "--peft.rank", "16", "--training.lr", "5e-3")
+    fine_tune(repeats_hf, data["both"], lora, cli_env, 400, *adapters)
+    before, after = scores_of(repeats_hf, cli_env, held), scores_of(lora, cli_env, held)
+    reverse = [i for i, (words, task) in enumerate((w, t) for w in held for t in TASKS) if task.startswith("Reverse")]
+    before_reverse, after_reverse = ([rows[i] for i in reverse] for rows in (before, after))
+    # when written: reversed 0.025 -> 0.925 of the held-out requests, all 0.29 -> 0.96
+    assert exact(before_reverse) <= 0.2 and exact(after_reverse) >= 0.8, (exact(before_reverse), exact(after_reverse))
+    assert exact(after) >= 0.85, exact(after)
