@@ -2,6 +2,7 @@
 merged or in the peft format that the peft library loads onto the base model."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from meshtrain.train import build as build_state
 from meshtrain.train.preflight import preflight
 
 QLORA = {"method": "qlora"}
+ODD_MODEL = {"dim": 36, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 36}  # 36 x 36 weights: not blocks of 64
 LORA = ("--peft.method", "lora", "--peft.rank", "4", "--training.lr", "1e-2")
 
 
@@ -37,6 +39,7 @@ def test_targets_take_our_names_or_hugging_faces():
         ({"peft": {"method": "qlora"}}, 1, "set training.dtype = bf16"),
         ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"zero": 3}}, 2, "one process or DDP"),
         ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"tp": 2}}, 2, "one process or DDP"),
+        ({"peft": QLORA, "training": {"dtype": "bf16"}, "model": ODD_MODEL}, 1, "(36, 36) does not divide"),
         (
             {"peft": {"method": "lora"}, "training": {"objective": "dpo"}, "parallel": {"pp": 2}},
             2,
@@ -45,7 +48,7 @@ def test_targets_take_our_names_or_hugging_faces():
     ],
 )
 def test_peft_and_objective_keys_take_effect_or_are_refused(overrides, world, message):
-    with pytest.raises((ConfigError, ValueError), match=message):
+    with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
         cfg = load_config(None, dotted(overrides))
         preflight(cfg, world)
 

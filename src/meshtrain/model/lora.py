@@ -112,10 +112,6 @@ class LoRALinear(nn.Linear):
             return y
         return y + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
 
-    def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) B A, in fp32 (the base dequantized first under QLoRA)."""
-        return dequantized(self.weight) + self.scale * (self.lora_b.float() @ self.lora_a.float())
-
 
 def apply_lora(model: nn.Module, spec: LoraSpec, frozen_dtype: torch.dtype | None = None) -> None:
     """Put adapters on the target linears of every block in place and freeze everything else.
@@ -174,7 +170,7 @@ def quantize_base(model: nn.Module) -> None:
         if is_nf4(m.weight):
             continue
         blocks = m.weight.numel() // NF4_BLOCK
-        scaler_block = next(s for s in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % s == 0)
+        scaler_block = next(s for s in (NF4_SCALER_BLOCK >> k for k in range(9)) if blocks % s == 0)
         weight = m.weight.detach().to(torch.bfloat16)
         m.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, scaler_block), requires_grad=False)
 
@@ -199,10 +195,15 @@ def init_adapter(name: str, shape: torch.Size, generator: torch.Generator) -> to
     return (torch.rand(shape, generator=generator) * 2 - 1) * bound
 
 
-def adapter_count(shape, spec: LoraSpec) -> int:
-    """Parameters of the adapters on a model of `shape` (model.shapes.Shape): r (in + out) per target."""
+def target_weights(shape, spec: LoraSpec) -> list:
+    """The target linears' weights (model.shapes.Param) of a model of `shape` (model.shapes.Shape)."""
     targets = tuple(f".{name}.weight" for name in spec.targets)
-    return sum(spec.rank * sum(p.shape) for p in shape.parameters() if p.name.endswith(targets))
+    return [p for p in shape.parameters() if p.name.endswith(targets)]
+
+
+def adapter_count(shape, spec: LoraSpec) -> int:
+    """Parameters of the adapters on a model of `shape`: r (in + out) per target."""
+    return sum(spec.rank * sum(p.shape) for p in target_weights(shape, spec))
 
 
 def merge_state_dict(state: dict[str, torch.Tensor], spec: LoraSpec) -> tuple[dict, dict]:

@@ -52,16 +52,26 @@ def preflight(cfg: Config, world: int, dataset: Blend | None = None) -> tuple[Mo
     check_model_args(args, cfg, vocab)
     layout = Layout.from_config(cfg, world)
     layout.validate(args, cfg)
-    check_peft_layout(cfg, layout)
+    check_peft_layout(cfg, layout, args)
     if dataset is not None:
         check_init_tokenizer(cfg, dataset)
         check_objective_data(cfg, dataset)
     return args, layout
 
 
-def check_peft_layout(cfg: Config, layout: Layout) -> None:
+def check_peft_layout(cfg: Config, layout: Layout, args: ModelArgs) -> None:
     """What LoRA, QLoRA and DPO run on."""
     from meshtrain.errors import ConfigError
+    from meshtrain.model.lora import NF4_BLOCK, LoraSpec, target_weights
+
+    lora = LoraSpec.from_config(cfg.peft)
+    if lora is not None and lora.quantized:
+        odd = [p for p in target_weights(Shape.from_args(args), lora) if p.numel % NF4_BLOCK]
+        if odd:
+            raise ConfigError(
+                f"peft.method = qlora stores weights in blocks of {NF4_BLOCK}, but {odd[0].name} {odd[0].shape} "
+                "does not divide into them: leave that linear out of peft.targets, or use peft.method = lora"
+            )
 
     if cfg.peft.method == "qlora" and (layout.tp > 1 or layout.pp > 1 or layout.fsdp):
         raise ConfigError(
