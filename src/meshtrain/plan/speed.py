@@ -115,17 +115,9 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
 
 def model_flops_per_token(w: Workload) -> float:
     """Model FLOPs of training one token (Shape.flops_per_token: 6 x the matmul parameters plus
-    attention); a frozen base (LoRA) computes 4 of the 6 for its weights, 6 for its adapters; DPO's
-    reference forward 2 more and a third of the attention."""
-    shape, s = w.shape, w.seq_len
-    if w.peft is None and w.objective == "lm":
-        return shape.flops_per_token(s)
-    attention = 12.0 * shape.n_layers * shape.q_dim * s
-    matmul = (shape.flops_per_token(s) - attention) / 6
-    k = 6 if w.peft is None else 4
-    adapters = sum(trainable_sums(w, Layout(), 0).blocks) if w.peft is not None else 0
-    reference = 1 if w.objective == "dpo" else 0
-    return k * matmul + 6 * adapters + attention + reference * (2 * matmul + attention / 3)
+    attention; a frozen base (LoRA) 4 for its weights and 6 for its adapters; DPO's reference
+    forward 2 more and a third of the attention), as the training log's MFU counts them."""
+    return w.shape.flops_per_token(w.seq_len, w.peft, w.objective == "dpo")
 
 
 def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> dict[str, float]:
