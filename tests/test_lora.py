@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
 from meshtrain.config import load_config
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.model.lora import LoraSpec, merge_state_dict, parse_targets
 from meshtrain.parallel.memory import model_state_bytes
 from meshtrain.train import build as build_state
@@ -154,6 +154,8 @@ def test_peft_loads_the_exported_adapter_onto_the_base_as_the_merged_export(corp
     with torch.no_grad():
         served = load_served_model(run, torch.device("cpu"), torch.float32).model(tokens)
     assert (served[..., : merged.shape[-1]] - merged).abs().max().item() <= 1e-4 * merged.abs().max().item()
+    with pytest.raises(MeshtrainError, match="holds LoRA adapters alone"):
+        load_served_model(adapter_dir, torch.device("cpu"), torch.float32)
 
     # what cannot be exported as adapters is refused in one line
     full = tmp_path / "full"

@@ -38,6 +38,11 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
         raise MeshtrainError(
             f"{path} does not exist: serve a run directory, a checkpoint or an exported Hugging Face directory"
         )
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        raise MeshtrainError(
+            f"{path} holds LoRA adapters alone (peft's format): serve the run they came from, or its merged "
+            "export (`meshtrain export RUN --out DIR`)"
+        )
     if (path / "config.json").is_file():  # a Hugging Face directory
         args = hf_model_args(path)
         model = Llama(args)
