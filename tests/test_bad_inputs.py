@@ -31,7 +31,7 @@ CASES = {
     "beta1 above one": (["--training.beta1", "1.5"], "training.beta1"),
     "beta2 one": (["--training.beta2", "1"], "training.beta2"),
     "grad clip negative": (["--training.grad_clip", "-1"], "training.grad_clip"),
-    "dtype fp16": (["--training.dtype", "fp16"], "training.dtype"),
+    "dtype fp64": (["--training.dtype", "fp64"], "training.dtype"),
     "bf16 compute": (["--training.bf16_compute", "int8"], "training.bf16_compute"),
     "ac mode": (["--training.activation_checkpointing", "some"], "training.activation_checkpointing"),
     "ac every zero": (["--training.ac_every", "0"], "training.ac_every"),

@@ -32,7 +32,7 @@ def test_model_args_merge_preset_overrides_and_data_vocab():
         ("[training]\nsteps = 'ten'\n", [], ["training.steps", "integer"]),
         ("[training]\nsteps = true\n", [], ["training.steps", "integer"]),
         ("", ["--training.steps", "ten"], ["training.steps", "integer"]),
-        ("", ["--training.dtype", "fp16"], ["training.dtype", "'fp32', 'bf16'"]),
+        ("", ["--training.dtype", "fp64"], ["training.dtype", "'fp32', 'bf16', 'fp16'"]),
         ("", ["--model.preset", "gpt5"], ["model.preset", "llama3-8b"]),
         ("", ["--training.seq_len", "4096"], ["training.seq_len", "max_seq_len"]),
         ("", ["--training.bogus", "1"], ["training.bogus"]),

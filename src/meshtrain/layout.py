@@ -59,6 +59,7 @@ class Layout:
     loss_parallel: bool = True
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
+    cpu_offload: bool = False  # ZeRO-3's shards, gradients and optimizer states in host memory
     global_batch_size: int = 1
     micro_batch_size: int = 1
     activation_checkpointing: str = "none"
@@ -139,6 +140,8 @@ class Layout:
         text = " x ".join(parts) or "1 GPU"
         if self.dp > 1:
             text += f", ZeRO-{self.zero}" + (f" (replicate {self.dp_replicate})" if self.dp_replicate > 1 else "")
+        if self.cpu_offload:
+            text += " + CPU offload"
         if self.pp > 1:
             text += f", {self.pp_schedule}" + (f" v{self.pp_virtual_stages}" if self.stages_per_rank > 1 else "")
         return f"{text}, micro-batch {self.micro_batch_size}, AC {self.activation_checkpointing}"
@@ -178,6 +181,12 @@ class Layout:
             raise ConfigError(
                 f"parallel.zero = {p.zero} (DDP) cannot replicate tensor-parallel (DTensor) parameters: "
                 "use parallel.zero = 2 or 3 with parallel.tp > 1 (zero 0/1 work with pp and plain data parallel)"
+            )
+        if p.cpu_offload and (p.zero != 3 or dp // p.dp_replicate == 1):
+            raise ConfigError(
+                f"parallel.cpu_offload moves ZeRO-3's parameter shards to host memory: it needs parallel.zero = 3 "
+                f"over more than one data-parallel rank (here zero {p.zero}, {dp // p.dp_replicate} shard(s)); "
+                "drop cpu_offload, or shard over more ranks"
             )
         values = {name: getattr(getattr(cfg, section), name) for name, section in _KEYS.items()}
         return cls(**values | {"dp_shard": dp // p.dp_replicate})

@@ -21,11 +21,12 @@ def check_across_keys(cfg: Config) -> None:
         raise ConfigError(f"training.stop_at_step = {t.stop_at_step} must be between 0 and training.steps ({t.steps})")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f"checkpoint.resume = {c.resume!r}: no such checkpoint (use auto, none or a path)")
-    if t.dtype == "fp32" and t.bf16_compute != "auto":
+    if t.dtype in ("fp32", "fp16") and t.bf16_compute != "auto":
         raise ConfigError(
             f"training.bf16_compute = {t.bf16_compute!r} sets the arithmetic of bf16 training, but training.dtype "
-            "is fp32: set training.dtype = bf16 (or auto), or leave bf16_compute = auto"
+            f"is {t.dtype}: set training.dtype = bf16 (or auto), or leave bf16_compute = auto"
         )
+    check_precision_keys(cfg)
     if cfg.parallel.pp_microbatches and cfg.parallel.pp == 1:
         raise ConfigError(
             f"parallel.pp_microbatches = {cfg.parallel.pp_microbatches} is the pipeline schedule's micro-batch count: "
@@ -34,6 +35,32 @@ def check_across_keys(cfg: Config) -> None:
     check_peft_keys(cfg)
     if not cfg.model.init_from:
         check_model_args(cfg.model_args(), cfg)
+
+
+def check_precision_keys(cfg: Config) -> None:
+    """fp16's loss-scale keys and FP8 only where they take effect (CPU offload: Layout.from_config)."""
+    t = cfg.training
+    for key in ("initial_loss_scale", "loss_scale_window"):
+        if getattr(t, key) is not None and t.dtype != "fp16":
+            raise ConfigError(
+                f"training.{key} sets fp16's dynamic loss scaling, but training.dtype is {t.dtype}: "
+                "set training.dtype = fp16, or drop it"
+            )
+    if t.fp8 != "off":
+        if t.dtype == "fp16":
+            raise ConfigError(
+                "training.fp8 runs its FP8 GEMMs inside bf16 or fp32 training, not fp16: set training.dtype = bf16"
+            )
+        if t.bf16_compute in ("fp32", "bf16-attention"):
+            raise ConfigError(
+                f"training.bf16_compute = {t.bf16_compute!r} computes the GEMMs in fp32, but training.fp8 = "
+                f"{t.fp8!r} computes them in FP8: use bf16_compute = auto, bf16 or bf16-gemm"
+            )
+        if cfg.peft.method != "none":
+            raise ConfigError(
+                f"training.fp8 trains every weight of the blocks' linears in FP8; peft.method = "
+                f"{cfg.peft.method} freezes them: drop one of the two"
+            )
 
 
 def check_peft_keys(cfg: Config) -> None:

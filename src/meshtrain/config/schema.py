@@ -23,7 +23,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others hold several
 LAUNCHERS = ("auto", "torchrun", "azureml", "openmpi", "mpich", "slurm", "single")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "neuron")
 
 
 def check_preset(name: str) -> None:
@@ -120,11 +120,13 @@ class TrainingConfig:
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     seed: int = option(0, ge=0, lt=2**63)
     """Seed of the weights and the data order."""
-    dtype: Literal["auto", "fp32", "bf16"] = "fp32"
-    """Training precision: fp32, bf16 mixed precision (fp32 master weights and optimizer states), or
-    "auto": bf16 where the device runs the step faster in it (a GPU with bf16 units; on a CPU, as
-    measured at this model's shapes, see bf16_compute), fp32 otherwise. The choice and its measurement
-    are logged at start and written to <run.dir>/arithmetic.json."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    """Training precision: fp32; bf16 mixed precision (fp32 master weights and optimizer states); fp16
+    mixed precision with dynamic loss scaling (for GPUs without bf16 units, such as the V100: a step
+    whose gradients overflow is skipped and the scale halved); or "auto": bf16 where the device runs
+    the step faster in it (a GPU with bf16 units; on a CPU, as measured at this model's shapes, see
+    bf16_compute), fp32 otherwise. The choice and its measurement are logged at start and written to
+    <run.dir>/arithmetic.json."""
     bf16_compute: Literal["auto", "bf16", "fp32", "bf16-gemm", "bf16-attention"] = "auto"
     """With bf16 storage, the arithmetic of each class of work: "bf16" kernels for the GEMMs and
     attention, "fp32" arithmetic on bf16-rounded inputs for both (same storage and numbers; faster where
@@ -132,6 +134,16 @@ class TrainingConfig:
     bf16 attention); "auto": bf16 on a GPU, and on a CPU whichever a probe times fastest, forward and
     backward at this model's shapes (cached per CPU model, thread count, torch version and shape).
     Setting it to anything but auto implies bf16 storage: refused with dtype fp32."""
+    initial_loss_scale: float | None = option(None, ge=1)
+    """With dtype fp16: the loss scale of the first step (unset: 65536, torch's GradScaler default)."""
+    loss_scale_window: int | None = option(None, gt=0)
+    """With dtype fp16: steps without overflow after which the loss scale doubles (unset: 2000)."""
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """FP8 GEMMs in the blocks' linears (torchao float8 training; the embedding and output stay in
+    the training dtype): "tensorwise" (one scale per tensor; its all-gather under ZeRO-3 is in fp8)
+    or "rowwise" (a scale per row: more accurate, slower). On a GPU it needs FP8 units (compute
+    capability 8.9: Ada, Hopper and later); on a CPU it runs emulated (same numbers, no speed-up),
+    for tests."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: "full" every block, "selective" every ac_every-th block."""
     ac_every: int = option(2, gt=0)
@@ -189,6 +201,10 @@ class ParallelConfig:
     """0: derived, local batch / training.micro_batch_size (a set value must equal it)."""
     pp_virtual_stages: int = option(1, gt=0)
     """Pipeline stages per rank (interleaved schedules need >= 2, zbv exactly 2)."""
+    cpu_offload: bool = False
+    """With zero 3: keep the parameter shards, their gradients and the optimizer states in host
+    memory (FSDP2's CPUOffloadPolicy); the optimizer steps on the CPU. Fits a larger model on small
+    GPUs at the price of PCIe traffic each step. Needs a GPU (on a CPU there is nowhere to offload)."""
 
 
 def check_lora_targets(text: str) -> None:
@@ -234,7 +250,8 @@ class LaunchConfig:
     env: Literal[LAUNCHERS] = "auto"
     """Who started the processes: "auto" detects torchrun, Slurm, Open MPI, MPICH, AzureML; or force one."""
     device: Literal[DEVICES] = "auto"
-    """"auto": CUDA (NCCL) where there is a GPU, else CPU (gloo); "cpu" forces the CPU on a GPU machine."""
+    """"auto": CUDA (NCCL) where there is a GPU, else CPU (gloo); "cpu" forces the CPU on a GPU machine;
+    "neuron": AWS Trainium through torch-neuronx's native device (not run by meshtrain's tests)."""
 
 
 @dataclass

@@ -46,10 +46,12 @@ def fp32_classes(training) -> tuple[bool, bool]:
 def arithmetic_label(training) -> str:
     """What the step computes in (logged with the metrics): "fp32", or bf16 storage with the
     bf16_compute choice ("bf16", "fp32", "bf16-gemm", "bf16-attention") as "bf16/<choice>"."""
-    if training.dtype == "fp32":
-        return "fp32"
+    fp8 = getattr(training, "fp8", "off")  # a train/arithmetic.Choice has none
+    fp8 = "" if fp8 == "off" else f"+fp8-{fp8}"
+    if training.dtype in ("fp32", "fp16"):
+        return training.dtype + fp8
     fp32_classes(training)  # resolved
-    return "bf16" if training.bf16_compute == "bf16" else f"bf16/{training.bf16_compute}"
+    return ("bf16" if training.bf16_compute == "bf16" else f"bf16/{training.bf16_compute}") + fp8
 
 
 class _Bf16LinearInFp32(torch.autograd.Function):

@@ -67,7 +67,7 @@ DISTANT = 3.0  # this many times slower than the fastest of its kind at the firs
 class Choice:
     """The arithmetic a run computes in, and why (written to <run.dir>/arithmetic.json)."""
 
-    dtype: str  # "fp32" or "bf16"
+    dtype: str  # "fp32", "bf16" or "fp16"
     bf16_compute: str  # with bf16: "bf16", "fp32", "bf16-gemm" or "bf16-attention"
     how: str  # "given" (set in the config), "device" (a GPU), "measured" or "cached" (the CPU probe)
     step_ms: dict[str, float] = field(default_factory=dict)  # a micro-batch's forward + backward per candidate
@@ -80,6 +80,7 @@ class Choice:
     def describe(self) -> str:
         what = {
             "fp32": "fp32",
+            "fp16": "fp16 with dynamic loss scaling",
             "bf16": "bf16 (bf16 GEMMs and attention)",
             "bf16/fp32": "bf16 storage, fp32 arithmetic",
             "bf16/bf16-gemm": "bf16 storage, bf16 GEMMs, fp32 attention",
@@ -94,8 +95,8 @@ class Choice:
 def resolve(cfg, args: ModelArgs, device: torch.device):
     """(the config with dtype and bf16_compute resolved, the Choice). Every rank takes rank 0's."""
     t = cfg.training
-    if t.dtype == "fp32":
-        choice = Choice("fp32", "auto", "given")
+    if t.dtype in ("fp32", "fp16"):
+        choice = Choice(t.dtype, "auto", "given")
     elif t.bf16_compute != "auto":  # a class-by-class choice implies bf16 storage
         choice = Choice("bf16", t.bf16_compute, "given")
     elif device.type != "cpu":
@@ -104,6 +105,8 @@ def resolve(cfg, args: ModelArgs, device: torch.device):
         choice = Choice("bf16", "bf16", how) if bf16 else Choice("fp32", "auto", how)
     else:
         names = [name for name, dtype, _ in CANDIDATES if t.dtype == "auto" or dtype == "bf16"]
+        if t.fp8 != "off":  # FP8 takes the GEMMs: only the attention's arithmetic is left to choose
+            names = [name for name in names if name == "fp32" or not FP32_CLASSES[name.partition("/")[2] or "bf16"][0]]
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         choice = agreed(cpu_choice(args, t.micro_batch_size, t.seq_len, names) if rank0 else None)
     training = dataclasses.replace(t, dtype=choice.dtype, bf16_compute=choice.bf16_compute)
