@@ -163,7 +163,8 @@ class TrainingConfig:
     """Wall-clock budget, "HH:MM:SS" or seconds (Slurm --time, ABCI h_rt): checkpoint and exit 75 (not done:
     run again; the generated SGE/Slurm scripts requeue) before it."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
-    """A NaN/Inf loss or gradient norm: skip the update, or stop with an error."""
+    """A NaN/Inf loss or gradient norm: skip the update, or stop with an error. Under fp16 an overflow
+    always skips the step (and lowers the loss scale); "stop" stops once the scale is below 1."""
     objective: Literal["lm", "dpo"] = "lm"
     """What the loss learns: "lm", next-token cross-entropy (plain text, or chat data's answers); "dpo",
     Direct Preference Optimization (Rafailov et al. 2023) on data prepared with --format preference, against

@@ -197,7 +197,7 @@ def load_base_model(args: ModelArgs, base: dict) -> Llama:
 def _merged_lora_checkpoint(ckpt: Path, args: ModelArgs, record: dict) -> Llama:
     spec = LoraSpec.from_dict(record)
     model = load_base_model(args, record["base"])
-    apply_lora(model, spec, torch.bfloat16 if record.get("base_storage") == "bf16" else None)
+    apply_lora(model, spec, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record.get("base_storage")))
     adapters = {k: torch.empty(v.shape) for k, v in model.state_dict().items() if k.endswith(ADAPTER_NAMES)}
     state = {"model": adapters}
     _dcp_load(state, ckpt)

@@ -93,8 +93,8 @@ def parallelize(
     (dtype, bf16_compute, compile; "auto" resolved by train/arithmetic.py) and the seed of the
     weights. `materialize`: the context the parameters are allocated and initialised in (a dry run's
     FakeTensorMode, which allocates nothing). `lora`: adapters on a frozen base (its storage bf16
-    under bf16 training). `frozen`: nothing trains (DPO's reference model): no DDP, bf16 storage
-    under bf16 training."""
+    under bf16/fp16 training). `frozen`: nothing trains (DPO's reference model): no DDP, bf16/fp16
+    storage under bf16/fp16 training."""
     layout = dims.layout
     if training.compile and layout.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
@@ -104,8 +104,9 @@ def parallelize(
     else:
         staged = [(0, model)]
     parts = []
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.dtype)  # mixed precision's compute dtype
     for _, part in staged:
-        frozen_dtype = torch.bfloat16 if training.dtype == "bf16" else None
+        frozen_dtype = half
         if lora is not None:
             apply_lora(part, lora, frozen_dtype)
         elif frozen:
@@ -122,7 +123,7 @@ def parallelize(
             whole_model = layout.tp > 1 or (layout.dp == 1 and layout.pp == 1)
             apply_compile(part, whole_model, exact_casts=fp32_gemm)
         if layout.fsdp:
-            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, torch.bfloat16 if training.dtype == "bf16" else None)
+            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)
             part.init_weights(training.seed, buffer_device=device)

@@ -5,27 +5,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype | None) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype | None, cpu_offload: bool = False
+) -> None:
     """Shard each block, then the rest (embeddings, final norm, output) as the root group.
 
     zero 3 frees the gathered parameters after each block's forward and gathers them again in
     backward; zero 2 keeps them between forward and backward (less communication, more memory).
     A 2-D dp_mesh (dp_replicate, dp_shard) is HSDP: shard within a group, replicate across groups.
-    bf16 training computes in bf16 and reduces gradients in fp32; the sharded master weights and
-    the optimizer states stay fp32.
+    bf16/fp16 training computes in bf16/fp16 and reduces gradients in fp32; the sharded master
+    weights and the optimizer states stay fp32. `cpu_offload` (ZeRO-3 on a GPU): the shards, their
+    gradients and the optimizer states live in pinned host memory and the optimizer steps there;
+    each all-gather first copies the local shard to the device.
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         if param_dtype
         else MixedPrecisionPolicy()
     )
+    offload = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's backward comes right after its forward: resharding it would only mean
         # gathering the same parameters again (torchtitan does the same).
         reshard = zero == 3 and i < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **offload)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, **offload)

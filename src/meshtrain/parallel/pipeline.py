@@ -86,13 +86,16 @@ def sum_tied_gradients(parts: list[nn.Module], group) -> None:
 
 class ScaledLoss:
     """A schedule's loss_fn: the summed loss of a micro-batch times `scale`, set before each step (dp
-    / targets in the global batch), so gradients are summed over micro-batches, not averaged."""
+    / targets in the global batch), so gradients are summed over micro-batches, not averaged; under
+    fp16 also times the loss scale."""
 
     def __init__(self, loss_fn: Callable):
         self.loss_fn, self.scale = loss_fn, 1.0
+        self.scaler = None  # fp16 training: its LossScaler (train/loss_scale.py), set before each step
 
     def __call__(self, output, target):
-        return self.loss_fn(output, target) * self.scale
+        loss = self.loss_fn(output, target) * self.scale
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
 
 def build_schedule(

@@ -28,6 +28,7 @@ from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.arithmetic import Choice
 from meshtrain.train.arithmetic import resolve as resolve_arithmetic
+from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
 from meshtrain.train.preflight import preflight, warn_if_too_big
 from meshtrain.train.step import cross_entropy, step_context, train_step
@@ -77,6 +78,11 @@ class TrainState:
     loader: DistributedLoader | None = None
     val: dict[str, list] = field(default_factory=dict)  # validation batches of each source
     checkpointer: Checkpointer | None = None
+    scaler: LossScaler | None = None  # fp16's dynamic loss scale
+
+    def __post_init__(self):
+        if self.cfg.training.dtype == "fp16" and self.scaler is None:
+            self.scaler = LossScaler(self.cfg.training, self.device, self.model.fsdp)
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -107,6 +113,7 @@ class TrainState:
             self.context,
             self.pp_group,
             n_targets,
+            self.scaler,
         )
 
 

@@ -182,6 +182,13 @@ def resume(s: TrainState) -> tuple[int, int]:
     s.scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
         group["lr"] = lr
+    if s.scaler is not None:
+        if "loss_scale" not in state:
+            raise MeshtrainError(
+                f"checkpoint {path} was not saved by fp16 training (no loss-scale state): resume it with the "
+                "training.dtype it was saved with, or set checkpoint.resume = none"
+            )
+        s.scaler.load_state_dict(state["loss_scale"])
     log.info(f"resumed from {path} (step {state['step']}, saved with {state['layout']})")
     return state["step"], state.get("skipped_steps", 0)
 
@@ -207,7 +214,7 @@ def peft_record(s: TrainState) -> dict | None:
     """What a LoRA checkpoint's adapters belong to: their settings and the base model."""
     if s.lora is None:
         return None
-    storage = "bf16" if s.cfg.training.dtype == "bf16" else "fp32"
+    storage = s.cfg.training.dtype if s.cfg.training.dtype in ("bf16", "fp16") else "fp32"
     return {**s.lora.to_dict(), "base": base_identity(s.cfg), "base_storage": storage}
 
 
@@ -249,17 +256,16 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
             "layout": layout,
             "model": dataclasses.asdict(s.args),
             "peft": peft_record(s),
+            **({"loss_scale": s.scaler.state_dict()} if s.scaler is not None else {}),
         },
         blocking=blocking,
     )
 
 
-def warn_skips(step: int, skipped: int, reported: int) -> int:
+def warn_skips(step: int, skipped: int, reported: int, loss_scale: float | None) -> int:
     if skipped > reported:
-        log.warning(
-            f"step {step}: {skipped - reported} step(s) skipped since the last log (non-finite gradient "
-            f"norm; {skipped} in all)"
-        )
+        why = "non-finite gradient norm" if loss_scale is None else f"fp16 overflow: loss scale now {loss_scale:g}"
+        log.warning(f"step {step}: {skipped - reported} step(s) skipped since the last log ({why}; {skipped} in all)")
     return skipped
 
 
@@ -414,7 +420,12 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         loss, grad_norm, skipped_now = s.step(inputs, targets, n_targets)
         phase("logging")
         skipped_total += skipped_now
-        if t.on_nonfinite == "stop" and skipped_now.item():  # the one mode that syncs every step
+        # the one mode that syncs every step; under fp16 an overflow is the loss scaler's to skip,
+        # until the scale has fallen below 1 (then no scale is to blame)
+        if (
+            t.on_nonfinite == "stop"
+            and (skipped_now if s.scaler is None else skipped_now * (s.scaler.factor() < 1)).item()
+        ):
             raise MeshtrainError(
                 f"step {step}: the loss or gradient norm is not finite ({grad_norm.item()}); "
                 "lower training.lr, check the data, or set training.on_nonfinite = skip"
@@ -429,7 +440,9 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         if step % cfg.run.log_every == 0 or step in (start_step + 1, last_step):
             record = log_record(s, step, lr, loss, grad_norm, n_targets, meter, detector)
             record |= {"skipped_steps": int(skipped_total.item()), "arithmetic": arithmetic}
-            reported_skips = warn_skips(step, record["skipped_steps"], reported_skips)
+            if s.scaler is not None:
+                record["loss_scale"] = s.scaler.factor().item()
+            reported_skips = warn_skips(step, record["skipped_steps"], reported_skips, record.get("loss_scale"))
         if s.val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             phase("evaluation")
             record.update(validation_losses(s))

@@ -9,6 +9,7 @@ The loader counts the global batch's targets on the host, so no collective or sy
 inputs, targets (this DP rank's slice)  -> the device, once per step
 no PP: micro-batches of the layout's micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
 PP:    the schedule drives the micro-batches through the stages
+fp16:  each loss scaled before backward, the gradients unscaled after (train/loss_scale.py)
 global grad norm -> fused AdamW (clips and skips inside its kernel) -> the LR schedule steps outside
 """
 
@@ -32,6 +33,7 @@ from meshtrain.parallel import ParallelDims, ParallelModel
 from meshtrain.parallel.data_parallel import average_gradients
 from meshtrain.parallel.grads import global_grad_norm
 from meshtrain.parallel.pipeline import sum_tied_gradients
+from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.preference import sequence_logps
 from meshtrain.train.watchdog import phase
 
@@ -54,13 +56,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=t.is_pinned())
 
 
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # training.dtype -> its mixed-precision compute dtype
+
+
 def step_context(model: ParallelModel, training: TrainingConfig, device: torch.device) -> ExitStack:
-    """Vocabulary-parallel loss under TP; autocast for bf16 unless FSDP casts the parameters itself."""
+    """Vocabulary-parallel loss under TP; autocast for bf16 unless FSDP casts the parameters itself,
+    and always for fp16: its narrow range needs autocast's fp32 ops (softmax, norms, reductions) even
+    where FSDP has cast the parameters."""
     stack = ExitStack()
     if model.loss_parallel:
         stack.enter_context(loss_parallel())
-    if training.dtype == "bf16" and not model.fsdp:
-        stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+    if training.dtype == "fp16" or (training.dtype == "bf16" and not model.fsdp):
+        stack.enter_context(torch.autocast(device.type, dtype=HALF[training.dtype]))
     return stack
 
 
@@ -84,12 +91,19 @@ def micro_batch_loss(model: ParallelModel, part, x: torch.Tensor, y: torch.Tenso
 
 
 def forward_backward(
-    model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int, device, scale: float
+    model: ParallelModel,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    micro_batch: int,
+    device,
+    scale: float,
+    scaler: LossScaler | None = None,
 ) -> torch.Tensor:
     """Gradients of this rank's local batch; returns its part of the global mean loss (a tensor: no
-    host sync), `scale` = dp / targets in the global batch."""
+    host sync), `scale` = dp / targets in the global batch. `scaler`: fp16's loss scale, applied to
+    what backward sees (the gradients come out scaled), not to the loss returned."""
     if model.schedule is not None:
-        loss = pipeline_loss(model, inputs, targets, device, train=True, scale=scale)
+        loss = pipeline_loss(model, inputs, targets, device, train=True, scale=scale, scaler=scaler)
         if model.grad_average_group is not None:
             average_gradients(model.parameters(), model.grad_average_group)
         if model.ties_across_stages:
@@ -104,7 +118,7 @@ def forward_backward(
             part.set_requires_gradient_sync(last)
         with nullcontext() if last or not hasattr(part, "no_sync") else part.no_sync():  # DDP
             loss = micro_batch_loss(model, part, x, y) * scale
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total += local_value(loss.detach())
     return total
 
@@ -120,22 +134,27 @@ def train_step(
     context,
     pp_group=None,
     n_targets: int | None = None,
+    scaler: LossScaler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """forward/backward -> global grad norm -> AdamW, with no host-device sync.
+    """forward/backward -> (fp16: unscale) -> global grad norm -> AdamW, with no host-device sync.
 
     Clipping and skipping are folded into the fused AdamW kernel through the hooks GradScaler
     uses: it divides the gradients by `grad_scale` (max(1, norm / grad_clip): clipping without a
     separate pass over the gradients) and skips the update where `found_inf` is set (a non-finite
     norm). Returns tensors: (this rank's part of the global mean loss, global grad norm, 1.0 if the
-    update was skipped). `n_targets`: targets in the global batch (see `loss_scale`).
-    Gradients are cleared at the start, so they can be inspected after the step."""
+    update was skipped). `n_targets`: targets in the global batch (see `loss_scale`). `scaler`:
+    fp16's dynamic loss scale (train/loss_scale.py): a step that overflows is skipped like any
+    non-finite one and lowers the scale. Gradients are cleared at the start, so they can be
+    inspected after the step."""
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = to_device(inputs, device), to_device(targets, device)
     with context():
         scale = loss_scale(targets, n_targets, layout.dp)
         micro_batch = layout.micro_batch_size * model.rows_per_sample
-        loss = forward_backward(model, inputs, targets, micro_batch, device, scale)
+        loss = forward_backward(model, inputs, targets, micro_batch, device, scale, scaler)
     phase("optimizer")
+    if scaler is not None:
+        scaler.unscale(optimizer)
     grad_norm = global_grad_norm(model.distinct_parameters(), pp_group)
     skipped = (~torch.isfinite(grad_norm)).float()
     adamw = local_optimizer(optimizer)
@@ -143,13 +162,18 @@ def train_step(
     if t.grad_clip > 0:
         adamw.grad_scale = torch.clamp((grad_norm + 1e-6) / t.grad_clip, min=1.0)
     optimizer.step()
+    if scaler is not None:
+        scaler.update(optimizer, skipped)
     return loss, grad_norm, skipped
 
 
-def pipeline_loss(model: ParallelModel, inputs, targets, device, train: bool, scale: float) -> torch.Tensor:
-    """Run the schedule (its loss_fn scaled by `scale`, gradients summed over micro-batches); the
-    summed micro-batch losses on the rank with the last stage, else 0."""
+def pipeline_loss(
+    model: ParallelModel, inputs, targets, device, train: bool, scale: float, scaler: LossScaler | None = None
+) -> torch.Tensor:
+    """Run the schedule (its loss_fn scaled by `scale`, and by fp16's loss scale in training; gradients
+    summed over micro-batches); the summed micro-batch losses on the rank with the last stage, else 0."""
     model.loss_fn.scale = scale
+    model.loss_fn.scaler = scaler if train else None
     losses = [] if model.has_last_stage else None
     target = targets if model.has_last_stage else None
     args = (inputs,) if model.has_first_stage else ()
@@ -168,7 +192,8 @@ def pipeline_loss(model: ParallelModel, inputs, targets, device, train: bool, sc
         model.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
     if not losses:
         return torch.zeros((), device=device)
-    return torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
+    total = torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
+    return total / model.loss_fn.scaler.factor() if model.loss_fn.scaler is not None else total
 
 
 def mean_over(value: torch.Tensor, group) -> float:
