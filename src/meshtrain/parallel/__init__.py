@@ -1,6 +1,6 @@
 """Layouts, composed the way torchtitan does: one small function per technique, applied in order
-LoRA adapters -> bf16 arithmetic choice -> TP -> activation checkpointing -> compile -> FSDP (on meta) -> materialise
--> DDP; pipeline stages first."""
+LoRA adapters -> FP8 linears -> bf16 arithmetic choice -> TP -> activation checkpointing -> compile
+-> FSDP (on meta) -> materialise -> DDP; pipeline stages first."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from meshtrain.model.lora import LoraSpec, apply_lora, freeze_base
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.data_parallel import apply_ddp
+from meshtrain.parallel.float8 import apply_fp8
 from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline import ScaledLoss, build_schedule, pipeline_stage_modules, tied_output
@@ -27,6 +28,7 @@ __all__ = [
     "apply_ac",
     "apply_compile",
     "apply_ddp",
+    "apply_fp8",
     "apply_fp32_compute",
     "apply_fsdp",
     "apply_tp",
@@ -111,6 +113,8 @@ def parallelize(
             apply_lora(part, lora, frozen_dtype)
         elif frozen:
             freeze_base(part, frozen_dtype)
+        if training.fp8 != "off":
+            apply_fp8(part, training.fp8, emulate=device.type != "cuda", fp8_all_gather=layout.fsdp)
         fp32_gemm, fp32_attention = fp32_classes(training)
         if fp32_gemm or fp32_attention:
             apply_fp32_compute(part, fp32_gemm, fp32_attention)

@@ -31,6 +31,7 @@ from meshtrain.model.lora import adapters_off
 from meshtrain.optim import local_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel
 from meshtrain.parallel.data_parallel import average_gradients
+from meshtrain.parallel.float8 import precompute_scales
 from meshtrain.parallel.grads import global_grad_norm
 from meshtrain.parallel.pipeline import sum_tied_gradients
 from meshtrain.train.loss_scale import LossScaler
@@ -162,6 +163,7 @@ def train_step(
     if t.grad_clip > 0:
         adamw.grad_scale = torch.clamp((grad_norm + 1e-6) / t.grad_clip, min=1.0)
     optimizer.step()
+    precompute_scales(model.parts, t.fp8, model.fsdp)
     if scaler is not None:
         scaler.update(optimizer, skipped)
     return loss, grad_norm, skipped
