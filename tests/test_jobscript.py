@@ -1,6 +1,7 @@
 """Generated job scripts: pinned text (golden files), valid bash, clean under shellcheck.
 Regenerate the golden files after an intended change with MESHTRAIN_UPDATE_GOLDEN=1."""
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -96,3 +97,78 @@ def test_slurm_script_has_the_preemption_and_rank_settings(cli_env):
 def test_bad_jobscript_requests(cli_env):
     assert_user_error(run_cli(["jobscript", "lsf", "--config", "c.toml"], cli_env), "lsf", "slurm")
     assert_user_error(run_cli(["jobscript", "slurm", "--config", "c.toml", "--nodes", "0"], cli_env), "--nodes")
+
+
+TRAINIUM = ["pcluster", "--config", "configs/tiny.toml", "--nodes", "2", "--accelerator", "trainium"]
+FITS_TRAINIUM = ["--training.micro_batch_size", "1", "--training.global_batch_size", "128"]  # 2 x 64 NeuronCores
+
+
+def test_pcluster_trainium_writes_cluster_job_and_neuron_setup(cli_env, tmp_path):
+    import yaml
+
+    out = tmp_path / "cluster.yaml"
+    result = run_cli(
+        ["jobscript", *TRAINIUM, "--out", str(out), "--", *FITS_TRAINIUM], cli_env, cwd=Path(__file__).parents[1]
+    )
+    assert result.returncode == 0, result.stderr
+    cluster = yaml.safe_load(out.read_text())
+    (queue,) = cluster["Scheduling"]["SlurmQueues"]
+    (node,) = queue["ComputeResources"]
+    assert queue["Name"] == "trainium" and node["InstanceType"] == "trn2.48xlarge" and node["MaxCount"] == 2
+    assert node["Efa"]["Enabled"] and queue["Networking"]["PlacementGroup"]["Enabled"]
+    assert cluster["SharedStorage"][0]["StorageType"] == "FsxLustre"
+    for where in (cluster["HeadNode"], queue):
+        assert where["CustomActions"]["OnNodeConfigured"]["Args"] == ["/fsx/meshtrain/.venv"]
+
+    setup = Path(f"{out}.neuron-setup.sh").read_text()
+    for package in ("aws-neuronx-dkms", "aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-tools"):
+        assert package in setup
+    assert "torch-neuronx" in setup and "neuronx-cc" in setup and "pip.repos.neuron.amazonaws.com" in setup
+
+    job = Path(f"{out}.sbatch").read_text()
+    assert "#SBATCH --ntasks-per-node=64" in job and "#SBATCH --partition=trainium" in job
+    assert "--gpus-per-node" not in job and "export FI_PROVIDER=efa" in job and "FI_EFA_USE_DEVICE_RDMA=1" in job
+    compile_at, train_at = job.index("neuron_parallel_compile /fsx/"), job.index("status=0\nsrun")
+    assert compile_at < train_at
+    assert "--launch.device neuron --nproc 64" in job[compile_at:train_at]
+    assert "--launch.device neuron" in job[train_at:].splitlines()[1]
+    for script in (f"{out}.sbatch", f"{out}.neuron-setup.sh"):
+        assert subprocess.run(["bash", "-n", script]).returncode == 0
+        if shutil.which("shellcheck"):
+            lint = subprocess.run(["shellcheck", "-s", "bash", script], capture_output=True, text=True)
+            assert lint.returncode == 0, lint.stdout
+
+
+def test_trainium_options_take_effect_or_are_refused(cli_env):
+    slurm = ["slurm", "--config", "configs/tiny.toml"]
+    assert_user_error(run_cli(["jobscript", *slurm, "--accelerator", "trainium"], cli_env), "--accelerator", "pcluster")
+    assert_user_error(run_cli(["jobscript", *slurm, "--instance-type", "p5.48xlarge"], cli_env), "--instance-type")
+    refused = {
+        ("--instance-type", "p5.48xlarge"): "is not one of trn2.48xlarge",
+        ("--instance-type", "trn1.32xlarge"): "Trainium2",
+        ("--gpus-per-node", "8"): "one rank per logical NeuronCore (64)",
+        ("--procs-per-node", "4"): "leave --procs-per-node out",
+    }
+    for flags, fragment in refused.items():
+        assert_user_error(run_cli(["jobscript", *TRAINIUM, *flags, "--", *FITS_TRAINIUM], cli_env), fragment)
+    cpu_after = run_cli(["jobscript", *TRAINIUM, "--", *FITS_TRAINIUM, "--launch.device", "cpu"], cli_env)
+    assert_user_error(cpu_after, "--launch.device cpu")
+    gpu_with_trn = ["pcluster", "--config", "configs/tiny.toml", "--instance-type", "trn2.48xlarge"]
+    assert_user_error(run_cli(["jobscript", *gpu_with_trn], cli_env), "add --accelerator trainium")
+
+
+def test_neuron_device_without_torch_neuronx_is_refused_before_workers_start(cli_env, tmp_path):
+    from meshtrain.errors import ConfigError
+    from meshtrain.launch.distributed import pick_device
+    from meshtrain.launch.env import LaunchEnv
+
+    if importlib.util.find_spec("torch_neuronx") is not None:
+        pytest.skip("torch-neuronx is installed here")
+    result = run_cli(
+        ["train", "--nproc", "2", "--launch.device", "neuron", "--run.dir", str(tmp_path / "run")], cli_env
+    )
+    assert_user_error(result, "launch.device = 'neuron' needs torch-neuronx", "pip install torch-neuronx")
+    assert not (tmp_path / "run").exists()  # refused before the launcher prepared anything
+    with pytest.raises(ConfigError, match="torch-neuronx"):
+        pick_device(LaunchEnv("single"), "neuron")
+    assert pick_device(LaunchEnv("single"), "auto").type != "neuron"  # only an explicit "neuron" picks it

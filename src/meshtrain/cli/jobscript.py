@@ -13,12 +13,16 @@ from meshtrain.launch.jobscript import GENERATORS, JobSpec
 def add_parser(sub) -> None:
     j = sub.add_parser(
         "jobscript",
-        help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster)",
+        help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster on GPUs or Trainium)",
         epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5",
     )
     j.add_argument("kind", choices=list(GENERATORS), help=", ".join(GENERATORS))
     add_options(j, JobSpec, skip=("train_args",))
-    j.add_argument("--out", help="write to this file (pcluster also writes FILE.sbatch) instead of stdout")
+    j.add_argument(
+        "--out",
+        help="write to this file (pcluster also writes FILE.sbatch, and with --accelerator trainium "
+        "FILE.neuron-setup.sh) instead of stdout",
+    )
 
 
 def run(args: argparse.Namespace, train_args: list[str]) -> int:

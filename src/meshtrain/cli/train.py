@@ -91,12 +91,14 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     for the whole job, across its workers' restarts (on a multi-node job started by hand: node 0's
     launcher); start the workers."""
     from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage
+    from meshtrain.launch.distributed import require_device
     from meshtrain.launch.local import launch_workers
     from meshtrain.lock import TOKEN_VARIABLE, RunLock
     from meshtrain.logs import setup_logging
     from meshtrain.train import ensure_dataset, preflight
 
     setup_logging(0, cfg.run.log_level)
+    require_device(cfg.launch.device)
     refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
     nodes = o.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))
