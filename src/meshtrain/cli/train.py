@@ -96,6 +96,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     from meshtrain.lock import TOKEN_VARIABLE, RunLock
     from meshtrain.logs import setup_logging
     from meshtrain.train import ensure_dataset, preflight
+    from meshtrain.train.preflight import check_device, workers_device
 
     setup_logging(0, cfg.run.log_level)
     require_device(cfg.launch.device)
@@ -103,6 +104,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
     nodes = o.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))
     preflight(cfg, o.nproc * nodes, dataset)
+    check_device(cfg, workers_device(cfg))
     lock = RunLock(cfg.run.dir)
     if not o.node_rank:
         lock.acquire()

@@ -30,7 +30,7 @@ from meshtrain.train.arithmetic import Choice
 from meshtrain.train.arithmetic import resolve as resolve_arithmetic
 from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
-from meshtrain.train.preflight import preflight, warn_if_too_big
+from meshtrain.train.preflight import check_device, preflight, warn_if_too_big
 from meshtrain.train.step import cross_entropy, step_context, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
 
@@ -157,6 +157,7 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     if cfg.launch.device != "cpu" and torch.cuda.is_available():
         enable_flight_recorder()
     device = init_distributed(env, cfg.launch.device, process_group_timeout(cfg.training.hang_timeout))
+    check_device(cfg, device)
     dataset = None
     if with_data:
         if env.rank == 0:

@@ -59,6 +59,30 @@ def preflight(cfg: Config, world: int, dataset: Blend | None = None) -> tuple[Mo
     return args, layout
 
 
+def workers_device(cfg: Config) -> torch.device:
+    """The kind of device the workers of `train --nproc` on this host will train on (launch/distributed.py
+    picks each one's): for checking it before they start."""
+    if cfg.launch.device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device(cfg.launch.device if cfg.launch.device == "neuron" else "cpu")
+
+
+def check_device(cfg: Config, device: torch.device) -> None:
+    """What the device the job trains on must offer (run where it trains: the launcher on the training
+    host, and each worker; not jobscript, whose login node may lack the cluster's GPUs): FP8 units
+    for training.fp8, a GPU to offload from for parallel.cpu_offload."""
+    from meshtrain.errors import ConfigError
+    from meshtrain.parallel.float8 import fp8_refusal
+
+    if problem := fp8_refusal(cfg.training.fp8, device):
+        raise ConfigError(problem)
+    if cfg.parallel.cpu_offload and device.type == "cpu":
+        raise ConfigError(
+            "parallel.cpu_offload moves ZeRO-3's shards from GPU memory to host memory, but this job trains on the "
+            "CPU, where they already are: drop parallel.cpu_offload (or train on GPUs)"
+        )
+
+
 def check_peft_layout(cfg: Config, layout: Layout, args: ModelArgs) -> None:
     """What LoRA, QLoRA and DPO run on."""
     from meshtrain.errors import ConfigError
