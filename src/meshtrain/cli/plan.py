@@ -1,6 +1,8 @@
 """`meshtrain plan`: resolve the model, the job and the device, search (or explain one layout),
 print, write the best layout as a training config, and dry-run it (--verify). [peft] (--peft
-lora|qlora, --lora-rank, --lora-targets, ...) and --objective dpo are planned too, and written.
+lora|qlora, --lora-rank, --lora-targets, ...), --objective dpo, fp16 (--dtype fp16), FP8 (--fp8) and
+CPU offload (--cpu-offload, a layout knob that is never searched: off unless given) are planned too,
+and written.
 
 The flags that name config keys (--model.*, --training.*, --parallel.*, with short aliases) are read
 by the config loader, so they take exactly the values the trainer takes; a layout key given on the
@@ -38,6 +40,7 @@ PLAN_KEYS = {
     "training.seq_len": ("--seq-len",),
     "training.global_batch_size": ("--global-batch",),
     "training.dtype": ("--dtype",),
+    "training.fp8": ("--fp8",),
     "training.compile": ("--compile",),
     "training.peak_tflops": ("--peak-tflops",),
     "training.micro_batch_size": ("--micro-batch",),
@@ -51,6 +54,7 @@ PLAN_KEYS = {
     "parallel.pp_virtual_stages": ("--virtual-stages",),
     "parallel.sequence_parallel": ("--sequence-parallel",),
     "parallel.loss_parallel": (),
+    "parallel.cpu_offload": ("--cpu-offload",),
     "training.objective": ("--objective",),
     "peft.method": ("--peft",),
     "peft.rank": ("--lora-rank",),
@@ -88,6 +92,8 @@ class PlanOptions:
     inter-node); repeatable."""
     memory_gib: float | None = option(None, gt=0)
     """Override the device memory."""
+    host_memory_gib: float | None = option(None, gt=0)
+    """Override the host memory of a node (GiB), which CPU offload fills with the model states."""
     efficiency: float | None = option(None, ge=0.01, le=1.0)
     """Sustained fraction of the peak in training matmuls (0.01 to 1)."""
     top: int = option(10, ge=1)
@@ -152,13 +158,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     global_batch = t.global_batch_size if explain or "training.global_batch_size" in given else 4 * gpus
     gpus_per_node = o.gpus_per_node or (gpus if o.gpu == "cpu" else min(gpus, 8))
     peak = t.peak_tflops or None
-    dev, inter = device(
-        o.gpu, gpus_per_node, o.network, o.intra_node_gbps, o.inter_node_gbps, o.memory_gib, peak, o.efficiency, o.comm
-    )
+    links = (o.network, o.intra_node_gbps, o.inter_node_gbps)
+    dev, inter = device(o.gpu, gpus_per_node, *links, o.memory_gib, peak, o.efficiency, o.comm, o.host_memory_gib)
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
     dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
     dev.peak(dtype)  # a clear error for bf16 on a V100
+    check_precision(dev, t.fp8, cfg.parallel.cpu_offload)
     compiled = t.compile if explain or "training.compile" in given else False
     if compiled and not llama:
         raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
@@ -176,18 +182,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         fp32_attention,
         peft,
         t.objective,
+        t.fp8,
     )
     fixed = {k: getattr(getattr(cfg, section_of(k)), k) for k in KNOBS if k in pinned}
     training = dataclasses.replace(t, seq_len=seq_len, global_batch_size=global_batch, compile=compiled)
-    if dtype != "fp16":  # the trainer's precisions; an fp16 plan is refused by --write-config and --verify
-        training.dtype = dtype
-        training.bf16_compute = t.bf16_compute if dtype == "bf16" else "auto"
+    training.dtype = dtype
+    training.bf16_compute = t.bf16_compute if dtype == "bf16" else "auto"
     base = dataclasses.replace(cfg, training=training, peft=planned_peft(cfg, peft))
     estimates, refused = search(w, dev, inter, gpus, global_batch, fixed, base if llama else None, model)
 
     if o.write_config:
-        _write_config(o, estimates, w, base)
-    built = _verify(o, estimates, w, base, model) if o.verify else {}
+        _write_config(o, estimates, base)
+    built = _verify(o, estimates, base, model) if o.verify else {}
     if o.json:
         report = {
             "model": {"arch": shape.arch, "params": shape.n_params(), **dataclasses.asdict(shape)},
@@ -195,11 +201,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             "gpus": gpus,
             "gpus_per_node": dev.gpus_per_node,
             "memory_gib": dev.memory_gib,
+            "host_memory_gib": dev.host_memory_gib,
+            "pcie_gbs": dev.pcie_gbs,
             "intra_node_gbps": dev.intra_node_gbps,
             "inter_node_gbps": inter,
             "seq_len": seq_len,
             "global_batch": global_batch,
             "dtype": dtype,
+            "fp8": t.fp8,
             "objective": t.objective,
             "peft": peft.to_dict() if peft else None,
             "layouts": [
@@ -217,6 +226,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {gpus} x {dev.name} ({dev.gpus_per_node} per node, "
         f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {inter:.1f} GB/s per GPU), seq {seq_len}, "
         f"global batch {global_batch}{' pairs' if t.objective == 'dpo' else ''}, {dtype}"
+        + (f", fp8 {t.fp8}" if t.fp8 != "off" else "")
         + (f", {peft.method} rank {peft.rank} on {','.join(peft.targets)}" if peft else "")
     )
     render(title, estimates, refused, o.top, Console(width=None if sys.stdout.isatty() else 120))
@@ -227,6 +237,17 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         where = f"#{i + 1} {estimates[i].layout.describe()}"
         print(f"built (dry run) {where}: {cells} GiB built/planned on rank {gib['rank']}")
     return 0
+
+
+def check_precision(dev, fp8: str, cpu_offload: bool) -> None:
+    """FP8 on a device without FP8 units, or CPU offload without a GPU, refused in one line."""
+    if fp8 != "off" and dev.peak_tflops["fp8"] <= 0:
+        raise MeshtrainError(
+            f"--fp8 {fp8}: {dev.name} has no FP8 units (FP8 GEMMs need compute capability 8.9: Ada, Hopper, "
+            "Blackwell); plan it without --fp8"
+        )
+    if cpu_offload and dev.name == "cpu":
+        raise MeshtrainError("--cpu-offload moves a GPU's model states to host memory: on --gpu cpu they are there")
 
 
 def check_peft(peft: LoraSpec | None, arch: str, dtype: str, gpus: int, pinned: dict) -> None:
@@ -262,7 +283,7 @@ def planned_arithmetic(cfg: Config, model: ModelArgs, dtype: str, seq_len: int, 
     t = cfg.training
     if dtype == "auto" and (gpu != "cpu" or not llama):
         dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp32"
-    if not llama or dtype == "fp16":  # fp16: planned only, refused by --write-config and --verify
+    if not llama:
         return dtype, t, False, False
     import torch
 
@@ -275,7 +296,7 @@ def planned_arithmetic(cfg: Config, model: ModelArgs, dtype: str, seq_len: int, 
     return resolved.dtype, dataclasses.replace(t, bf16_compute=resolved.bf16_compute), *fp32_classes(resolved)
 
 
-def _verify(o: PlanOptions, estimates, w: Workload, base: Config, model: ModelArgs) -> dict[int, dict]:
+def _verify(o: PlanOptions, estimates, base: Config, model: ModelArgs) -> dict[int, dict]:
     """`train --dry-run` of the best `--verify` layouts: what the busiest built rank holds (`built`,
     GiB, None where the dry run does not measure it), beside the planner's figures for that rank and
     the kernels the dry run executed (`planned`)."""
@@ -283,8 +304,6 @@ def _verify(o: PlanOptions, estimates, w: Workload, base: Config, model: ModelAr
 
     if o.arch != "llama":
         raise MeshtrainError("--verify builds the layout with meshtrain's trainer, which trains Llama (--arch llama)")
-    if w.dtype == "fp16":
-        raise MeshtrainError("--verify: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
     out = {}
     for i, e in enumerate(estimates[: o.verify]):
         job = e.layout.apply_to(base)
@@ -299,7 +318,7 @@ def _verify(o: PlanOptions, estimates, w: Workload, base: Config, model: ModelAr
     return out
 
 
-def _write_config(o: PlanOptions, estimates, w: Workload, base: Config) -> None:
+def _write_config(o: PlanOptions, estimates, base: Config) -> None:
     from meshtrain.files import write_text
 
     fitting = [e for e in estimates if e.fits]
@@ -311,8 +330,6 @@ def _write_config(o: PlanOptions, estimates, w: Workload, base: Config) -> None:
         raise MeshtrainError(
             "--write-config: no layout fits, nothing to write (more GPUs, a smaller model or batch, or --ac full)"
         )
-    if w.dtype == "fp16":
-        raise MeshtrainError("--write-config: meshtrain trains in bf16 or fp32; plan with --dtype bf16")
     best = fitting[0].layout.apply_to(base)
     path = write_text(o.write_config, to_toml(best.validate()))  # what is written must train
     print(

@@ -5,16 +5,19 @@ built job measures; cli/plan.py is the command).
 
 workload.py  what is trained beside the layout: model, sequence, precision, kernels, LoRA/QLoRA, objective
 hardware.py  accelerators and networks (data sheets, overridable; the CPU measured)
-memory.py    model states (exact), activations (per saved tensor), in-flight micro-batches, buffers
-speed.py     matmuls, memory-bound work, TP/PP/DP communication, bubble, optimizer
+states.py    model states per rank (exact), on the GPU or, under CPU offload, in host memory
+saved.py     what a block saves for backward, per token, in each precision path
+memory.py    model states, activations (per saved tensor), in-flight micro-batches, buffers
+speed.py     matmuls (FP8 too), memory-bound work, TP/PP/DP communication, bubble, optimizer, PCIe
 search.py    enumerate, check with the trainer's own rules, estimate, rank
 report.py    the table
 """
 
 from meshtrain.plan.hardware import CATALOG, KINDS, device
-from meshtrain.plan.memory import activation_bytes, estimate_memory, model_state_bytes, nf4_bytes
+from meshtrain.plan.memory import activation_bytes, estimate_memory
 from meshtrain.plan.search import Estimate, evaluate, search
 from meshtrain.plan.speed import step_time
+from meshtrain.plan.states import host_state_bytes, model_state_bytes, nf4_bytes
 from meshtrain.plan.workload import Workload, peft_refusal, workload_of_config
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "device",
     "estimate_memory",
     "evaluate",
+    "host_state_bytes",
     "model_state_bytes",
     "nf4_bytes",
     "peft_refusal",

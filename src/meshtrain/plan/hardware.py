@@ -44,7 +44,7 @@ class Device:
 
     name: str
     memory_gib: float
-    peak_tflops: dict[str, float]  # "bf16", "fp16", "fp32"
+    peak_tflops: dict[str, float]  # "bf16", "fp16", "fp32", "fp8" (0: no such units)
     intra_node_gbps: float
     link: str
     network: str
@@ -54,6 +54,8 @@ class Device:
     attention_efficiency: float  # fraction of the peak attention (flash, forward + backward) sustains
     gemm_half_width: int = 0  # the hidden size per TP rank at which GEMMs reach half their large-GEMM share
     gpus_per_node: int = 8
+    pcie_gbs: float = 0.0  # host <-> device copies per GPU, GB/s as pinned-memory copies reach them
+    host_memory_gib: float = 0.0  # host memory of a node (what CPU offload fills)
 
     def peak(self, dtype: str) -> float:
         value = self.peak_tflops.get(dtype, 0.0)
@@ -69,15 +71,21 @@ class Device:
 GEMM_HALF_WIDTH = 256
 
 
-def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, attention, bf16=True) -> Device:
-    """Peaks from the one table MFU also reads (hardware.GPU_PEAK_TFLOPS, matched by `part`)."""
+# Host <-> device copies of pinned memory over one GPU's PCIe x16 link, at ~75-80% of the line rate
+# that cudaMemcpy bandwidth tests reach (gen3 15.8, gen4 31.5, gen5 63 GB/s per direction).
+PCIE_GBS = {3: 12.0, 4: 25.0, 5: 50.0}
+
+
+def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, attention, pcie, host, bf16=True) -> Device:
+    """Peaks from the one table MFU also reads (hardware.GPU_PEAK_TFLOPS, matched by `part`); `pcie`
+    the host link's PCIe generation, `host` the node's memory in GiB."""
     from meshtrain.hardware import GPU_PEAK_TFLOPS
 
-    half, fp32 = next((b, f) for pattern, b, f in GPU_PEAK_TFLOPS if pattern == part)
+    half, fp32, fp8 = next((b, f, e) for pattern, b, f, e in GPU_PEAK_TFLOPS if pattern == part)
     return Device(
         name,
         memory_gib,
-        {"bf16": half if bf16 else 0.0, "fp16": half, "fp32": fp32},
+        {"bf16": half if bf16 else 0.0, "fp16": half, "fp32": fp32, "fp8": fp8},
         intra,
         link,
         network,
@@ -86,21 +94,25 @@ def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, attentio
         runtime_gib=1.0,
         attention_efficiency=attention,
         gemm_half_width=GEMM_HALF_WIDTH,
+        pcie_gbs=PCIE_GBS[pcie],
+        host_memory_gib=host,
     )
 
 
 # Memory as the driver reports it (nvidia-smi); HBM bandwidth from NVIDIA's data sheets (SXM parts);
-# intra-node bus bandwidth as nccl-tests all_reduce_perf reaches on 8 GPUs of one node.
+# intra-node bus bandwidth as nccl-tests all_reduce_perf reaches on 8 GPUs of one node. Host memory
+# of the usual 8-GPU node: DGX-1 (V100) 512 GiB, AWS p4d/p4de (A100) 1152, p5/p5e and DGX H100/H200/
+# B200 2048 (an ABCI V node, 4 V100s, has 384: --host-memory-gib).
 CATALOG = {
     d.name: d
     for d in (
-        _gpu("v100-16gb", "V100", 15.78, 130.0, "NVLink 2", "ib-edr", 900.0, 0.70, 0.40, bf16=False),
-        _gpu("v100-32gb", "V100", 31.75, 130.0, "NVLink 2", "ib-edr", 900.0, 0.70, 0.40, bf16=False),
-        _gpu("a100-40gb", "A100", 39.39, 230.0, "NVLink 3", "ib-hdr", 1555.0, 0.75, 0.50),
-        _gpu("a100-80gb", "A100", 79.15, 230.0, "NVLink 3", "ib-hdr", 2039.0, 0.75, 0.50),
-        _gpu("h100-80gb", "H100", 79.11, 360.0, "NVLink 4", "ib-ndr", 3350.0, 0.85, 0.34),
-        _gpu("h200-141gb", "H200", 139.8, 360.0, "NVLink 4", "ib-ndr", 4800.0, 0.85, 0.34),
-        _gpu("b200-192gb", "B200", 179.1, 700.0, "NVLink 5", "ib-ndr", 8000.0, 0.85, 0.34),
+        _gpu("v100-16gb", "V100", 15.78, 130.0, "NVLink 2", "ib-edr", 900.0, 0.70, 0.40, 3, 512, bf16=False),
+        _gpu("v100-32gb", "V100", 31.75, 130.0, "NVLink 2", "ib-edr", 900.0, 0.70, 0.40, 3, 512, bf16=False),
+        _gpu("a100-40gb", "A100", 39.39, 230.0, "NVLink 3", "ib-hdr", 1555.0, 0.75, 0.50, 4, 1152),
+        _gpu("a100-80gb", "A100", 79.15, 230.0, "NVLink 3", "ib-hdr", 2039.0, 0.75, 0.50, 4, 1152),
+        _gpu("h100-80gb", "H100", 79.11, 360.0, "NVLink 4", "ib-ndr", 3350.0, 0.85, 0.34, 5, 2048),
+        _gpu("h200-141gb", "H200", 139.8, 360.0, "NVLink 4", "ib-ndr", 4800.0, 0.85, 0.34, 5, 2048),
+        _gpu("b200-192gb", "B200", 179.1, 700.0, "NVLink 5", "ib-ndr", 8000.0, 0.85, 0.34, 5, 2048),
     )
 }
 KINDS = (*CATALOG, "cpu")
@@ -124,7 +136,7 @@ def cpu_device(processes_per_node: int) -> Device:
     return Device(
         "cpu",
         ram / processes_per_node,
-        {"bf16": max(bf16, fp32), "fp16": 0.0, "fp32": fp32},
+        {"bf16": max(bf16, fp32), "fp16": 0.0, "fp32": fp32, "fp8": 0.0},  # FP8 on a CPU is emulated
         intra_node_gbps=1.0,
         link="gloo over loopback",
         network="ethernet-10g",
@@ -133,6 +145,7 @@ def cpu_device(processes_per_node: int) -> Device:
         runtime_gib=0.0,
         attention_efficiency=0.8,
         gpus_per_node=processes_per_node,
+        host_memory_gib=ram,
     )
 
 
@@ -146,6 +159,7 @@ def device(
     peak_tflops: float | None = None,
     efficiency: float | None = None,
     comm_files: list[str] = (),
+    host_memory_gib: float | None = None,
 ) -> tuple[Device, float]:
     """The device with the user's overrides, and the inter-node GB/s per GPU it will see."""
     if kind == "cpu":
@@ -168,13 +182,14 @@ def device(
         ("intra_node_gbps", intra_node_gbps),
         ("memory_gib", memory_gib),
         ("matmul_efficiency", efficiency),
+        ("host_memory_gib", host_memory_gib),
     ):
         if value is not None:
             if value <= 0:
                 raise MeshtrainError(f"--{key.replace('_', '-')} must be positive, got {value}")
             changes[key] = value
-    if peak_tflops is not None:
-        changes["peak_tflops"] = {k: peak_tflops if v > 0 else 0.0 for k, v in dev.peak_tflops.items()}
+    if peak_tflops is not None:  # the training dtype's peak (FP8 units keep the data sheet's)
+        changes["peak_tflops"] = {k: peak_tflops if v > 0 and k != "fp8" else v for k, v in dev.peak_tflops.items()}
     if inter_node_gbps is not None:
         if inter_node_gbps <= 0:
             raise MeshtrainError(f"--inter-node-gbps must be positive, got {inter_node_gbps}")

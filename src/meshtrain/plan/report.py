@@ -35,6 +35,8 @@ def render(title: str, estimates: list[Estimate], refused: dict[str, int], top: 
     breakdown.add_column("GiB", justify="right")
     for key, value in best.memory.items():
         breakdown.add_row(key, f"{value / GIB:.2f}")
+    if best.layout.cpu_offload:
+        breakdown.add_row("host memory per node (offloaded states)", f"{best.host_per_node / GIB:.2f}")
     times = Table(title="step time of #1", title_justify="left")
     times.add_column("part")
     times.add_column("s", justify="right")

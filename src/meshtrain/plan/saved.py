@@ -20,7 +20,12 @@ class Precision:
     bf16 input); bf16 FSDP mixed precision (everything bf16, norms upcast to fp32 inside); and either
     bf16 path with fp32 arithmetic (attention on fp32 copies of q, k, v). LoRA under autocast saves
     as FSDP does: the frozen embedding is bf16, so is the residual stream, and each norm's output is
-    bf16 already (no cast per linear)."""
+    bf16 already (no cast per linear). fp16 is bf16's paths in fp16, except under FSDP: autocast runs
+    there too (fp16 needs its fp32 ops, train/step.py), and CUDA's autocast computes RMSNorm in fp32,
+    so each norm saves an fp32 copy of its fp16 input and each linear casts the fp32 output itself
+    (the CPU's autocast keeps RMSNorm in fp16). FP8 (torchao's Float8Linear) changes none of it: its
+    autograd function saves the linear's high-precision input and weight and casts them to fp8 again
+    in backward (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args)."""
 
     stream: int  # the residual stream between blocks (what a checkpointed block keeps)
     linear_input: int
@@ -28,12 +33,16 @@ class Precision:
     attention: int  # q, k, v and the attention output
     mlp: int  # the SwiGLU intermediates
     weight_copies: bool  # autocast caches a bf16 copy of every weight for the step
+    upcast_norms: bool = False  # each norm saves an fp32 copy of its input (fp16 FSDP on CUDA)
 
     @classmethod
     def of(cls, w: Workload, fsdp: bool) -> "Precision":
         if w.dtype == "fp32":
             return cls(4, 4, False, 4, 4, False)
         attention = 4 if w.fp32_attention else 2
+        if fsdp and w.dtype == "fp16" and w.peft is None:
+            cuda = w.device == "cuda"
+            return cls(2, 2, cuda, attention, 2, False, upcast_norms=cuda)
         if fsdp or w.peft is not None:  # LoRA's frozen bf16 embedding makes a bf16 residual stream
             return cls(2, 2, False, attention, 2, False)
         return cls(4, 2, True, attention, 2, True)
@@ -58,14 +67,14 @@ def llama_block(
             adapted = 0 if peft.dropout > 0 else sum(c in peft.targets for c in consumers)
             copies = adapted if prec.per_linear_copies else min(1, adapted)
         saved += [
-            (f"{norm} input", h, prec.stream if fused_norm else 4, "sp"),
+            (f"{norm} input", h, prec.stream if fused_norm and not prec.upcast_norms else 4, "sp"),
             (f"{norm} 1/rms", 1, 4, "sp"),
             *([(f"{norm} normalised input", h, 4, "sp")] if normalised else []),
             (f"{norm} output as the linears save it", h * copies, prec.linear_input, "full"),
         ]
     if shape.qk_norm:  # Qwen3: the same norm per head of q and k, its output cast for the rotation
         saved += [
-            ("q/k norm inputs", q + kv, prec.stream if fused_norm else 4, "tp"),
+            ("q/k norm inputs", q + kv, prec.stream if fused_norm and not prec.upcast_norms else 4, "tp"),
             ("q/k norm 1/rms", heads + shape.n_kv_heads, 4, "tp"),
             *([("q/k normalised inputs", q + kv, 4, "tp")] if normalised else []),
             ("q/k norm outputs", q + kv, prec.linear_input, "tp"),

@@ -11,6 +11,7 @@ from meshtrain.layout import AC_MODES, Layout
 from meshtrain.plan.hardware import Device
 from meshtrain.plan.memory import estimate_memory
 from meshtrain.plan.speed import step_time
+from meshtrain.plan.states import host_state_bytes
 from meshtrain.plan.workload import Workload, peft_refusal
 
 GIB = 2**30
@@ -25,6 +26,7 @@ class Estimate:
     params: int
     why_not: str = ""
     first_step_peak: float = 0.0  # bytes: the first step's peak, before AdamW's moments exist
+    host_per_node: float = 0.0  # bytes of host memory a node's ranks fill (CPU offload's model states)
 
     def as_dict(self) -> dict:
         return {
@@ -40,6 +42,7 @@ class Estimate:
             "tokens_per_s_per_gpu": round(self.speed["tokens_per_s_per_gpu"], 2),
             "tflops_per_gpu": round(self.speed["tflops_per_gpu"], 3),
             "mfu": round(self.speed["mfu"], 4),
+            "host_gib_per_node": round(self.host_per_node / GIB, 3),
             "step_time_s": round(self.speed["step_time_s"], 5),
             "seconds": {k: round(v, 5) for k, v in self.speed["seconds"].items()},
             **({"why_not": self.why_not} if self.why_not else {}),
@@ -48,13 +51,19 @@ class Estimate:
 
 
 def evaluate(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> Estimate:
+    """A layout's memory, host memory per node (its ranks' offloaded states) and speed; it fits when
+    both peaks fit the GPU and the node's ranks fit its host memory."""
     fragmentation = 0.0 if dev.name == "cpu" else 0.05
     memory = estimate_memory(w, layout, dev.runtime_gib, fragmentation)
     first = estimate_memory(w, layout, dev.runtime_gib, fragmentation, first_step=True)["total"]
-    capacity = dev.memory_gib * GIB
-    fits = max(memory["total"], first) <= capacity
-    why = "" if fits else f"needs {max(memory['total'], first) / GIB:.1f} GiB of {dev.memory_gib:.1f}"
-    return Estimate(layout, memory, step_time(w, layout, dev, inter_gbps), fits, w.shape.n_params(), why, first)
+    host = host_state_bytes(w, layout) * min(dev.gpus_per_node, layout.world)
+    why = ""
+    if max(memory["total"], first) > dev.memory_gib * GIB:
+        why = f"needs {max(memory['total'], first) / GIB:.1f} GiB of {dev.memory_gib:.1f}"
+    elif host > dev.host_memory_gib * GIB:
+        why = f"needs {host / GIB:.0f} GiB of host memory per node of {dev.host_memory_gib:.0f}"
+    speed = step_time(w, layout, dev, inter_gbps)
+    return Estimate(layout, memory, speed, not why, w.shape.n_params(), why, first, host)
 
 
 def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
@@ -71,6 +80,8 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
             return str(e)
         return ""
     s = w.shape
+    if layout.cpu_offload and (layout.zero != 3 or layout.dp_shard == 1):
+        return "cpu offload moves ZeRO-3's shards to host memory: it needs zero 3 over more than one shard"
     if s.n_heads % layout.tp or s.ffn_dim % layout.tp or s.vocab_size % layout.tp:
         return f"heads, ffn and vocabulary must be divisible by tp {layout.tp}"
     if s.n_layers < layout.pp * layout.stages_per_rank:
@@ -108,8 +119,10 @@ def schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
 def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fixed: dict) -> list[Layout]:
     """Every combination of the free knobs; `fixed` pins any of the Layout's fields by its config key
     name (tp, pp, zero, dp_replicate, micro_batch_size, activation_checkpointing, ac_every, pp_schedule,
-    pp_virtual_stages, sequence_parallel, loss_parallel). QLoRA runs on one process or plain DDP:
-    only TP 1, PP 1 and ZeRO 0/1 are proposed (a pinned other value is refused by `check`)."""
+    pp_virtual_stages, sequence_parallel, loss_parallel, cpu_offload). QLoRA runs on one process or plain
+    DDP: only TP 1, PP 1 and ZeRO 0/1 are proposed (a pinned other value is refused by `check`). CPU
+    offload is never searched: off unless pinned (then every layout is proposed, and `check` keeps the
+    ZeRO-3 ones the trainer takes)."""
 
     def options(name, values):
         return [fixed[name]] if fixed.get(name) is not None else values
@@ -144,6 +157,7 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fi
                             zero=zero,
                             sequence_parallel=fixed.get("sequence_parallel", True) is not False,
                             loss_parallel=fixed.get("loss_parallel", True) is not False,
+                            cpu_offload=fixed.get("cpu_offload") is True,
                             pp_schedule=schedule,
                             pp_virtual_stages=v,
                             global_batch_size=global_batch,

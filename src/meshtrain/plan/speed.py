@@ -5,21 +5,20 @@ with compute, and the optimizer step.
 
 Sources: FLOPs per token, PaLM (Chowdhery et al. 2022) appendix B; TP volume and the bubble
 (p - 1) / (v m), Narayanan et al. 2021; ring collectives 2 (n - 1) / n, nccl-tests' bus bandwidth;
-DP traffic 2 psi (DDP, ZeRO-1/2) and 3 psi (ZeRO-3), Rajbhandari et al. 2020."""
+DP traffic 2 psi (DDP, ZeRO-1/2) and 3 psi (ZeRO-3), Rajbhandari et al. 2020. FP8 GEMMs and CPU
+offload: see FP8_GEMM_SHARE and HOST_ADAM_GBS."""
 
 from __future__ import annotations
 
 from meshtrain.layout import Layout
 from meshtrain.plan.hardware import Device
 from meshtrain.plan.memory import (
-    STATE_BYTES,
     block_bytes_per_token,
     ends_bytes_per_token,
+    gathered_bytes,
     logits_working_bytes_per_token,
-    stage_sums,
-    target_elements,
-    trainable_sums,
 )
+from meshtrain.plan.states import STATE_BYTES, model_state_bytes, stage_sums, target_elements, trainable_sums
 from meshtrain.plan.workload import Workload
 
 
@@ -30,6 +29,15 @@ def _bandwidth(group_span: int, dev: Device, inter_gbps: float) -> float:
 
 
 MEMORY_PASSES = 6
+
+# The share of the FP8 dense peak torchao's scaled GEMMs sustain relative to a bf16 GEMM's share of
+# the bf16 peak, their dynamic-scaling casts (amax and cast of input, weight and output gradient in
+# each pass) included. Fitted so that the planner gives the end-to-end speed-ups torchtitan published
+# for Llama 3 8B on 8 H100s (FSDP, torch.compile): tensorwise 6,667 -> 8,532 tokens/s per GPU, 1.28x
+# (torchtitan benchmarks/llama3_h100_202412_torchtitan.md, table 1: Llama 3.1 8B, local batch 2,
+# selective checkpointing); rowwise 5,760 -> 6,424, 1.115x (torchtitan commit 7a04053, the same
+# model and GPUs, where tensorwise gave 1.248x).
+FP8_GEMM_SHARE = {"tensorwise": 0.87, "rowwise": 0.63}
 
 
 def gemm_efficiency(dev: Device, width: int) -> float:
@@ -80,7 +88,9 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     frozen = w.peft is not None
     adapter = trainable_sums(w, layout, pp_rank).block_full if frozen else 0
     reference = 1 if w.objective == "dpo" else 0
-    gemm = tokens * (
+    # training.fp8: the blocks' linears (not the output layer, training.fp8 excludes adapters) in FP8
+    fp8 = tokens * block * (6 * len(layers) + 2 * recomputed + 2 * reference * len(layers)) if w.fp8 != "off" else 0
+    gemm = -fp8 + tokens * (
         (4 if frozen else 6) * (len(layers) * block + head)
         + 6 * len(layers) * adapter
         + 2 * recomputed * (block + adapter)
@@ -89,6 +99,7 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     attend = tokens * attention * (len(layers) + (recomputed + reference * len(layers)) / 3)
     compute = (
         gemm / gemm_efficiency(dev, h // t) / dev.peak(gemm_dtype)
+        + (fp8 / (gemm_efficiency(dev, h // t) * FP8_GEMM_SHARE[w.fp8]) / dev.peak("fp8") if fp8 else 0.0)
         + attend / attention_efficiency(dev, shape.head_dim) / dev.peak(attention_dtype)
     ) / (t * 1e12)
     traffic = tokens * memory_traffic_per_token(w, layout, pp_rank, len(layers), recomputed)
@@ -132,17 +143,15 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
     pipeline = m * slowest["total"] + bubble
 
     local = trainable_sums(w, layout, 0).total  # what has gradients to reduce and moments to update
-    gathered = stage_sums(w.shape, layout, 0).total + (local if w.peft is not None else 0)
-    half = 4 if w.dtype == "fp32" else 2
+    stage = stage_sums(w.shape, layout, 0)
+    gathered = gathered_bytes(w, layout, stage.total + (local if w.peft is not None else 0), stage.block_linear)
     dp_comm = 0.0
     if dp > 1:  # gradients, psi bytes in fp32
         psi = local * STATE_BYTES["grads"]
         if layout.fsdp:  # reduce-scatter the gradients, all-gather the parameters (twice for ZeRO-3)
             ring = (layout.dp_shard - 1) / layout.dp_shard
             gathers = 2 if layout.zero == 3 else 1
-            dp_comm = (
-                ring * (psi + gathers * gathered * half) / (_bandwidth(layout.dp_shard * t, dev, inter_gbps) * 1e9)
-            )
+            dp_comm = ring * (psi + gathers * gathered) / (_bandwidth(layout.dp_shard * t, dev, inter_gbps) * 1e9)
             if layout.dp_replicate > 1:
                 r = layout.dp_replicate
                 dp_comm += 2 * (r - 1) / r * psi / layout.dp_shard / (inter_gbps * 1e9)
@@ -155,8 +164,11 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
     # Fused AdamW reads parameter, gradient and two moments and writes parameter and moments (fp32).
     moments = local / (layout.dp_shard if layout.fsdp else dp if layout.zero == 1 else 1)
     optimizer = moments * 28 / (dev.memory_gbs * 1e9)
+    pcie = 0.0
+    if layout.cpu_offload:
+        pcie, optimizer = offload_times(w, layout, dev)
 
-    step = pipeline + exposed + optimizer
+    step = pipeline + exposed + optimizer + pcie
     tokens_per_s = layout.global_batch_size * w.sequences * w.seq_len / step / layout.world
     tflops = tokens_per_s * model_flops_per_token(w) / 1e12
     return {
@@ -172,5 +184,26 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
             "pp_bubble": bubble,
             "dp_comm_exposed": exposed,
             "optimizer": optimizer,
+            "pcie": pcie,
         },
     }
+
+
+# AdamW on the host under CPU offload, GB/s of host memory traffic one rank's optimizer step moves: a
+# conservative figure for torch's CPU AdamW on a rank's share of the cores, where a two-socket node's
+# 200-400 GB/s of DRAM bandwidth is shared by its 8 ranks and the kernel stays well below stream rates.
+HOST_ADAM_GBS = 20.0
+
+
+def offload_times(w: Workload, layout: Layout, dev: Device) -> tuple[float, float]:
+    """(PCIe seconds, optimizer seconds) of a step under CPU offload (FSDP2's CPUOffloadPolicy). Each
+    all-gather first copies the rank's fp32 shard to the GPU: ZeRO-3 gathers every group in forward
+    and again in backward, in each micro-batch; the sharded fp32 gradients go back once a step, after
+    the reduce-scatter. The copies are synchronous (the host's shard must be on the GPU before the
+    all-gather's copy-in, and the gradients on the host before the CPU optimizer steps): not
+    overlapped with compute. AdamW then steps on the host: the same 28 bytes per parameter as on the
+    GPU (parameter, gradient and two moments read, three written) at HOST_ADAM_GBS."""
+    states = model_state_bytes(w.shape, layout, 0, w.peft, w.dtype)
+    copied = 2 * layout.micro_batches * states["params"] + states["grads"]
+    moments = states["optimizer"] / STATE_BYTES["optimizer"]
+    return copied / (dev.pcie_gbs * 1e9), moments * 28 / (HOST_ADAM_GBS * 1e9)

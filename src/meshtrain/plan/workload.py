@@ -1,5 +1,5 @@
 """What the planner plans beside a layout (meshtrain.layout, the trainer's own): the workload, the
-model, tokens per sequence, the kernels that run it, and what trains (every weight, or LoRA/QLoRA
+model, tokens per sequence, the kernels that run it (FP8 included), and what trains (every weight, or LoRA/QLoRA
 adapters on a frozen base) on which objective."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ class Workload:
     inductor keeps fewer, fused tensors for backward). `peft`: [peft] resolved
     (`LoraSpec.from_config(cfg.peft)`; None: every weight trains); `objective`: training.objective
     ("dpo": each batch element is a pair of sequences, and a no-grad reference forward runs per
-    micro-batch). The batch and its split are the layout's."""
+    micro-batch). `fp8`: training.fp8, the blocks' linears computed in FP8 (torchao). The batch, its
+    split and CPU offload are the layout's."""
 
     shape: Shape
     seq_len: int
@@ -31,6 +32,7 @@ class Workload:
     fp32_attention: bool = False
     peft: LoraSpec | None = None
     objective: str = "lm"
+    fp8: str = "off"  # "tensorwise" or "rowwise"
 
     @property
     def sequences(self) -> int:
@@ -78,4 +80,5 @@ def workload_of_config(cfg, shape: Shape, device: str = "cuda") -> Workload:
         fp32_attention=fp32_attention,
         peft=LoraSpec.from_config(cfg.peft),
         objective=t.objective,
+        fp8=t.fp8,
     )

@@ -17,11 +17,15 @@ A pipeline rank runs its stages' forward and backward directly, one micro-batch 
 schedules read a value during their warm-up, which fake tensors do not have), then the optimizer
 step; its activations are one micro-batch's, measured, with the blocks' part times the micro-batches
 the schedule keeps in flight. The working set and the peak ("other", "total") are the planner's.
+A CPU-offload job (parallel.cpu_offload) is built without FSDP2's CPUOffloadPolicy, whose pinned
+host memory has no fake tensor: the same shards, measured and planned as if they stayed on the GPU
+(on the job's GPUs they are host memory, which `meshtrain plan` reports per node).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +122,10 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> Rank
     from meshtrain.train.step import step_context
 
     device = torch.device("cpu")
+    notes = []
+    if cfg.parallel.cpu_offload:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cpu_offload=False))
+        notes.append("cpu_offload: built without CPUOffloadPolicy (no fake pinned memory); the states are host memory")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         args, layout = model_args(cfg, vocab), Layout.from_config(cfg, world)  # preflight passed in the parent
@@ -125,7 +133,7 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> Rank
         _, model, optimizer, _, _ = build_model(cfg, args, layout, device, materialize=fake)
         c = layout.coordinates(rank)
         workload = workload_of(cfg, args, device)
-        report = RankReport(rank, c, {}, rank_memory(workload, layout, c["pp"]))
+        report = RankReport(rank, c, {}, rank_memory(workload, layout, c["pp"]), notes)
         context = lambda: step_context(model, cfg.training, device)  # noqa: E731
         with fake, _no_gradient_sync(model):
             if model.schedule is None:
