@@ -7,7 +7,7 @@ from pathlib import Path
 
 from meshtrain.cli.options import add_options, options_of
 from meshtrain.errors import MeshtrainError
-from meshtrain.launch.jobscript import GENERATORS, JobSpec
+from meshtrain.launch.jobscript import KINDS, JobSpec
 
 
 def add_parser(sub) -> None:
@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
         help="write a ready-to-submit job script (slurm, sge, pbs, mpirun, torchrun, pcluster on GPUs or Trainium)",
         epilog="Arguments after -- go to `meshtrain train`, e.g. -- --training.steps 5",
     )
-    j.add_argument("kind", choices=list(GENERATORS), help=", ".join(GENERATORS))
+    j.add_argument("kind", choices=list(KINDS), help=", ".join(KINDS))
     add_options(j, JobSpec, skip=("train_args",))
     j.add_argument(
         "--out",
@@ -28,9 +28,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace, train_args: list[str]) -> int:
     from meshtrain.config import load_config
     from meshtrain.launch.jobscript import render
+    from meshtrain.launch.pcluster import pcluster_files
 
     spec: JobSpec = options_of(args, JobSpec, train_args=train_args)
-    files = render(args.kind, spec)
+    files = pcluster_files(spec) if args.kind == "pcluster" else render(args.kind, spec)
     _check_job(load_config(spec.config, train_args), spec.world)
     for suffix, text in files.items():
         if args.out:
