@@ -182,13 +182,14 @@ def resume(s: TrainState) -> tuple[int, int]:
     s.scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
         group["lr"] = lr
-    if s.scaler is not None:
-        if "loss_scale" not in state:
-            raise MeshtrainError(
-                f"checkpoint {path} was not saved by fp16 training (no loss-scale state): resume it with the "
-                "training.dtype it was saved with, or set checkpoint.resume = none"
-            )
+    if s.scaler is not None and "loss_scale" in state:
         s.scaler.load_state_dict(state["loss_scale"])
+    elif s.scaler is not None or "loss_scale" in state:  # the precision changed between runs: a fresh scale
+        log.info(
+            "the checkpoint was saved without fp16's loss scale: it starts at training.initial_loss_scale"
+            if s.scaler is not None
+            else f"the checkpoint's fp16 loss scale is not used: this run trains in {s.cfg.training.dtype}"
+        )
     log.info(f"resumed from {path} (step {state['step']}, saved with {state['layout']})")
     return state["step"], state.get("skipped_steps", 0)
 
