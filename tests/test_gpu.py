@@ -72,3 +72,22 @@ def test_export_gives_transformers_logits(baseline, cli_env, tmp_path):
         mine = ours.cuda()(tokens.cuda())[..., : args.vocab_size].cpu()
         theirs = hf.cuda()(tokens.cuda()).logits.cpu()
     assert (mine - theirs).abs().max().item() <= 1e-3
+
+
+def test_fp16_with_loss_scaling_follows_bf16(baseline, corpus, cli_env, tmp_path):
+    got = gpu_run(corpus, cli_env, tmp_path, "--training.dtype", "fp16")
+    assert all(m["arithmetic"] == "fp16" and m["loss_scale"] >= 1 for m in got)
+    for ref, m in zip(baseline[1], got, strict=True):
+        if m["skipped_steps"] == 0:  # the first steps may overflow while the scale settles
+            assert m["loss"] == pytest.approx(ref["loss"], rel=3e-2), m["step"]
+
+
+def test_fp8_trains_where_the_gpu_has_fp8_units_and_is_refused_elsewhere(baseline, corpus, cli_env, tmp_path):
+    args = train_args(corpus, tmp_path, *GPU, "--training.fp8", "tensorwise")
+    result = run_cli(args, cli_env)
+    if torch.cuda.get_device_capability() < (8, 9):
+        assert result.returncode == 2 and "needs FP8 units" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    for ref, m in zip(baseline[1], read_metrics(tmp_path), strict=True):
+        assert m["loss"] == pytest.approx(ref["loss"], rel=5e-2), m["step"]
