@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_user_error, read_metrics, run_cli, train_args
+from conftest import SMALL_MODEL, assert_user_error, read_metrics, run_cli, train_args
 from meshtrain.parallel.float8 import apply_fp8
 
 STEPS = ("--training.steps", "30")
 LEARN = ("--training.lr", "1e-2")  # where a run must learn visibly in 30 steps
+DEFAULT_MODEL = ("--model.preset", "tiny", "--training.global_batch_size", "4", "--training.micro_batch_size", "2")
 FP16 = ("--training.dtype", "fp16")
 BF16 = ("--training.dtype", "bf16", "--training.bf16_compute", "bf16")  # bf16 kernels, as FP8 is compared with
 # A scale small enough that no step of these short runs overflows, and a window short enough that it
@@ -26,10 +27,11 @@ def runs(corpus, cli_env, tmp_path_factory):
     """`runs(name, *overrides, nproc=None)`: a 30-step run, trained once per module."""
     done = {}
 
-    def get(name: str, *extra: str, nproc: int | None = None):
+    def get(name: str, *extra: str, nproc: int | None = None, model=SMALL_MODEL):
         if name not in done:
             run_dir = tmp_path_factory.mktemp(name)
-            args = train_args(corpus, run_dir, *STEPS, *extra, *(["--nproc", str(nproc)] if nproc else []))
+            procs = ["--nproc", str(nproc)] if nproc else []
+            args = train_args(corpus, run_dir, *STEPS, *extra, *procs, model=model)
             result = run_cli(args, cli_env)
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
             done[name] = run_dir
@@ -59,7 +61,10 @@ def assert_close_runs(run_dir, reference, rtol: float, grad_rtol: float, weight_
 
 
 def test_fp16_trains_like_fp32(runs):
-    fp32, fp16 = losses(runs("fp32", *LEARN)), losses(runs("fp16", *LEARN, *FP16))
+    """The default model (the tiny preset), on short sequences."""
+    fp32, fp16 = (
+        losses(runs(name, *LEARN, *dtype, model=DEFAULT_MODEL)) for name, dtype in (("fp32", ()), ("fp16", FP16))
+    )
     assert fp32[-1] < fp32[0] - 0.5  # it learned something
     for a, b in zip(fp16, fp32, strict=True):
         assert abs(a - b) <= 0.03 * b
@@ -175,4 +180,3 @@ def test_cpu_offload_is_refused_where_it_cannot_run(corpus, cli_env, tmp_path, e
     result = run_cli(train_args(corpus, tmp_path / "run", *extra, "--nproc", "2"), cli_env)
     assert_user_error(result, message)
     assert "rank 1" not in result.stderr  # refused before the workers started
-
