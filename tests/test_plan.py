@@ -16,6 +16,7 @@ from meshtrain.layout import Layout
 from meshtrain.model import Llama
 from meshtrain.model.shapes import Shape
 from meshtrain.parallel import apply_ac, apply_fp32_compute
+from meshtrain.parallel.activation_checkpoint import observing_op_saves
 from meshtrain.plan import Workload, activation_bytes, estimate_memory
 from meshtrain.train import build as build_state
 from meshtrain.train.measure import PeakLiveBytes, SavedActivations
@@ -53,6 +54,10 @@ SAVED_CASES = [
     ("l", 1, 64, "full", "autocast"),
     ("m", 2, 64, "none", "fsdp-bf16"),
     ("s", 1, 128, "none", "fp32-arithmetic"),
+    ("m", 2, 64, "op", "fp32"),
+    ("l", 1, 64, "op", "autocast"),
+    ("m", 1, 64, "op", "fsdp-bf16"),
+    ("s", 1, 128, "op", "fp32-arithmetic"),
 ]
 
 
@@ -90,7 +95,7 @@ def test_saved_activations_match_the_tensors_autograd_keeps(size, micro, seq, ac
     apply_ac(model, ac, cfg.training.ac_every)
     tokens = torch.randint(0, 2048, (micro, seq + 1))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=path in ("autocast", "fp32-arithmetic"))
-    with SavedActivations(model) as saved, autocast:
+    with SavedActivations(model) as saved, observing_op_saves(saved._count), autocast:
         cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     layout = Layout(
         global_batch_size=micro,
@@ -116,6 +121,8 @@ TP_CASES = [
     ("m", 1, 128, "none", False),
     ("l", 1, 64, "full", True),
     ("s", 2, 128, "selective", True),
+    ("m", 1, 64, "op", True),
+    ("s", 1, 64, "op", False),
 ]
 
 
@@ -140,7 +147,7 @@ def _tp_worker(rank: int, store: str, out: str) -> None:
         model.to_empty(device="cpu")
         model.init_weights(0)
         tokens = torch.randint(0, 2048, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
-        with SavedActivations(model) as saved, loss_parallel():
+        with SavedActivations(model) as saved, observing_op_saves(saved._count), loss_parallel():
             cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         results.append(saved.bytes)
     if rank == 0:

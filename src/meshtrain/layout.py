@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from meshtrain.config import SINGLE_STAGE_SCHEDULES, Config, section_of
 from meshtrain.errors import ConfigError
 
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "op", "full")
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:

@@ -144,8 +144,10 @@ class TrainingConfig:
     or "rowwise" (a scale per row: more accurate, slower). On a GPU it needs FP8 units (compute
     capability 8.9: Ada, Hopper and later); on a CPU it runs emulated (same numbers, no speed-up),
     for tests."""
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: "full" every block, "selective" every ac_every-th block."""
+    activation_checkpointing: Literal["none", "full", "selective", "op"] = "none"
+    """Recompute activations in backward: "full" every block, "selective" every ac_every-th block, "op"
+    (torchtitan's op-level selective checkpointing) every block but keeping the matmul, attention and
+    collective outputs, so only the cheap memory-bound ops (norms, rotary, SwiGLU, casts) rerun."""
     ac_every: int = option(2, gt=0)
     """With selective checkpointing: checkpoint every this many blocks."""
     compile: bool = False

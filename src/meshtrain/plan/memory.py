@@ -7,7 +7,15 @@ communication buffers (FSDP's gathered blocks, fp8 under FP8 tensorwise) and the
 from __future__ import annotations
 
 from meshtrain.layout import Layout
-from meshtrain.plan.saved import Precision, adapter_saved, compiled_llama_block, gpt_block, llama_block, per_token_bytes
+from meshtrain.plan.saved import (
+    Precision,
+    adapter_saved,
+    compiled_llama_block,
+    gpt_block,
+    llama_block,
+    op_block,
+    per_token_bytes,
+)
 from meshtrain.plan.states import (
     STATE_BYTES,
     largest_target,
@@ -39,8 +47,11 @@ def block_bytes_per_token(w: Workload, layout: Layout) -> float:
 
 
 def checkpointed_block_bytes_per_token(w: Workload, layout: Layout) -> float:
-    """A checkpointed block keeps only its input."""
-    stream = Precision.of(w, layout.fsdp).stream if w.shape.arch == "llama" else (4 if w.dtype == "fp32" else 2)
+    """A checkpointed block keeps only its input; under "op" also what op_block lists."""
+    prec = Precision.of(w, layout.fsdp) if w.shape.arch == "llama" else None
+    if layout.activation_checkpointing == "op":
+        return per_token_bytes(op_block(w.shape, w, layout, prec), layout)
+    stream = prec.stream if prec else (4 if w.dtype == "fp32" else 2)
     return w.shape.dim * stream / (layout.tp if layout.sequence_parallel else 1)
 
 
@@ -96,7 +107,7 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str,
     tokens = layout.micro_batch_size * w.seq_len * w.sequences
     layers = [n for stage in layout.stage_layers(w.shape.n_layers, pp_rank) for n in stage]
     full, ckpt = block_bytes_per_token(w, layout), checkpointed_block_bytes_per_token(w, layout)
-    if layout.activation_checkpointing == "full":
+    if layout.activation_checkpointing in ("full", "op"):
         checkpointed = len(layers)
     elif layout.activation_checkpointing == "selective":
         checkpointed = len(layers[:: layout.ac_every])
@@ -107,7 +118,10 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str,
     saved = per_micro_batch * in_flight(layout, layout.micro_batches) + tokens * ends_bytes_per_token(
         w, layout, first, last
     )
-    recompute = tokens * full if checkpointed else 0.0
+    # a recomputed block remakes its saved tensors, but for those "op" kept (handed over, not copied)
+    recompute = (
+        tokens * (max(0.0, full - ckpt) if layout.activation_checkpointing == "op" else full) if checkpointed else 0.0
+    )
     logits = tokens * logits_working_bytes_per_token(w, layout) if last else 0.0
     return {
         "saved": saved,

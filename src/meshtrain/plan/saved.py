@@ -163,3 +163,37 @@ def per_token_bytes(saved, layout: Layout) -> float:
         return t if split == "tp" or (split == "sp" and sp) else 1
 
     return sum(n * b / divisor(split) for _, n, b, split in saved)
+
+
+def op_block(shape: Shape, w: Workload, layout: Layout, prec: Precision | None) -> list[tuple[str, float, int, str]]:
+    """A block under op-level checkpointing ("op", parallel/activation_checkpoint.py): its input (what
+    the checkpoint holds) and the outputs of its matmuls, attention kernel and tensor-parallel
+    collectives, whatever they feed; norms, rotary, SwiGLU's pointwise ops and casts are recomputed.
+    A row-parallel matmul's output (wo, w2) is a partial sum of whole rows until its collective, whose
+    output is kept too: reduce-scattered under sequence parallelism, which all-gathers each norm's
+    output (the stream's dtype) for the column-parallel matmuls; all-reduced without it. LoRA adds
+    its adapters' A and B outputs. With fp32 arithmetic the matmuls' outputs are fp32 (cast to bf16
+    after, parallel/precision.py). `prec`: None for GPT (16-bit or fp32 throughout)."""
+    h, q, kv, f, heads = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn_dim, shape.n_heads
+    half = 4 if w.dtype == "fp32" else 2
+    stream, out, attention = (prec.stream, prec.linear_input, prec.attention) if prec else (half, half, half)
+    out = 4 if w.fp32_arithmetic else out
+    mlp_in = 2 * f if shape.arch == "llama" else f
+    saved = [
+        ("block input", h, stream, "sp"),
+        ("q, k, v projections", q + 2 * kv, out, "tp"),
+        ("attention output", q, attention, "tp"),
+        ("attention log-sum-exp", heads, 4, "tp"),
+        ("wo, w2 outputs (partial sums under TP)", 2 * h, out, "full"),
+        ("MLP up projections", mlp_in, out, "tp"),
+    ]
+    if layout.tp > 1 and layout.sequence_parallel:
+        saved += [("all-gathered norm outputs", 2 * h, stream, "full"), ("reduce-scattered outputs", 2 * h, out, "sp")]
+    elif layout.tp > 1:
+        saved.append(("all-reduced outputs", 2 * h, out, "full"))
+    if w.peft is not None:
+        outs = {"wq": q, "wk": kv, "wv": kv, "wo": h, "w1": f, "w2": h, "w3": f}
+        for name in w.peft.targets:
+            split = "full" if name in ("wo", "w2") else "tp"
+            saved += [(f"{name} A output", w.peft.rank, out, "full"), (f"{name} B output", outs[name], out, split)]
+    return saved

@@ -83,6 +83,8 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     attention = 12 * shape.q_dim * s  # scores and weighted sum, forward + backward
     recomputed = {"full": len(layers), "selective": len(layers[:: layout.ac_every])}
     recomputed = recomputed.get(layout.activation_checkpointing, 0)
+    # "op" keeps the matmul, attention and collective outputs: its blocks rerun only the memory-bound ops
+    memory_recomputed = len(layers) if layout.activation_checkpointing == "op" else recomputed
     # A frozen base (LoRA) computes no weight gradients: forward and input gradient, 4 of the 6; its
     # adapters train whole. DPO's reference forward adds one more forward (2 and a third of attention).
     frozen = w.peft is not None
@@ -102,10 +104,10 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
         + (fp8 / (gemm_efficiency(dev, h // t) * FP8_GEMM_SHARE[w.fp8]) / dev.peak("fp8") if fp8 else 0.0)
         + attend / attention_efficiency(dev, shape.head_dim) / dev.peak(attention_dtype)
     ) / (t * 1e12)
-    traffic = tokens * memory_traffic_per_token(w, layout, pp_rank, len(layers), recomputed)
+    traffic = tokens * memory_traffic_per_token(w, layout, pp_rank, len(layers), memory_recomputed)
     if w.quantized:  # QLoRA dequantizes each target weight in every pass over it: NF4 read, bf16 written and read
         targets = target_elements(w, layout, pp_rank)
-        traffic += (2 + recomputed / max(1, len(layers)) + reference) * targets * (0.52 + 4)
+        traffic += (2 + memory_recomputed / max(1, len(layers)) + reference) * targets * (0.52 + 4)
     memory_bound = traffic / (dev.memory_gbs * 1e9)
     tp_comm = 0.0
     if t > 1:  # 4 all-reduces (or reduce-scatter + all-gather pairs) per block and pass: 8 b s h (t-1)/t
