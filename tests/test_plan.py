@@ -16,7 +16,6 @@ from meshtrain.layout import Layout
 from meshtrain.model import Llama
 from meshtrain.model.shapes import Shape
 from meshtrain.parallel import apply_ac, apply_fp32_compute
-from meshtrain.parallel.activation_checkpoint import observing_op_saves
 from meshtrain.plan import Workload, activation_bytes, estimate_memory
 from meshtrain.train import build as build_state
 from meshtrain.train.measure import PeakLiveBytes, SavedActivations
@@ -95,7 +94,7 @@ def test_saved_activations_match_the_tensors_autograd_keeps(size, micro, seq, ac
     apply_ac(model, ac, cfg.training.ac_every)
     tokens = torch.randint(0, 2048, (micro, seq + 1))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=path in ("autocast", "fp32-arithmetic"))
-    with SavedActivations(model) as saved, observing_op_saves(saved._count), autocast:
+    with SavedActivations(model) as saved, autocast:
         cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     layout = Layout(
         global_batch_size=micro,
@@ -147,7 +146,7 @@ def _tp_worker(rank: int, store: str, out: str) -> None:
         model.to_empty(device="cpu")
         model.init_weights(0)
         tokens = torch.randint(0, 2048, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
-        with SavedActivations(model) as saved, observing_op_saves(saved._count), loss_parallel():
+        with SavedActivations(model) as saved, loss_parallel():
             cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         results.append(saved.bytes)
     if rank == 0:

@@ -122,7 +122,7 @@ def parallelize(
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
             if lora is not None or frozen:
                 freeze_base(part)
-        apply_ac(part, layout.activation_checkpointing, layout.ac_every)
+        apply_ac(part, layout.activation_checkpointing, layout.ac_every, random=bool(lora and lora.dropout))
         if training.compile:
             whole_model = layout.tp > 1 or (layout.dp == 1 and layout.pp == 1)
             apply_compile(part, whole_model, exact_casts=fp32_gemm)

@@ -48,8 +48,7 @@ _observers: list[Callable[[torch.Tensor], None]] = []
 @contextlib.contextmanager
 def observing_op_saves(observe: Callable[[torch.Tensor], None]):
     """Calls `observe` on each tensor mode "op" keeps while inside: they live in the checkpoint's
-    own cache, which saved-tensor hooks never see (what train/measure.py's SavedActivations
-    counts, e.g. with its `_count`)."""
+    own cache, which saved-tensor hooks never see (train/measure.py's SavedActivations counts them)."""
     _observers.append(observe)
     try:
         yield
@@ -73,14 +72,15 @@ def _op_contexts():
     return create_selective_checkpoint_contexts(op_policy)
 
 
-def apply_ac(model: nn.Module, mode: str, every: int = 1) -> None:
+def apply_ac(model: nn.Module, mode: str, every: int = 1, random: bool = False) -> None:
     """mode "full": every block; "selective": every `every`-th block (memory for compute, in steps);
-    "op": every block, saving what op_policy keeps."""
+    "op": every block, saving what op_policy keeps. `random`: the blocks draw random numbers (LoRA's
+    dropout), so the recomputation restores the RNG state to draw the same masks."""
     if mode == "none":
         return
     extra = {"context_fn": _op_contexts} if mode == "op" else {}
     for i, (name, block) in enumerate(list(model.layers.items())):
         if mode in ("full", "op") or i % every == 0:
             model.layers[name] = checkpoint_wrapper(
-                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **extra
+                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=random, **extra
             )

@@ -181,13 +181,12 @@ def _measure_step(model, optimizer, layout: Layout, t, context, report: RankRepo
     """One micro-batch's saved activations; then two training steps: the first makes the gradients
     and AdamW's moments, the second, which starts with them as every later step does, is the one
     whose peak of live bytes is measured."""
-    from meshtrain.parallel.activation_checkpoint import observing_op_saves
     from meshtrain.train.measure import PeakLiveBytes, SavedActivations
     from meshtrain.train.step import train_step
 
     (part,) = model.parts
     x, y = _tokens(t.micro_batch_size, t.seq_len, vocab)
-    with SavedActivations(part, fake=True) as saved, observing_op_saves(saved._count), context():
+    with SavedActivations(part, fake=True) as saved, context():
         model.loss_fn(part(x), y)
     report.built["activations"] = saved.bytes
     inputs, targets = _tokens(t.global_batch_size // layout.dp, t.seq_len, vocab)
@@ -227,7 +226,6 @@ def _measure_stages(model, optimizer, layout: Layout, t, context, report: RankRe
 def _stages_step(model, optimizer, layout: Layout, t, context, args) -> tuple[int, int]:
     """One micro-batch through this rank's stages, forward and backward, and the optimizer step: the
     bytes the stages saved, and the part of them the transformer blocks saved."""
-    from meshtrain.parallel.activation_checkpoint import observing_op_saves
     from meshtrain.train.measure import SavedActivations
 
     mb = layout.micro_batch_size
@@ -241,7 +239,6 @@ def _stages_step(model, optimizer, layout: Layout, t, context, args) -> tuple[in
         x.requires_grad_(not first)
         with (
             SavedActivations(part, fake=True) as saved,
-            observing_op_saves(saved._count),  # what "op" checkpointing keeps, out of the hooks' sight
             _marking_blocks(part, saved) as marks,
             context(),
         ):

@@ -12,6 +12,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from meshtrain.parallel.activation_checkpoint import observing_op_saves
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns the memory: a DTensor's local shard, an async collective's result."""
@@ -43,7 +45,8 @@ def _fsdp_unsharded_storages(model: nn.Module) -> set[int]:
 class SavedActivations:
     """Bytes of the distinct storages autograd saves for backward inside this context, without the
     model's parameters and buffers, plus the inputs that activation checkpointing holds for its
-    recomputation (non-reentrant checkpointing hides what it saves from outer hooks). DTensors count
+    recomputation (non-reentrant checkpointing hides what it saves from outer hooks) and what
+    op-level checkpointing keeps in its own cache. DTensors count
     their local shard. `fake`: the step runs on FakeTensors (a dry run), which then count; otherwise
     fakes are DTensor's sharding propagation and do not."""
 
@@ -77,6 +80,7 @@ class SavedActivations:
 
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        self._stack.enter_context(observing_op_saves(self._count))  # what "op" checkpointing keeps
         for name, module in self._model.named_modules():
             if name.endswith("_checkpoint_wrapped_module"):
                 handle = module.register_forward_pre_hook(checkpoint_inputs)
