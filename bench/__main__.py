@@ -1,10 +1,10 @@
-"""python -m bench [throughput|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|plots|all] [options]:
-see bench/README.md."""
+"""python -m bench [throughput|precision|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|plots|all]
+[options]: see bench/README.md."""
 
 import argparse
 import os
 
-from bench import arithmetic, data, memory, planner, plots, profile, scaling, serve, throughput, watchdog
+from bench import arithmetic, data, memory, planner, plots, precision, profile, scaling, serve, throughput, watchdog
 
 p = argparse.ArgumentParser(prog="python -m bench")
 p.add_argument(
@@ -13,6 +13,7 @@ p.add_argument(
     default="all",
     choices=(
         "throughput",
+        "precision",
         "arithmetic",
         "profile",
         "scaling",
@@ -26,11 +27,13 @@ p.add_argument(
     ),
 )
 p.add_argument("--presets", default="tiny,small", help="throughput, arithmetic: model presets")
-p.add_argument("--dtypes", default="fp32,bf16", help="throughput: fp32 and/or bf16")
+p.add_argument("--dtypes", default="fp32,bf16", help="throughput: any of fp32,bf16,fp16,fp8-tensorwise,fp8-rowwise")
+p.add_argument("--precision-presets", default="tiny", help="precision: model presets (tiny: ~15 minutes on 2 cores)")
+p.add_argument("--precision-dtypes", default="fp32,bf16,fp16,fp8-tensorwise", help="precision: the rows, one per dtype")
 p.add_argument("--batch", type=int, default=8, help="throughput: sequences per step")
 p.add_argument("--seq-len", type=int, default=256)
-p.add_argument("--steps", type=int, default=2, help="throughput: steps per timed round")
-p.add_argument("--rounds", type=int, default=6, help="throughput: interleaved timing rounds")
+p.add_argument("--steps", type=int, default=2, help="throughput, precision: steps per timed round")
+p.add_argument("--rounds", type=int, default=6, help="throughput, precision: interleaved timing rounds")
 p.add_argument("--arithmetic-rounds", type=int, default=2, help="arithmetic: rounds of 2-process runs")
 p.add_argument("--profile-steps", type=int, default=3, help="profile: steps profiled per variant")
 p.add_argument("--scaling-preset", default="tiny")
@@ -53,6 +56,7 @@ p.add_argument("--data-tmp", default="", help="data: where the inputs are writte
 a = p.parse_args()
 for name, suite in (
     ("throughput", throughput),
+    ("precision", precision),
     ("arithmetic", arithmetic),
     ("profile", profile),
     ("scaling", scaling),

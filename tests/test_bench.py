@@ -58,3 +58,38 @@ def test_profile_splits_a_step_into_kernels_and_host_time():
     assert ms["matmul"] > 0.8 * ms["wall"] and ms["outside kernels"] < 0.2 * ms["wall"], ms
     ms = breakdown(lambda: time.sleep(0.02), 3, torch.device("cpu"))
     assert ms["outside kernels"] >= 19 and ms["matmul"] == 0, ms
+
+
+def test_precision_rows_time_steps_that_train_in_their_precision():
+    """The fp16 variants time a step that scales its loss (meshtrain's trainer LossScaler, the HF
+    loop's GradScaler) and updates the weights: the loss is finite and falls, and the scale is still
+    its start (no step was skipped for an overflow). The fp8 variant runs FP8 GEMMs: from the same
+    weights its loss differs from bf16's by FP8's rounding."""
+    import math
+
+    import torch
+
+    from bench.throughput import HFStep, MeshtrainStep, meshtrain_config
+    from meshtrain.config import load_config
+
+    args = load_config(overrides={"model.preset": "tiny"}).model_args()
+    tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    fp16 = {
+        "meshtrain": MeshtrainStep(meshtrain_config("tiny", "fp16", False, "auto", batch), batch),
+        "hf": HFStep(args, "fp16", True, batch, torch.device("cpu")),
+    }
+    for name, step in fp16.items():
+        losses = []
+        for _ in range(3):
+            step()
+            losses.append(float(step.loss))
+        assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], (name, losses)
+        assert step.loss_scale() == 2.0**16, name
+    first = {}
+    for dtype in ("bf16", "fp8-tensorwise"):
+        step = MeshtrainStep(meshtrain_config("tiny", dtype, False, "bf16", batch), batch)
+        assert step.loss_scale() is None
+        step()
+        first[dtype] = float(step.loss)
+    assert 0 < abs(first["fp8-tensorwise"] - first["bf16"]) < 0.01 * first["bf16"], first
