@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.common import data_overrides, device, markdown, run_train, steady_tokens_per_s, timed, write_results
-from bench.throughput import hf_step
+from bench.throughput import HFStep
 from meshtrain.config import load_config
 from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.model.shapes import Shape
@@ -47,7 +47,7 @@ def hf_tokens_per_s(preset: str, batch: int, seq_len: int, steps: int, rounds: i
     args = load_config(overrides={"model.preset": preset}).model_args()
     tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     data = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
-    fns = {name: hf_step(args, dtype, True, data, dev, compiled) for name, (dtype, compiled) in HF.items()}
+    fns = {name: HFStep(args, dtype, True, data, dev, compiled) for name, (dtype, compiled) in HF.items()}
     for fn in fns.values():  # compilation, allocator, oneDNN's kernel caches
         timed(fn, 2, dev)
     times = {name: [] for name in fns}

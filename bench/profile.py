@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import device, markdown, write_results
-from bench.throughput import EMULATED_BF16, bf16_kernel_slowdown, hf_step, meshtrain_config, meshtrain_step
+from bench.throughput import EMULATED_BF16, HFStep, MeshtrainStep, bf16_kernel_slowdown, meshtrain_config
 from meshtrain.config import load_config
 from meshtrain.model.shapes import Shape
 
@@ -107,12 +107,10 @@ def main(a) -> list[dict]:
             matmul_flops = (
                 (shape.flops_per_token(a.seq_len) - 12.0 * shape.n_layers * shape.dim * a.seq_len) * a.batch * a.seq_len
             )
-            variants = {
-                "meshtrain+compile": meshtrain_step(meshtrain_config(preset, dtype, True, "auto", batch), batch)
-            }
+            variants = {"meshtrain+compile": MeshtrainStep(meshtrain_config(preset, dtype, True, "auto", batch), batch)}
             if bf16_kernel_slowdown(dtype, dev, preset) < EMULATED_BF16:  # else an HF step under autocast takes minutes
-                variants["hf"] = hf_step(args, dtype, False, batch, dev)
-                variants["hf+compile"] = hf_step(args, dtype, True, batch, dev, compiled=True)
+                variants["hf"] = HFStep(args, dtype, False, batch, dev)
+                variants["hf+compile"] = HFStep(args, dtype, True, batch, dev, compiled=True)
             for name, step in variants.items():
                 ms = breakdown(step, a.profile_steps, dev)
                 rows.append(

@@ -72,6 +72,11 @@ def training_dtype(dtype: str) -> str:
     return "bf16" if dtype in FP8 else dtype
 
 
+def fp8_recipe(dtype: str) -> str:
+    """A row's training.fp8."""
+    return dtype.removeprefix("fp8-") if dtype in FP8 else "off"
+
+
 def hf_loop(dtype: str) -> str:
     return HF_LOOP[training_dtype(dtype)] + (" (no torchao)" if dtype in FP8 else "")
 
@@ -94,21 +99,13 @@ def kernel_slowdown(dtype: str, dev: torch.device, preset: str) -> float:
     return bf16_kernel_slowdown(training_dtype(dtype), dev, preset)
 
 
-def mfu_peak(dev: torch.device, dtype: str) -> float:
-    """The best dense peak for the row's dtype: fp16 on a CPU the larger of its fp16 and fp32 matmul
-    peaks (as bf16 does), on a GPU its tensor cores' (bf16's); fp8 rows bf16's, whatever FP8 adds."""
-    if dtype == "fp16" and dev.type == "cpu":
-        return max(cpu_peak_tflops(torch.float16), cpu_peak_tflops(torch.float32))
-    return mfu_peak_tflops(dev, "fp32" if dtype == "fp32" else "bf16")
-
-
 def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
     inputs, _ = batch
     return load_config(
         overrides={
             "model.preset": preset,
             "training.dtype": training_dtype(dtype),
-            "training.fp8": dtype.removeprefix("fp8-") if dtype in FP8 else "off",
+            "training.fp8": fp8_recipe(dtype),
             "training.compile": compile,
             "training.bf16_compute": bf16_compute,
             "training.seq_len": inputs.shape[1],
@@ -174,9 +171,6 @@ class HFStep:
         return self.scaler.get_scale() if self.scaler.is_enabled() else None
 
 
-meshtrain_step, hf_step = MeshtrainStep, HFStep  # the names bench.profile and bench.arithmetic build them by
-
-
 def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, rounds: int) -> dict:
     dev = device()
     args = load_config(overrides={"model.preset": preset}).model_args()
@@ -200,11 +194,11 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
         configs[NATIVE] = meshtrain_config(preset, dtype, True, "bf16", batch)
     # a skipped bf16 row still runs meshtrain's "auto" variants (they pick fp32 arithmetic); a skipped
     # fp16 or fp8 row has no variant without the skipped kernels
-    fns = {name: meshtrain_step(cfg, batch) for name, cfg in configs.items() if dtype == "bf16" or not skipped}
+    fns = {name: MeshtrainStep(cfg, batch) for name, cfg in configs.items() if dtype == "bf16" or not skipped}
     if not skipped:
-        fns["hf"] = hf_step(args, training_dtype(dtype), False, batch, dev)
-        fns["hf+fused"] = hf_step(args, training_dtype(dtype), True, batch, dev)
-        fns["hf+compile"] = hf_step(args, training_dtype(dtype), True, batch, dev, compiled=True)
+        fns["hf"] = HFStep(args, training_dtype(dtype), False, batch, dev)
+        fns["hf+fused"] = HFStep(args, training_dtype(dtype), True, batch, dev)
+        fns["hf+compile"] = HFStep(args, training_dtype(dtype), True, batch, dev, compiled=True)
     for fn in fns.values():  # warm-up: compilation, allocator, oneDNN primitive caches
         timed(fn, 2, dev)
     times = {name: [] for name in fns}
@@ -213,7 +207,7 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
     for i in range(rounds if names else 0):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             times[name].append(timed(fns[name], steps, dev))
-    peak = mfu_peak(dev, dtype)
+    peak = mfu_peak_tflops(dev, training_dtype(dtype), fp8=fp8_recipe(dtype))
     flops = Shape.from_args(args).flops_per_token(seq_len)
     row = {
         "preset": preset,

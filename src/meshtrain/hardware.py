@@ -131,13 +131,18 @@ def cpu_peak_tflops(dtype: torch.dtype) -> float:
     return cached_measurement(cpu_peak_key(dtype), lambda: measure_cpu_peak_tflops(dtype), keep_max=True)
 
 
-def mfu_peak_tflops(device: torch.device, training_dtype: str, override: float = 0.0) -> float:
-    """What MFU divides by: the best dense peak the device has for the training's dtype, whatever
-    arithmetic the step picked (bf16 training on a CPU: the larger of its bf16 and fp32 matmul
-    peaks; on a GPU the data sheet's bf16 peak). A slow choice then shows as a low MFU."""
-    if training_dtype == "bf16" and device.type == "cpu" and override <= 0:
-        return max(cpu_peak_tflops(torch.bfloat16), cpu_peak_tflops(torch.float32))
-    return device_peak_tflops(device, torch.bfloat16 if training_dtype == "bf16" else torch.float32, override)
+def mfu_peak_tflops(device: torch.device, training_dtype: str, override: float = 0.0, fp8: str = "off") -> float:
+    """What MFU divides by: the best dense peak the device has for the training's arithmetic, whatever
+    the step picked (bf16/fp16 training on a CPU: the larger of its half-precision and fp32 matmul
+    peaks, measured; on a GPU the data sheet's tensor-core peak, and with training.fp8 its FP8 peak).
+    A slow choice then shows as a low MFU, never a high one."""
+    if override > 0:
+        return override
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training_dtype, torch.float32)
+    if device.type == "cpu":
+        return max(cpu_peak_tflops(dtype), cpu_peak_tflops(torch.float32))
+    peak = device_peak_tflops(device, dtype)
+    return max(peak, device_peak_tflops(device, torch.float8_e4m3fn)) if fp8 != "off" else peak
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float:
@@ -145,8 +150,8 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float
         return override
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for pattern, bf16, fp32, _ in GPU_PEAK_TFLOPS:
+        for pattern, half, fp32, fp8 in GPU_PEAK_TFLOPS:
             if pattern in name:
-                return bf16 if dtype == torch.bfloat16 else fp32
+                return {torch.bfloat16: half, torch.float16: half, torch.float8_e4m3fn: fp8}.get(dtype, fp32)
         return 0.0  # unknown GPU: MFU is reported as 0 unless training.peak_tflops is set
     return cpu_peak_tflops(dtype)

@@ -401,7 +401,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
     )
     meter = Throughput(
         Shape.from_args(s.args).flops_per_token(t.seq_len, s.lora, t.objective == "dpo"),
-        mfu_peak_tflops(s.device, t.dtype, t.peak_tflops),
+        mfu_peak_tflops(s.device, t.dtype, t.peak_tflops, t.fp8),
         env.world_size,
     )
     timer = ComputeTimer(timed_modules(s.model.parts, t.compile, s.layout.tp, env.world_size), s.device)
