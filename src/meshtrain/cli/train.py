@@ -104,7 +104,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
     nodes = o.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))
     preflight(cfg, o.nproc * nodes, dataset)
-    check_device(cfg, workers_device(cfg))
+    check_device(cfg, workers_device(cfg), launcher=True)
     lock = RunLock(cfg.run.dir)
     if not o.node_rank:
         lock.acquire()

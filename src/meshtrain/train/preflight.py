@@ -67,14 +67,15 @@ def workers_device(cfg: Config) -> torch.device:
     return torch.device(cfg.launch.device if cfg.launch.device == "neuron" else "cpu")
 
 
-def check_device(cfg: Config, device: torch.device) -> None:
+def check_device(cfg: Config, device: torch.device, launcher: bool = False) -> None:
     """What the device the job trains on must offer (run where it trains: the launcher on the training
     host, and each worker; not jobscript, whose login node may lack the cluster's GPUs): FP8 units
-    for training.fp8, a GPU to offload from for parallel.cpu_offload."""
+    for training.fp8, a GPU to offload from for parallel.cpu_offload. The `launcher` leaves the FP8
+    units to its workers: asking CUDA for them would hold a context on GPU 0 for the whole job."""
     from meshtrain.errors import ConfigError
     from meshtrain.parallel.float8 import fp8_refusal
 
-    if problem := fp8_refusal(cfg.training.fp8, device):
+    if not launcher and (problem := fp8_refusal(cfg.training.fp8, device)):
         raise ConfigError(problem)
     if cfg.parallel.cpu_offload and device.type == "cpu":
         raise ConfigError(
