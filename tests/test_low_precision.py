@@ -173,10 +173,11 @@ def test_a_converted_linear_equals_torchaos_fp8_gemm():
     [
         (("--parallel.zero", "3", "--parallel.cpu_offload", "true"), "this job trains on the CPU"),
         (("--parallel.zero", "2", "--parallel.cpu_offload", "true"), "needs parallel.zero = 3"),
+        (("--training.fp8", "rowwise", "--parallel.tp", "2", "--model.dim", "96"), "wk.weight is (24, 96) on each"),
     ],
-    ids=["offload on a CPU", "offload without zero 3"],
+    ids=["offload on a CPU", "offload without zero 3", "fp8 on a TP shard that is not 16s"],
 )
-def test_cpu_offload_is_refused_where_it_cannot_run(corpus, cli_env, tmp_path, extra, message):
+def test_what_cannot_run_is_refused_before_the_workers_start(corpus, cli_env, tmp_path, extra, message):
     result = run_cli(train_args(corpus, tmp_path / "run", *extra, "--nproc", "2"), cli_env)
     assert_user_error(result, message)
     assert "rank 1" not in result.stderr  # refused before the workers started

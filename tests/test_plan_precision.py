@@ -48,6 +48,8 @@ def test_fp8_speeds_up_as_torchtitan_measured_and_needs_fp8_units(cli_env, tmp_p
 
     with pytest.raises(MeshtrainError, match="v100-16gb has no FP8 units"):
         check_precision(device("v100-16gb")[0], "rowwise", False)
+    with pytest.raises(MeshtrainError, match="add --cpu-offload, or drop it"):  # nothing would fill it
+        check_precision(device("h100-80gb")[0], "off", False, host_memory_gib=512)
 
 
 def test_fp8_all_gather_halves_the_gathered_block_weights():

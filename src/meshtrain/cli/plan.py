@@ -164,7 +164,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
     dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
     dev.peak(dtype)  # a clear error for bf16 on a V100
-    check_precision(dev, t.fp8, cfg.parallel.cpu_offload)
+    check_precision(dev, t.fp8, cfg.parallel.cpu_offload, o.host_memory_gib)
     compiled = t.compile if explain or "training.compile" in given else False
     if compiled and not llama:
         raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
@@ -239,8 +239,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def check_precision(dev, fp8: str, cpu_offload: bool) -> None:
-    """FP8 on a device without FP8 units, or CPU offload without a GPU, refused in one line."""
+def check_precision(dev, fp8: str, cpu_offload: bool, host_memory_gib: float | None = None) -> None:
+    """FP8 on a device without FP8 units, CPU offload without a GPU, and a host memory that nothing
+    would fill (no offload), refused in one line."""
+    if host_memory_gib and not cpu_offload:
+        raise MeshtrainError(
+            f"--host-memory-gib {host_memory_gib:g} sizes the host memory that CPU offload fills: add --cpu-offload, "
+            "or drop it"
+        )
     if fp8 != "off" and dev.peak_tflops["fp8"] <= 0:
         raise MeshtrainError(
             f"--fp8 {fp8}: {dev.name} has no FP8 units (FP8 GEMMs need compute capability 8.9: Ada, Hopper, "

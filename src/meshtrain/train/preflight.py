@@ -53,6 +53,7 @@ def preflight(cfg: Config, world: int, dataset: Blend | None = None) -> tuple[Mo
     layout = Layout.from_config(cfg, world)
     layout.validate(args, cfg)
     check_peft_layout(cfg, layout, args)
+    check_fp8_shapes(cfg, layout, args)
     if dataset is not None:
         check_init_tokenizer(cfg, dataset)
         check_objective_data(cfg, dataset)
@@ -82,6 +83,27 @@ def check_device(cfg: Config, device: torch.device, launcher: bool = False) -> N
             "parallel.cpu_offload moves ZeRO-3's shards from GPU memory to host memory, but this job trains on the "
             "CPU, where they already are: drop parallel.cpu_offload (or train on GPUs)"
         )
+
+
+def check_fp8_shapes(cfg: Config, layout: Layout, args: ModelArgs) -> None:
+    """training.fp8 runs every linear of the blocks in FP8: each one's shard on a rank (split by TP)
+    must divide into the 16s torch._scaled_mm multiplies, or it would silently stay in bf16."""
+    from meshtrain.errors import ConfigError
+    from meshtrain.model.shapes import BLOCK_SHARDED_DIM
+    from meshtrain.parallel.float8 import GEMM_MULTIPLE
+
+    if cfg.training.fp8 == "off":
+        return
+    linears = tuple(f".{name}.weight" for name in BLOCK_SHARDED_DIM)
+    for p in Shape.from_args(args).parameters():
+        if isinstance(p.owner, int) and p.name.endswith(linears):
+            local = [d // layout.tp if i == p.tp_dim else d for i, d in enumerate(p.shape)]
+            if any(d % GEMM_MULTIPLE for d in local):
+                raise ConfigError(
+                    f"training.fp8 runs the blocks' linears in FP8, whose GEMMs need dimensions divisible by "
+                    f"{GEMM_MULTIPLE}, but {p.name} is {tuple(local)} on each rank: resize the model or set "
+                    "training.fp8 = off"
+                )
 
 
 def check_peft_layout(cfg: Config, layout: Layout, args: ModelArgs) -> None:
