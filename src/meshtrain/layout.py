@@ -6,9 +6,12 @@ enumerates): data-parallel degree and shard degree, stages per rank and the laye
 which rank holds the embedding and the output, a rank's mesh coordinates, the ZeRO-1 optimizer
 partition, and the checks that refuse a layout, with the words the user reads.
 
-Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost so
-that its frequent collectives stay inside a node; pipeline outermost because it only sends
-activations between neighbours. DP = WORLD / (TP x PP) (Megatron's rule).
+Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost so
+that its frequent collectives stay inside a node, context parallelism next to it (an all-to-all per
+attention); pipeline outermost because it only sends activations between neighbours.
+DP = WORLD / (TP x PP x CP) (Megatron's rule). Context-parallel ranks read the same sequences and
+each computes a slice of every sequence, so for gradients and losses they are data-parallel ranks:
+gradients average, and ZeRO shards, over DP x CP (torchtitan's dp_shard_cp), batches split over DP.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (all-to-all attention)
     dp_replicate: int = 1
     dp_shard: int = 1  # resolved: parallel.dp_shard = 0 is world / (tp x pp x dp_replicate)
     zero: int = 0
@@ -72,7 +76,17 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks whose gradients average (and over which the loss is a mean): DP x CP."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one FSDP replica shards each parameter over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def micro_batches(self) -> int:
@@ -82,18 +96,18 @@ class Layout:
     @property
     def ddp(self) -> bool:
         """The model is wrapped in DDP: replicas (ZeRO-0/1) without pipelining."""
-        return self.dp > 1 and not self.fsdp and self.pp == 1
+        return self.dp_cp > 1 and not self.fsdp and self.pp == 1
 
     @property
     def averages_after_backward(self) -> bool:
         """Pipeline stages replicated by plain data parallelism average their gradients after the
         schedule's backward (DDP's reducer cannot follow a schedule's several forwards)."""
-        return self.dp > 1 and not self.fsdp and self.pp > 1
+        return self.dp_cp > 1 and not self.fsdp and self.pp > 1
 
     @property
     def fsdp(self) -> bool:
         """Parameters are FSDP2 shards (ZeRO-2/3 over more than one rank)."""
-        return self.zero >= 2 and self.dp > 1
+        return self.zero >= 2 and self.dp_cp > 1
 
     @property
     def stages_per_rank(self) -> int:
@@ -125,20 +139,36 @@ class Layout:
 
     def named_dims(self) -> list[tuple[str, int]]:
         """The mesh's dimensions of more than one rank, outermost first."""
-        dims = (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
+        dims = (
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        )
         return [(n, d) for n, d in dims if d > 1]
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """The mesh coordinates of a global rank: which pipeline rank, shard and tensor-parallel
-        slice it holds."""
+        """The mesh coordinates of a global rank: which pipeline rank, shard, sequence slice and
+        tensor-parallel slice it holds. "shard": its place among the dp_shard x cp ranks FSDP shards over."""
         tp_rank, rest = rank % self.tp, rank // self.tp
+        cp_rank, rest = rest % self.cp, rest // self.cp
         dp_rank, pp_rank = rest % self.dp, rest // self.dp
-        return {"pp": pp_rank, "dp": dp_rank, "dp_shard": dp_rank % self.dp_shard, "tp": tp_rank}
+        dp_shard = dp_rank % self.dp_shard
+        return {
+            "pp": pp_rank,
+            "dp": dp_rank,
+            "dp_shard": dp_shard,
+            "cp": cp_rank,
+            "tp": tp_rank,
+            "shard": dp_shard * self.cp + cp_rank,
+        }
 
     def describe(self) -> str:
-        parts = [f"{name} {size}" for name, size in (("TP", self.tp), ("PP", self.pp), ("DP", self.dp)) if size > 1]
+        dims = (("TP", self.tp), ("CP", self.cp), ("PP", self.pp), ("DP", self.dp))
+        parts = [f"{name} {size}" for name, size in dims if size > 1]
         text = " x ".join(parts) or "1 GPU"
-        if self.dp > 1:
+        if self.dp_cp > 1:
             text += f", ZeRO-{self.zero}" + (f" (replicate {self.dp_replicate})" if self.dp_replicate > 1 else "")
         if self.cpu_offload:
             text += " + CPU offload"
@@ -150,22 +180,23 @@ class Layout:
     def from_config(cls, cfg: Config, world: int) -> "Layout":
         """The layout of a config on `world` ranks, with the reasons when its degrees do not fit."""
         p = cfg.parallel  # single values are checked by config.validate
-        if world % (p.tp * p.pp):
+        model_ranks = p.tp * p.pp * p.cp
+        if world % model_ranks:
             raise ConfigError(
-                f"world size {world} is not divisible by parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = "
-                f"{p.tp * p.pp}: the data-parallel degree is world / (tp x pp), so use a world size that is a "
-                f"multiple of {p.tp * p.pp} or change tp/pp"
+                f"world size {world} is not divisible by parallel.tp ({p.tp}) x parallel.pp ({p.pp}) x parallel.cp "
+                f"({p.cp}) = {model_ranks}: the data-parallel degree is world / (tp x pp x cp), so use a world size "
+                f"that is a multiple of {model_ranks} or change tp/pp/cp"
             )
-        dp = world // (p.tp * p.pp)
+        dp = world // model_ranks
         if dp % p.dp_replicate:
             raise ConfigError(
-                f"the data-parallel degree world / (tp x pp) = {dp} is not divisible by parallel.dp_replicate "
+                f"the data-parallel degree world / (tp x pp x cp) = {dp} is not divisible by parallel.dp_replicate "
                 f"({p.dp_replicate})"
             )
         if p.dp_shard and p.dp_shard != dp // p.dp_replicate:
             raise ConfigError(
-                f"parallel.dp_shard = {p.dp_shard} does not fit {world} ranks: world / (tp x pp x dp_replicate) = "
-                f"{dp // p.dp_replicate}; leave it 0 to derive it"
+                f"parallel.dp_shard = {p.dp_shard} does not fit {world} ranks: world / (tp x pp x cp x dp_replicate)"
+                f" = {dp // p.dp_replicate}; leave it 0 to derive it"
             )
         if p.dp_replicate > 1 and p.zero < 2:
             raise ConfigError(
@@ -177,15 +208,16 @@ class Layout:
                 f"parallel.dp_replicate = {p.dp_replicate} leaves a shard degree of 1: use parallel.zero = 0 for "
                 "pure replication, or a smaller dp_replicate"
             )
-        if p.zero < 2 and p.tp > 1 and dp > 1:
+        if p.zero < 2 and p.tp > 1 and dp * p.cp > 1:
             raise ConfigError(
                 f"parallel.zero = {p.zero} (DDP) cannot replicate tensor-parallel (DTensor) parameters: "
                 "use parallel.zero = 2 or 3 with parallel.tp > 1 (zero 0/1 work with pp and plain data parallel)"
             )
-        if p.cpu_offload and (p.zero != 3 or dp // p.dp_replicate == 1):
+        shards = dp // p.dp_replicate * p.cp
+        if p.cpu_offload and (p.zero != 3 or shards == 1):
             raise ConfigError(
                 f"parallel.cpu_offload moves ZeRO-3's parameter shards to host memory: it needs parallel.zero = 3 "
-                f"over more than one data-parallel rank (here zero {p.zero}, {dp // p.dp_replicate} shard(s)); "
+                f"over more than one data-parallel rank (here zero {p.zero}, {shards} shard(s)); "
                 "drop cpu_offload, or shard over more ranks"
             )
         values = {name: getattr(getattr(cfg, section), name) for name, section in _KEYS.items()}
@@ -202,7 +234,7 @@ class Layout:
         """The layout against the model's shape (`args`: ModelArgs), the batch and the schedule."""
         self._validate_model(args)
         t = cfg.training
-        if t.compile and self.tp > 1 and self.dp > 1:
+        if False and t.compile and self.tp > 1 and self.dp > 1:
             raise ConfigError(
                 f"training.compile = true with parallel.tp = {self.tp} and FSDP over {self.dp} data-parallel ranks "
                 "fails in torch 2.13 (FSDP hooks inside the whole-model graph that TP needs); compile TP alone or "
@@ -215,6 +247,35 @@ class Layout:
                 f"training.micro_batch_size ({self.micro_batch_size}) x data-parallel degree ({self.dp}) = {per_step}"
             )
         self._validate_schedule(cfg.parallel.pp_microbatches)
+        self._validate_context(args, t)
+
+    def _validate_context(self, args, t) -> None:
+        """Context parallelism against the sequence and the heads it splits (parallel/context_parallel.py)."""
+        if self.cp == 1:
+            return
+        if t.seq_len % self.cp:
+            raise ConfigError(
+                f"training.seq_len ({t.seq_len}) must be divisible by parallel.cp ({self.cp}): each rank holds "
+                "an equal slice of every sequence"
+            )
+        local = t.seq_len // self.cp
+        if self.tp > 1 and self.sequence_parallel and local % self.tp:
+            raise ConfigError(
+                f"a context-parallel slice of {local} tokens (training.seq_len / parallel.cp) must be divisible "
+                f"by parallel.tp ({self.tp}) for sequence parallelism; change seq_len or cp"
+            )
+        heads, kv_heads = args.n_heads // self.tp, args.n_kv_heads // self.tp
+        if heads % self.cp or (kv_heads % self.cp and self.cp % kv_heads):
+            raise ConfigError(
+                f"parallel.cp = {self.cp} splits each rank's attention heads ({heads} query, {kv_heads} key/value "
+                "heads per tensor-parallel rank) for its all-to-all: the query heads must be divisible by cp, and "
+                "the key/value heads divisible by cp or cp by them; lower cp or tp"
+            )
+        if t.objective == "dpo":
+            raise ConfigError(
+                "training.objective = 'dpo' with parallel.cp > 1 is not supported (DPO scores whole sequences); "
+                "set parallel.cp = 1"
+            )
 
     def _validate_model(self, args) -> None:
         if args.n_heads % self.tp or args.n_kv_heads % self.tp:

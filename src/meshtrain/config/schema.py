@@ -184,9 +184,15 @@ class TrainingConfig:
 @dataclass
 class ParallelConfig:
     tp: int = option(1, gt=0)
-    """Tensor-parallel degree (within a node). DP = world / (tp x pp)."""
+    """Tensor-parallel degree (within a node). DP = world / (tp x pp x cp)."""
     pp: int = option(1, gt=0)
     """Pipeline-parallel degree."""
+    cp: int = option(1, gt=0)
+    """Context-parallel degree: each sequence split into cp contiguous slices, one per rank, for
+    sequences longer than one rank can hold. Attention gathers the whole sequence for a share of the
+    heads by an all-to-all (DeepSpeed-Ulysses), so n_heads / tp must divide by cp (and n_kv_heads / tp
+    by cp, or cp by it: key/value heads are then copied). Gradients average and ZeRO shards over
+    dp x cp. DP = world / (tp x pp x cp)."""
     dp_replicate: int = option(1, gt=0)
     """> 1 with zero 2/3: hybrid sharding, shard within groups of DP / dp_replicate and replicate across."""
     dp_shard: int = option(0, ge=0)

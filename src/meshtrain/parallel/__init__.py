@@ -1,5 +1,5 @@
 """Layouts, composed the way torchtitan does: one small function per technique, applied in order
-LoRA adapters -> FP8 linears -> bf16 arithmetic choice -> TP -> activation checkpointing -> compile
+LoRA adapters -> FP8 linears -> bf16 arithmetic choice -> TP -> CP -> activation checkpointing -> compile
 -> FSDP (on meta) -> materialise -> DDP; pipeline stages first."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 from meshtrain.model.lora import LoraSpec, apply_lora, freeze_base
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
+from meshtrain.parallel.context_parallel import apply_cp, shard_targets
 from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.float8 import apply_fp8
 from meshtrain.parallel.fully_shard import apply_fsdp
@@ -27,6 +28,7 @@ __all__ = [
     "ParallelModel",
     "apply_ac",
     "apply_compile",
+    "apply_cp",
     "apply_ddp",
     "apply_fp8",
     "apply_fp32_compute",
@@ -100,6 +102,7 @@ def parallelize(
     layout = dims.layout
     if training.compile and layout.tp == 1:  # loss_parallel's DTensor logits stay eager
         loss_fn = torch.compile(loss_fn)
+    loss_fn = shard_targets(loss_fn, dims.mesh("cp"))
     if layout.pp > 1:
         loss_fn = ScaledLoss(loss_fn)
         staged = pipeline_stage_modules(model, layout, dims.rank_in("pp"))
@@ -122,9 +125,11 @@ def parallelize(
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
             if lora is not None or frozen:
                 freeze_base(part)
+        if layout.cp > 1:
+            apply_cp(part, dims.mesh("cp"))
         apply_ac(part, layout.activation_checkpointing, layout.ac_every, random=bool(lora and lora.dropout))
         if training.compile:
-            whole_model = layout.tp > 1 or (layout.dp == 1 and layout.pp == 1)
+            whole_model = layout.tp > 1 or (layout.dp_cp == 1 and layout.pp == 1)
             apply_compile(part, whole_model, exact_casts=fp32_gemm)
         if layout.fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)
@@ -132,7 +137,7 @@ def parallelize(
             part.to_empty(device=device)
             part.init_weights(training.seed, buffer_device=device)
         if layout.ddp and not frozen:
-            part = apply_ddp(part, dims.mesh("dp"))
+            part = apply_ddp(part, dims.mesh("dp_cp"))
         parts.append(part)
     stage_ids = [idx for idx, _ in staged]
     schedule, tied_group = None, None

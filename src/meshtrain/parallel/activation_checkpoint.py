@@ -38,6 +38,7 @@ SAVED_OPS = frozenset(
         _c10d.reduce_scatter_tensor,
         _c10d.all_gather_into_tensor,
         _c10d.all_reduce,
+        _c10d.all_to_all_single,
     )
 )
 

@@ -17,16 +17,23 @@ class ParallelDims:
         self._meshes: dict[str, DeviceMesh] = {}
 
     def describe(self) -> str:
-        """ "DDP 2", "FSDP 2 x TP 2, ZeRO-3", "single process"."""
+        """ "DDP 2", "FSDP 2 x TP 2, ZeRO-3", "CP 2 x TP 2", "single process"."""
         zero = self.layout.zero
-        names = {"dp_shard": "FSDP" if zero >= 2 else "DDP", "dp_replicate": "replicate", "tp": "TP", "pp": "PP"}
+        names = {
+            "dp_shard": "FSDP" if zero >= 2 else "DDP",
+            "dp_replicate": "replicate",
+            "cp": "CP",
+            "tp": "TP",
+            "pp": "PP",
+        }
         text = " x ".join(f"{names[n]} {size}" for n, size in self.layout.named_dims()) or "single process"
-        return f"{text}, ZeRO-{zero}" if self.layout.dp > 1 else text
+        return f"{text}, ZeRO-{zero}" if self.layout.dp_cp > 1 else text
 
     def build_mesh(self, device_type: str) -> None:
-        """Build the world mesh (none for one process). Sub-meshes are looked up with `mesh(name)`;
-        "dp" is dp_replicate x dp_shard flattened (possibly of size 1): where batches are split
-        and losses averaged."""
+        """Build the world mesh (none for one process). Sub-meshes are looked up with `mesh(name)`:
+        "dp" is dp_replicate x dp_shard flattened, where batches are split; "dp_cp" adds the
+        context-parallel ranks: where gradients and losses average; "dp_shard_cp" is what FSDP shards
+        over. A name whose ranks are all one rank is absent."""
         self._meshes = {}
         if self.layout.world == 1 and not dist.is_initialized():
             return
@@ -34,24 +41,33 @@ class ParallelDims:
         names = tuple(n for n, _ in dims)
         world = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         self._meshes = {"world": world, **{n: world[n] for n in names}}
-        dp_names = tuple(n for n in names if n.startswith("dp_"))
-        if dp_names:
-            self._meshes["dp"] = world[dp_names]._flatten("dp") if len(dp_names) > 1 else world[dp_names[0]]
+        for flat, parts in (
+            ("dp", ("dp_replicate", "dp_shard")),
+            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+            ("dp_shard_cp", ("dp_shard", "cp")),
+        ):
+            present = tuple(n for n in parts if n in names)
+            if len(present) == 1:
+                self._meshes[flat] = world[present[0]]
+            elif present:
+                self._meshes[flat] = world[present]._flatten(flat)
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """A (sub-)mesh by name: world, pp, dp_replicate, dp_shard, tp, dp; None if not in the layout."""
+        """A (sub-)mesh by name: world, pp, dp_replicate, dp_shard, cp, tp, dp, dp_cp, dp_shard_cp; None if
+        not in the layout."""
         return self._meshes.get(name)
 
     @property
     def dp_group(self):
-        """The process group over which losses are averaged (None: a single DP rank)."""
-        dp = self.mesh("dp")
+        """The process group over which gradients and losses are averaged, DP x CP (None: one rank)."""
+        dp = self.mesh("dp_cp")
         return None if dp is None else dp.get_group()
 
     def fsdp_mesh(self) -> DeviceMesh:
-        """1-D (dp_shard) for ZeRO-2/3, 2-D (dp_replicate, dp_shard) for hybrid sharding."""
-        world = self.mesh("world")
-        return world["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else world["dp_shard"]
+        """1-D (dp_shard x cp) for ZeRO-2/3, 2-D (dp_replicate, dp_shard x cp) for hybrid sharding."""
+        if self.layout.dp_replicate > 1:
+            return self.mesh("world")["dp_replicate", "dp_shard_cp" if self.layout.cp > 1 else "dp_shard"]
+        return self.mesh("dp_shard_cp")
 
     def rank_in(self, name: str) -> int:
         mesh = self.mesh(name)

@@ -143,7 +143,7 @@ def build_model(
             reference = parallelize(copy, dims, cfg.training, device, cross_entropy, materialize, frozen=True)
             model.reference = reference.parts
     with materialize or contextlib.nullcontext():
-        dp_group = dims.dp_group if layout.dp > 1 else None
+        dp_group = dims.dp_group if layout.dp_cp > 1 else None
         optimizer, scheduler = build_optimizer(model.parameters(), cfg.training, layout.zero, dp_group)
     return dims, model, optimizer, scheduler, num_params(full_model)
 

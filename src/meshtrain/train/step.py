@@ -44,11 +44,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def loss_scale(targets: torch.Tensor, n_targets: int | None, dp: int) -> float:
-    """dp / (targets in the global batch): `n_targets`, or when None this rank's count times dp
-    (right when every rank's slice holds as many, as with plain text)."""
-    n = n_targets if n_targets is not None else int((targets != IGNORE_INDEX).sum()) * dp
-    return dp / max(1, n)
+def loss_scale(targets: torch.Tensor, n_targets: int | None, layout: Layout) -> float:
+    """dp x cp / (targets in the global batch): the gradients average over the DP x CP ranks, and each
+    context-parallel rank's loss is of its slice of the sequences. `n_targets`, or when None this
+    rank's count (of whole sequences) times dp (right when every rank's slice holds as many, as with
+    plain text)."""
+    n = n_targets if n_targets is not None else int((targets != IGNORE_INDEX).sum()) * layout.dp
+    return layout.dp_cp / max(1, n)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -150,7 +152,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = to_device(inputs, device), to_device(targets, device)
     with context():
-        scale = loss_scale(targets, n_targets, layout.dp)
+        scale = loss_scale(targets, n_targets, layout)
         micro_batch = layout.micro_batch_size * model.rows_per_sample
         loss = forward_backward(model, inputs, targets, micro_batch, device, scale, scaler)
     phase("optimizer")
@@ -207,7 +209,7 @@ def mean_over(value: torch.Tensor, group) -> float:
 
 
 def reduce_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
-    """The global mean loss: from the last pipeline stage (sum over pp), averaged over DP."""
+    """The global mean loss: from the last pipeline stage (sum over pp), averaged over DP x CP."""
     if dims.layout.pp > 1:
         loss = loss.clone()
         dist.all_reduce(loss, group=dims.mesh("pp").get_group())
@@ -222,7 +224,7 @@ def evaluate(model: ParallelModel, batches, device: torch.device, dims: Parallel
         part.eval()
     total = torch.zeros((), device=device)
     for inputs, targets, n_targets in batches:
-        scale = loss_scale(targets, n_targets, dims.layout.dp)
+        scale = loss_scale(targets, n_targets, dims.layout)
         inputs, targets = to_device(inputs, device), to_device(targets, device)
         with context():
             if model.schedule is not None:
