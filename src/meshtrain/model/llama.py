@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.model.masks import DocumentMask
+
 
 @dataclass
 class ModelArgs:
@@ -95,11 +97,17 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        """x (batch, seq, dim); cos/sin the rotary table (positions, head_dim / 2), read from 0, or
+        each token's own (batch, seq, head_dim / 2); `mask`: the batch's documents (None: causal)."""
         batch, seq, _ = x.shape
         # full sequence here, even when the blocks' inputs are sequence-sharded
-        q, k, v = self.project(x, cos[:seq], sin[:seq])
-        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if cos.ndim == 2:
+            cos, sin = cos[:seq], sin[:seq]
+        q, k, v = self.project(x, cos, sin)
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -113,9 +121,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask) v on (batch, heads, seq, head_dim); enable_gqa: the
-        KV heads are shared by their query groups without copies."""
+        KV heads are shared by their query groups without copies. With a document `mask` (over the
+        whole sequence of q, k and v) each query sees only the earlier keys of its own document."""
+        if mask is not None:
+            return mask.attend(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
@@ -140,8 +153,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        # the mask as a keyword: tensor parallelism's input plan lays out the positional inputs
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -159,12 +175,19 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab). A pipeline stage without the
-        embedding takes hidden states instead, and one without the output returns them."""
+        embedding takes hidden states instead, and one without the output returns them.
+
+        `positions` (batch, seq) int64: each token's position within its document, 0 where a
+        document starts (packed data, model/masks.py): rotary angles of those positions, and
+        attention within each document only. None: positions 0..seq-1 and causal attention."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if positions is not None:  # once per forward, for every layer
+            cos, sin, mask = cos[positions], sin[positions], DocumentMask(positions)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -40,7 +40,7 @@ SAVED_OPS = frozenset(
         _c10d.all_reduce,
         _c10d.all_to_all_single,
     )
-)
+) | {torch.ops.higher_order.flex_attention}  # document masking on CUDA (model/masks.py): a higher-order op
 
 
 _observers: list[Callable[[torch.Tensor], None]] = []

@@ -93,11 +93,11 @@ class Fp32ComputeLinear(nn.Linear):
 class Fp32ComputeAttention(Attention):
     """Attention whose scaled-dot-product kernel runs in fp32 on the (bf16) q, k and v."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         if q.dtype != BF16 and not torch.is_autocast_enabled(q.device.type):
-            return super().attend(q, k, v)
+            return super().attend(q, k, v, mask)
         with torch.autocast(q.device.type, enabled=False):
-            return super().attend(q.to(BF16).float(), k.to(BF16).float(), v.to(BF16).float()).to(BF16)
+            return super().attend(q.to(BF16).float(), k.to(BF16).float(), v.to(BF16).float(), mask).to(BF16)
 
 
 def apply_fp32_compute(model: nn.Module, gemm: bool = True, attention: bool = True) -> None:
