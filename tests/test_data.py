@@ -208,7 +208,7 @@ def test_dp_ranks_read_disjoint_slices_that_make_the_global_batch(tmp_path):
     ranks = [DistributedLoader(w, 8, r, 4, seed=1) for r in range(4)]
     seen = set()
     for _ in range(30):  # crosses an epoch boundary (124 windows)
-        x, y, _ = single.next_batch()
+        x, y, _, _ = single.next_batch()
         parts = [loader.next_batch() for loader in ranks]
         assert all(p[0].shape == (2, 8) for p in parts)
         assert torch.equal(x, torch.cat([p[0] for p in parts]))
@@ -386,7 +386,7 @@ def test_a_blend_keeps_its_weights_resumes_exactly_and_ignores_the_dp_degree(tmp
     four = _blend_loaders(tmp_path, 4)
     from_code, batches = 0, []
     for step in range(1000):  # 8,000 samples: both sources wrap around several epochs
-        x, _, _ = single.next_batch()
+        x, _, _, _ = single.next_batch()
         assert torch.equal(x, torch.cat([loader.next_batch()[0] for loader in four]))
         from_code += int((x[:, 0] >= 5000).sum())
         if step < 40:

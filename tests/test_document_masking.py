@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_same_run, read_metrics, run_cli, train_args
+from meshtrain.data import prepare
+from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE
+from meshtrain.data.loader import Dataset, DistributedLoader, validation_batches
+from meshtrain.data.prepare import ChatOptions
 from meshtrain.model import Llama, ModelArgs
 from meshtrain.model.masks import DocumentMask, dense_mask, document_ids
 
@@ -127,3 +138,136 @@ def test_masking_passes_checkpoint_wrappers_and_fp32_attention():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             alone.append(model(d[None]))
     torch.testing.assert_close(out.float(), torch.cat(alone, 1).float(), rtol=0.05, atol=0.05)
+
+
+# --- the loader: positions restart where documents do ------------------------------------------
+
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def short_documents(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def short_docs(corpus, tmp_path_factory) -> Path:
+    """Plain text of short documents (a few to a dozen tokens each): most windows cross several."""
+    root = tmp_path_factory.mktemp("short-docs")
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in short_documents(1500)))
+    prepare(
+        [root / "docs.jsonl"], root / "data", tokenizer=corpus / "tokenizer.json", val_fraction=0.05, progress=False
+    )
+    return root / "data"
+
+
+def expected_positions(inputs: list[int], eos: int) -> list[int]:
+    out, at = [], 0
+    for token in inputs:
+        out.append(at)
+        at = 0 if token == eos else at + 1
+    return out
+
+
+def test_text_positions_restart_after_each_end_of_text(short_docs):
+    dataset = Dataset(short_docs, 32)
+    train, eos = dataset.train, dataset.eos_id
+    assert eos is not None
+    inputs, targets, positions = train.gather(range(6))
+    assert positions.shape == inputs.shape == (6, 32) and positions.dtype == torch.int64
+    for row, p in zip(inputs.tolist(), positions.tolist()):
+        assert p == expected_positions(row, eos)  # 0 at the start, 0 after every EOS (the EOS its document's)
+    assert (positions[:, 1:] == 0).any()
+    # the loader hands over the same, and the model attends per document with them
+    x, y, p, n = DistributedLoader(train, 4, 0, 1, seed=0).next_batch()
+    assert p is not None and all(row == expected_positions(xs, eos) for xs, row in zip(x.tolist(), p.tolist()))
+    # masking off: no positions at all
+    assert Dataset(short_docs, 32, document_masking=False).train.gather(range(6))[2] is None
+    assert validation_batches(dataset.val, 1, 4, 0, 1)[0][2] is not None
+
+
+def test_a_batch_without_a_document_boundary_has_no_positions(corpus):
+    # the standard library's files are thousands of tokens long: most windows of 16 hold no EOS
+    train = Dataset(corpus, 16).train
+    plain = [w for w in range(200) if train.eos_id not in train.window(w)[0][:15]]
+    assert len(plain) > 100
+    assert train.gather(plain[:8])[2] is None
+    bounded = next(w for w in range(2000) if train.eos_id in train.window(w)[0][:15])
+    _, _, positions = train.gather([plain[0], bounded])
+    assert positions[0].tolist() == list(range(16))  # the row without one is plain beside the other
+    assert (positions[1, 1:] == 0).sum() == 1
+
+
+@pytest.fixture(scope="module")
+def chat_docs(corpus, tmp_path_factory) -> Path:
+    """Chat data whose conversations hold several end-of-text tokens (one per assistant turn)."""
+    root = tmp_path_factory.mktemp("chat-docs")
+    rng, rows = random.Random(1), []
+    for _ in range(200):
+        turns = []
+        for _ in range(rng.randint(1, 3)):
+            turns += [
+                {"role": "user", "content": rng.choice(WORDS)},
+                {"role": "assistant", "content": rng.choice(WORDS)},
+            ]
+        rows.append({"messages": turns})
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = ChatOptions(DEFAULT_CHAT_TEMPLATE)
+    prepare([root / "chat.jsonl"], root / "data", tokenizer=corpus / "tokenizer.json", progress=False, chat=options)
+    return root / "data"
+
+
+def test_chat_positions_restart_per_conversation_not_per_end_of_text(chat_docs):
+    dataset = Dataset(chat_docs, 96)
+    train, eos = dataset.train, dataset.eos_id
+    _, _, positions = train.gather(range(len(train)))
+    several_eos = 0
+    for w in range(len(train)):
+        tokens, _ = train.window(w)
+        want, at = [], 0
+        for _, length in train.sequences[w]:
+            want += list(range(length))
+            several_eos += int((tokens[at : at + length] == eos).sum() > 1)
+            at += length
+        want += list(range(96 + 1 - at))  # the padding: a document of its own
+        assert positions[w].tolist() == want[:96]
+    assert several_eos > 0  # multi-turn conversations were not split at their inner EOS tokens
+    pairs = Dataset(chat_docs, 96, document_masking=False).train
+    assert pairs.gather([0])[2] is None
+
+
+# --- end to end: the CLI with masking, one process and a pipeline -----------------------------
+
+
+def run_on(data, run_dir, cli_env, *extra):
+    args = train_args(data, run_dir, "--training.steps", "4", "--training.eval_every", "0", *extra)
+    result = run_cli(args, cli_env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def masked_run(short_docs, cli_env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("masked")
+    run_on(short_docs, run_dir, cli_env)
+    return run_dir
+
+
+def test_training_masks_documents_by_default_and_off_differs(masked_run, short_docs, cli_env, tmp_path):
+    masked = read_metrics(masked_run)
+    assert len(masked) == 4 and all(math.isfinite(m["loss"]) for m in masked)
+    unmasked = run_on(short_docs, tmp_path, cli_env, "--training.document_masking", "false")
+    assert masked[0]["loss"] != unmasked[0]["loss"]  # the mask is in force (the weights start alike)
+
+
+@pytest.mark.multiproc
+def test_a_pipeline_masks_as_one_process_does(masked_run, short_docs, cli_env, tmp_path):
+    run_on(short_docs, tmp_path, cli_env, "--nproc", "2", "--parallel.pp", "2")
+    assert_same_run(tmp_path, masked_run)
+
+
+def test_document_masking_takes_a_boolean(capsys):
+    from test_bad_inputs import TRAIN, assert_one_line, run_main
+
+    assert_one_line(*run_main([*TRAIN, "--training.document_masking", "maybe"], capsys), "true or false")

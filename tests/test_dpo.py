@@ -153,7 +153,7 @@ def preferred_share(model, pairs) -> float:
     wins = 0
     with torch.no_grad():
         for w in range(len(pairs)):
-            inputs, targets = pairs.gather([w])
+            inputs, targets, _ = pairs.gather([w])
             logps = sequence_logps(model(inputs), targets)
             wins += int(logps[0] > logps[1])
     return wins / len(pairs)

@@ -189,8 +189,8 @@ def test_qlora_keeps_its_frozen_base_in_4_bit_and_trains(corpus, tmp_path):
     assert held / n < 0.56, held / n  # 4 bits + one bf16 scale per 64 weights, double-quantized
     losses = []
     for _ in range(12):
-        inputs, targets, n_targets = s.loader.next_batch()
-        loss, _, _ = s.step(inputs, targets, n_targets)
+        inputs, targets, positions, n_targets = s.loader.next_batch()
+        loss, _, _ = s.step(inputs, targets, n_targets, positions)
         losses.append(loss.item())
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
     # merged: the dequantized base plus B A

@@ -164,7 +164,8 @@ def test_a_tiny_corpus_holds_out_a_whole_pair(corpus, tmp_path):
 def test_a_batch_interleaves_chosen_and_rejected_rows(pairs, corpus):
     path, _, _ = pairs
     train = Dataset(path, 64).train
-    inputs, targets = train.gather([3, 0, 5])
+    inputs, targets, positions = train.gather([3, 0, 5])
+    assert positions is None  # one conversation a row: nothing to mask
     assert inputs.shape == targets.shape == (6, 64)
     for i, w in enumerate([3, 0, 5]):
         tokens, mask = train.window(w)
@@ -176,19 +177,19 @@ def test_a_batch_interleaves_chosen_and_rejected_rows(pairs, corpus):
     assert (targets[:, -1] == IGNORE_INDEX).all()  # padded to the end
     # the loader: global batches count pairs, each rank gets 2 rows per pair, the count is the pairs
     loader = DistributedLoader(train, global_batch=4, dp_rank=1, dp_size=2, seed=0)
-    x, y, n = loader.next_batch()
+    x, y, _, n = loader.next_batch()
     assert x.shape == y.shape == (4, 64) and n == 4
     picks = [loader._window(0, k) for k in (2, 3)]
-    expected_x, _ = train.gather(picks)
+    expected_x, _, _ = train.gather(picks)
     assert x.tolist() == expected_x.tolist()
     # plain text batches are as they were: two views of one buffer, every token a target
     text = TokenWindows.from_file(next(corpus.glob("train-*.bin")), "uint16", 16)
-    tx, ty = text.gather([0, 1])
+    tx, ty, _ = text.gather([0, 1])
     assert tx.shape == ty.shape == (2, 16) and ty.data_ptr() == tx.data_ptr() + 8
     assert tx[0, 1:].tolist() == ty[0, :-1].tolist()
     # a mask row beside a maskless row: only the masked row loses targets
     row = np.arange(17)
-    mixed_x, mixed_y = to_batch([(row, None), (row, (row % 2).astype(np.uint8))])
+    mixed_x, mixed_y, _ = to_batch([(row, None), (row, (row % 2).astype(np.uint8))])
     assert mixed_y[0].tolist() == list(range(1, 17))
     assert mixed_y[1].tolist() == [t if t % 2 else IGNORE_INDEX for t in range(1, 17)]
 

@@ -150,6 +150,14 @@ class TrainingConfig:
     collective outputs, so only the cheap memory-bound ops (norms, rotary, SwiGLU, casts) rerun."""
     ac_every: int = option(2, gt=0)
     """With selective checkpointing: checkpoint every this many blocks."""
+    document_masking: bool = True
+    """Packed sequences as separate documents: attention never crosses an end-of-text token and each
+    document's positions restart at 0 (torchtitan's and Megatron's document masking). Chat data: each
+    conversation alone (and the padding), whatever end-of-text tokens its turns hold. Preference (DPO)
+    data holds one conversation a row, so nothing changes. Plain text whose tokenizer has no end-of-text
+    token trains causal over the whole sequence (logged). Kernels: FlexAttention block masks on CUDA,
+    SDPA with a boolean mask elsewhere; a batch without any boundary runs plain causal attention. Off:
+    causal attention across the packed documents at positions 0..seq_len-1."""
     compile: bool = False
     """torch.compile the model (whole on one process or under TP, per block with DP/FSDP/PP) and the
     loss; the first step pays the compile."""

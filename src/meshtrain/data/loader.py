@@ -58,17 +58,31 @@ class Stream:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
+def positions_from_starts(starts: np.ndarray) -> np.ndarray | None:
+    """Each token's position within its document, given where documents start (bool, one per input
+    token; the first token starts one whatever it says); None when no document starts after the
+    first token (plain positions 0..n-1: the model needs no mask)."""
+    if not starts[1:].any():
+        return None
+    index = np.arange(len(starts))
+    return index - np.maximum.accumulate(np.where(starts, index, 0))
+
+
 class TokenWindows:
     """Windows of seq_len + 1 tokens (inputs and shifted targets), stride seq_len, over a split:
-    segments (file, first token, tokens) of token files read as one stream. Every token is a target."""
+    segments (file, first token, tokens) of token files read as one stream. Every token is a target.
+    `eos_id` (document masking): a document ends with this token and the next one starts a new one;
+    a window starts at position 0 wherever it falls in its document. None: no document positions."""
 
-    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, name: str = ""):
-        self.seq_len, self.name = seq_len, name
+    def __init__(
+        self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, name: str = "", eos_id: int | None = None
+    ):
+        self.seq_len, self.name, self.eos_id = seq_len, name, eos_id
         self.tokens = Stream(segments, DTYPES[dtype])
         self.n_windows = max(0, (len(self.tokens) - 1) // seq_len)
 
     @classmethod
-    def from_file(cls, path: Path, dtype: str, seq_len: int) -> TokenWindows:
+    def from_file(cls, path: Path, dtype: str, seq_len: int, eos_id: int | None = None) -> TokenWindows:
         """One whole token file (checked to hold whole tokens)."""
         itemsize = np.dtype(DTYPES[dtype]).itemsize
         if not path.is_file():
@@ -76,7 +90,7 @@ class TokenWindows:
         if path.stat().st_size % itemsize:
             raise DataError(f"{path} is truncated (size not a multiple of {itemsize} bytes); prepare it again")
         n = path.stat().st_size // itemsize
-        return cls([(path, 0, n)] if n else [], dtype, seq_len, str(path))
+        return cls([(path, 0, n)] if n else [], dtype, seq_len, str(path), eos_id)
 
     def __len__(self) -> int:
         return self.n_windows
@@ -88,8 +102,16 @@ class TokenWindows:
     def targets_in(self, w: int) -> int:
         return self.seq_len
 
-    def gather(self, windows, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return to_batch([self.window(int(w)) for w in windows], pin_memory)
+    def positions(self, w: int, tokens: np.ndarray) -> np.ndarray | None:
+        """Window w's input positions within their documents (`tokens`: its window), None when
+        plain: no document masking, or no end-of-text before its last input."""
+        if self.eos_id is None:
+            return None
+        return positions_from_starts(np.concatenate([[True], tokens[: self.seq_len - 1] == self.eos_id]))
+
+    def gather(self, windows, pin_memory: bool = False):
+        """(inputs, targets, positions or None) of these windows."""
+        return gather(self, windows, pin_memory)
 
 
 class _Conversations:
@@ -110,18 +132,33 @@ class _Conversations:
     def _read(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         return self.tokens.read(start, start + length), self.mask.read(start, start + length)
 
-    def gather(self, windows, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return to_batch([self.window(int(w)) for w in windows], pin_memory)
+    def positions(self, w: int, tokens: np.ndarray) -> np.ndarray | None:
+        return None
+
+    def gather(self, windows, pin_memory: bool = False):
+        """(inputs, targets, positions or None) of these windows."""
+        return gather(self, windows, pin_memory)
 
 
 class PackedConversations(_Conversations):
     """Chat data: conversations packed, in order, into sequences of seq_len + 1 tokens, none split
     (a sequence is closed when the next conversation does not fit, and padded with masked
     end-of-text tokens). A conversation longer than seq_len + 1 is left out and counted
-    (`too_long`). Attention is causal over the whole sequence, as in Megatron's packed SFT."""
+    (`too_long`). With `document_masking` each conversation is its own document (the padding
+    another): attention stays within it and its positions count from its start; without, attention
+    is causal over the whole sequence, as in Megatron's packed SFT."""
 
-    def __init__(self, segments: list[tuple[Path, int, int]], dtype: str, seq_len: int, pad_id: int, name: str = ""):
+    def __init__(
+        self,
+        segments: list[tuple[Path, int, int]],
+        dtype: str,
+        seq_len: int,
+        pad_id: int,
+        name: str = "",
+        document_masking: bool = False,
+    ):
         super().__init__(segments, dtype, seq_len, pad_id, name)
+        self.document_masking = document_masking
         lengths, starts = self.lengths, self.starts
         fits = lengths <= seq_len + 1
         self.too_long = int((~fits).sum())
@@ -147,6 +184,17 @@ class PackedConversations(_Conversations):
             tokens[at : at + length], mask[at : at + length] = self._read(start, length)
             at += length
         return tokens, mask
+
+    def positions(self, w: int, tokens: np.ndarray) -> np.ndarray | None:
+        """Window w's input positions, restarting at each conversation (and at the padding), by the
+        conversations' lengths (their end-of-text tokens are not boundaries: a chat turn ends with
+        one); None without document masking or when one conversation fills the inputs."""
+        if not self.document_masking:
+            return None
+        ends = np.cumsum([0] + [length for _, length in self.sequences[w]])
+        starts = np.zeros(self.seq_len, dtype=bool)
+        starts[ends[ends < self.seq_len]] = True
+        return positions_from_starts(starts)
 
     def targets_in(self, w: int) -> int:
         """Target tokens of window w (the first token of a sequence is never one: nothing predicts it)."""
@@ -191,23 +239,40 @@ class PreferencePairs(_Conversations):
 IGNORE_INDEX = -100  # a target the loss leaves out (cross_entropy's ignore_index)
 
 
-def to_batch(rows: list[tuple[np.ndarray, np.ndarray | None]], pin_memory: bool = False):
-    """(inputs, targets) of (tokens, target mask or None) rows: the targets are the tokens shifted by
-    one, IGNORE_INDEX where the mask says the token is not a target. A row of shape (2, seq_len + 1),
-    a preference pair, gives two rows of the batch, chosen then rejected: B pairs are 2B rows
-    [chosen 0, rejected 0, chosen 1, ...]. In page-locked memory with `pin_memory` (so the copy to
-    the GPU is asynchronous)."""
+def gather(source, windows, pin_memory: bool = False):
+    """(inputs, targets, positions or None) of a source's windows (see to_batch)."""
+    rows = [source.window(int(w)) for w in windows]
+    return to_batch(rows, pin_memory, [source.positions(int(w), t) for w, (t, _) in zip(windows, rows)])
+
+
+def to_batch(
+    rows: list[tuple[np.ndarray, np.ndarray | None]],
+    pin_memory: bool = False,
+    positions: list[np.ndarray | None] | None = None,
+):
+    """(inputs, targets, positions) of (tokens, target mask or None) rows: the targets are the tokens
+    shifted by one, IGNORE_INDEX where the mask says the token is not a target. A row of shape
+    (2, seq_len + 1), a preference pair, gives two rows of the batch, chosen then rejected: B pairs
+    are 2B rows [chosen 0, rejected 0, chosen 1, ...]. `positions`: each row's input positions within
+    their documents (None: plain); the batch's (B, seq_len) int64, or None when no row has a document
+    boundary (the model then runs plain causal attention, with no mask to build). In page-locked
+    memory with `pin_memory` (so the copy to the GPU is asynchronous)."""
     tokens = torch.from_numpy(np.concatenate([t.reshape(-1, t.shape[-1]) for t, _ in rows]).astype(np.int64))
+    position_batch = None
+    if positions is not None and any(p is not None for p in positions):
+        plain = np.arange(tokens.shape[1] - 1)
+        position_batch = torch.from_numpy(np.stack([plain if p is None else p for p in positions]).astype(np.int64))
+        position_batch = position_batch.pin_memory() if pin_memory else position_batch
     if all(mask is None for _, mask in rows):  # plain text: two views of one buffer
         batch = tokens.pin_memory() if pin_memory else tokens
-        return batch[:, :-1], batch[:, 1:]
+        return batch[:, :-1], batch[:, 1:], position_batch
     masks = np.concatenate([(np.ones(t.shape, np.uint8) if m is None else m).reshape(-1, t.shape[-1]) for t, m in rows])
     targets = tokens[:, 1:].clone()
     targets[torch.from_numpy(masks[:, 1:] == 0)] = IGNORE_INDEX
     batch = torch.stack([tokens[:, :-1], targets])
     if pin_memory:
         batch = batch.pin_memory()
-    return batch[0], batch[1]
+    return batch[0], batch[1], position_batch
 
 
 class DistributedLoader:
@@ -246,9 +311,10 @@ class DistributedLoader:
             self._perms[(source, epoch)] = np.random.default_rng(seeds).permutation(n)
         return int(self._perms[(source, epoch)][pos])
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(inputs, targets, targets in the whole global batch): inputs and targets (global_batch /
-        dp_size, seq_len) int64, on the CPU (pinned for a GPU)."""
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """(inputs, targets, positions, targets in the whole global batch): inputs and targets
+        (global_batch / dp_size, seq_len) int64, on the CPU (pinned for a GPU); positions alike, each
+        token's within its document, or None (no document masking, or no boundary in this slice)."""
         picks = []  # (source, its sample index) of every sample of the global batch
         for g in range(self.consumed, self.consumed + self.global_batch):
             source = int(np.argmax(self.weights * (g + 1) - self.taken))
@@ -258,7 +324,9 @@ class DistributedLoader:
         windows = [(s, self._window(s, k)) for s, k in picks]
         n_targets = sum(self.sources[s].targets_in(w) for s, w in windows)
         mine = windows[self.dp_rank * self.local_batch : (self.dp_rank + 1) * self.local_batch]
-        return (*to_batch([self.sources[s].window(w) for s, w in mine], self.pin_memory), n_targets)
+        rows = [self.sources[s].window(w) for s, w in mine]
+        positions = [self.sources[s].positions(w, t) for (s, w), (t, _) in zip(mine, rows)]
+        return (*to_batch(rows, self.pin_memory, positions), n_targets)
 
     def mix(self) -> list[float]:
         """Each source's share of the samples (= tokens) read so far."""
@@ -299,9 +367,9 @@ def validation_batches(
     global_batch: int,
     dp_rank: int,
     dp_size: int,
-) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]]:
     """The first n_batches global batches of the validation split, in file order (wrapping), as
-    (inputs, targets, targets in the global batch)."""
+    (inputs, targets, positions or None, targets in the global batch)."""
     local = global_batch // dp_size
     out = []
     for b in range(n_batches):
@@ -317,10 +385,15 @@ class Dataset:
 
     `chat`: rendered with a chat template (`template_path`), with a loss mask: chat data
     (PackedConversations) and preference data; `preference`: preference pairs (PreferencePairs, whose
-    batches hold two rows per pair)."""
+    batches hold two rows per pair).
 
-    def __init__(self, path: str | Path, seq_len: int):
+    `document_masking`: batches carry each token's position within its document (plain text: split
+    after each end-of-text token, if the tokenizer has one; chat: each conversation alone); preference
+    pairs never need it (one conversation a row)."""
+
+    def __init__(self, path: str | Path, seq_len: int, document_masking: bool = True):
         self.path = Path(path)
+        self.document_masking = document_masking
         self.manifest = read_manifest(self.path)
         self.vocab_size: int = self.manifest["vocab_size"]
         self.eos_id: int | None = self.manifest["eos_id"]
@@ -330,8 +403,9 @@ class Dataset:
         self.chat = self.manifest.get("format") == "chat" or self.preference
         self.template_path = self.path / self.manifest["chat_template"] if self.chat else None
         if self.manifest.get("format_version", 1) == 1:  # one train.bin and one val.bin
-            self.train = TokenWindows.from_file(self.path / "train.bin", dtype, seq_len)
-            self.val = TokenWindows.from_file(self.path / "val.bin", dtype, seq_len)
+            eos = self.eos_id if document_masking else None
+            self.train = TokenWindows.from_file(self.path / "train.bin", dtype, seq_len, eos)
+            self.val = TokenWindows.from_file(self.path / "val.bin", dtype, seq_len, eos)
         else:
             self._check_files()
             self.train, self.val = (self._split(s, dtype, seq_len) for s in ("train", "val"))
@@ -357,8 +431,8 @@ class Dataset:
         if self.preference:
             return PreferencePairs(segments, dtype, seq_len, self.eos_id or 0, name)
         if self.chat:
-            return PackedConversations(segments, dtype, seq_len, self.eos_id or 0, name)
-        return TokenWindows(segments, dtype, seq_len, name)
+            return PackedConversations(segments, dtype, seq_len, self.eos_id or 0, name, self.document_masking)
+        return TokenWindows(segments, dtype, seq_len, name, self.eos_id if self.document_masking else None)
 
     def _files(self, shard: dict) -> list[tuple[Path, str, int | None]]:
         """(path, manifest checksum, expected size or None) of a shard's files."""
@@ -404,13 +478,13 @@ class Dataset:
 
 class Blend:
     """data.path: one prepared directory, or several with weights, all tokenized alike (and all
-    preference data, `preference`, or none)."""
+    preference data, `preference`, or none). `document_masking`: see Dataset."""
 
-    def __init__(self, spec: str, seq_len: int):
+    def __init__(self, spec: str, seq_len: int, document_masking: bool = True):
         parsed = parse_data_path(spec)
         self.names = [path for path, _ in parsed]
         self.weights = [weight for _, weight in parsed]
-        self.sources = [Dataset(path, seq_len) for path in self.names]
+        self.sources = [Dataset(path, seq_len, document_masking) for path in self.names]
         first = self.sources[0]
         for other in self.sources[1:]:
             if tokenizer_fingerprint(other.tokenizer_path) != tokenizer_fingerprint(first.tokenizer_path):
@@ -435,6 +509,12 @@ class Blend:
                     f"data.path: {other.path} and {chat[0].path} were rendered with different chat templates; "
                     "prepare both with one"
                 )
+
+    @property
+    def unmasked_text(self) -> list[str]:
+        """Sources of plain text whose documents cannot be told apart (their tokenizer has no
+        end-of-text token): with document masking on, they train plain causal."""
+        return [str(s.path) for s in self.sources if s.document_masking and not s.chat and s.eos_id is None]
 
     @property
     def train_windows(self) -> int:

@@ -99,9 +99,16 @@ class TrainState:
     def context(self):
         return step_context(self.model, self.cfg.training, self.device)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_targets: int | None = None):
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        n_targets: int | None = None,
+        positions: torch.Tensor | None = None,
+    ):
         """One optimizer step (see train.step.train_step); the LR schedule is stepped by the caller.
-        `n_targets`: targets in the global batch (None: every token of every rank's batch)."""
+        `n_targets`: targets in the global batch (None: every token of every rank's batch);
+        `positions`: each token's within its document (document masking; None: plain causal)."""
         return train_step(
             self.model,
             self.optimizer,
@@ -114,6 +121,7 @@ class TrainState:
             self.pp_group,
             n_targets,
             self.scaler,
+            positions,
         )
 
 
@@ -164,8 +172,13 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
             ensure_dataset(cfg)
         if dist.is_initialized():
             dist.barrier()
-        dataset = Blend(cfg.data.path, cfg.training.seq_len)
+        dataset = Blend(cfg.data.path, cfg.training.seq_len, cfg.training.document_masking)
         verify_data(dataset, env.rank, env.world_size)
+        if dataset.unmasked_text and env.rank == 0:
+            log.info(
+                f"training.document_masking: {', '.join(dataset.unmasked_text)} has no end-of-text token to end "
+                "its documents, so its sequences train with plain causal attention"
+            )
     args, layout = preflight(cfg, env.world_size, dataset)
     cfg, arithmetic = resolve_arithmetic(cfg, args, device)
     t = cfg.training
@@ -179,7 +192,9 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
         for name, source in zip(dataset.names, dataset.sources):
             if len(source.val):  # few and fixed: copied to the device once
                 batches = validation_batches(source.val, t.eval_batches, t.global_batch_size, dims.dp_rank, layout.dp)
-                state.val[name] = [(x.to(device), y.to(device), n) for x, y, n in batches]
+                state.val[name] = [
+                    (x.to(device), y.to(device), p if p is None else p.to(device), n) for x, y, p, n in batches
+                ]
         root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
         state.checkpointer = Checkpointer(
             root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank

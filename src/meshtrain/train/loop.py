@@ -416,9 +416,9 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         step_start = time.monotonic()
         lr = s.scheduler.get_last_lr()[0]
         phase("data", step)
-        inputs, targets, n_targets = s.loader.next_batch()
+        inputs, targets, positions, n_targets = s.loader.next_batch()
         phase("forward/backward")
-        loss, grad_norm, skipped_now = s.step(inputs, targets, n_targets)
+        loss, grad_norm, skipped_now = s.step(inputs, targets, n_targets, positions)
         phase("logging")
         skipped_total += skipped_now
         # the one mode that syncs every step; under fp16 an overflow is the loss scaler's to skip,

@@ -6,7 +6,8 @@ cross-entropy times dp / (targets in the global batch), so that the data-paralle
 gradients is the gradient of that mean, the same for 1 process or N and any micro-batch split.
 The loader counts the global batch's targets on the host, so no collective or sync is needed.
 
-inputs, targets (this DP rank's slice)  -> the device, once per step
+inputs, targets, positions (this DP rank's slice)  -> the device, once per step (positions: each token's
+                                                     within its document, or None: plain causal)
 no PP: micro-batches of the layout's micro_batch_size, gradients accumulate; DDP/FSDP reduce on the last
 PP:    the schedule drives the micro-batches through the stages
 fp16:  each loss scaled before backward, the gradients unscaled after (train/loss_scale.py)
@@ -15,6 +16,8 @@ global grad norm -> fused AdamW (clips and skips inside its kernel) -> the LR sc
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from contextlib import ExitStack, nullcontext
 
 import torch
@@ -79,11 +82,14 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def micro_batch_loss(model: ParallelModel, part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def micro_batch_loss(
+    model: ParallelModel, part, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """The summed loss of one micro-batch: cross-entropy of its targets, or DPO's over its pairs
-    after a reference pass (the adapters off, or the frozen copy of the base)."""
+    after a reference pass (the adapters off, or the frozen copy of the base). `positions`: each
+    token's within its document (document masking); None: plain causal (preference rows always)."""
     if model.preference is None:
-        return model.loss_fn(part(x), y)
+        return model.loss_fn(part(x) if positions is None else part(x, positions=positions), y)
     with torch.no_grad():
         if model.reference is not None:  # a frozen copy of the base (full-weight DPO; no pipelines)
             reference = sequence_logps(model.reference[0](x), y)
@@ -101,29 +107,38 @@ def forward_backward(
     device,
     scale: float,
     scaler: LossScaler | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradients of this rank's local batch; returns its part of the global mean loss (a tensor: no
     host sync), `scale` = dp / targets in the global batch. `scaler`: fp16's loss scale, applied to
-    what backward sees (the gradients come out scaled), not to the loss returned."""
+    what backward sees (the gradients come out scaled), not to the loss returned. `positions`: the
+    batch's document positions (None: plain causal)."""
     if model.schedule is not None:
-        loss = pipeline_loss(model, inputs, targets, device, train=True, scale=scale, scaler=scaler)
+        loss = pipeline_loss(
+            model, inputs, targets, device, train=True, scale=scale, scaler=scaler, positions=positions
+        )
         if model.grad_average_group is not None:
             average_gradients(model.parameters(), model.grad_average_group)
         if model.ties_across_stages:
             sum_tied_gradients(model.parts, model.tied_group)
         return loss
     (part,) = model.parts
-    chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
+    chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch), split_positions(positions, micro_batch)))
     total = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(chunks):
+    for i, (x, y, p) in enumerate(chunks):
         last = i == len(chunks) - 1
         if hasattr(part, "set_requires_gradient_sync"):  # FSDP
             part.set_requires_gradient_sync(last)
         with nullcontext() if last or not hasattr(part, "no_sync") else part.no_sync():  # DDP
-            loss = micro_batch_loss(model, part, x, y) * scale
+            loss = micro_batch_loss(model, part, x, y, p) * scale
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total += local_value(loss.detach())
     return total
+
+
+def split_positions(positions: torch.Tensor | None, micro_batch: int) -> Iterable[torch.Tensor | None]:
+    """A batch's positions split as its inputs are; None (plain causal) for every micro-batch."""
+    return itertools.repeat(None) if positions is None else positions.split(micro_batch)
 
 
 def train_step(
@@ -138,6 +153,7 @@ def train_step(
     pp_group=None,
     n_targets: int | None = None,
     scaler: LossScaler | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """forward/backward -> (fp16: unscale) -> global grad norm -> AdamW, with no host-device sync.
 
@@ -147,14 +163,16 @@ def train_step(
     norm). Returns tensors: (this rank's part of the global mean loss, global grad norm, 1.0 if the
     update was skipped). `n_targets`: targets in the global batch (see `loss_scale`). `scaler`:
     fp16's dynamic loss scale (train/loss_scale.py): a step that overflows is skipped like any
-    non-finite one and lowers the scale. Gradients are cleared at the start, so they can be
-    inspected after the step."""
+    non-finite one and lowers the scale. `positions`: each token's position within its document
+    (document masking, model/masks.py), None for plain causal attention. Gradients are cleared at
+    the start, so they can be inspected after the step."""
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = to_device(inputs, device), to_device(targets, device)
+    positions = None if positions is None else to_device(positions, device)
     with context():
         scale = loss_scale(targets, n_targets, layout)
         micro_batch = layout.micro_batch_size * model.rows_per_sample
-        loss = forward_backward(model, inputs, targets, micro_batch, device, scale, scaler)
+        loss = forward_backward(model, inputs, targets, micro_batch, device, scale, scaler, positions)
     phase("optimizer")
     if scaler is not None:
         scaler.unscale(optimizer)
@@ -172,28 +190,38 @@ def train_step(
 
 
 def pipeline_loss(
-    model: ParallelModel, inputs, targets, device, train: bool, scale: float, scaler: LossScaler | None = None
+    model: ParallelModel,
+    inputs,
+    targets,
+    device,
+    train: bool,
+    scale: float,
+    scaler: LossScaler | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the schedule (its loss_fn scaled by `scale`, and by fp16's loss scale in training; gradients
-    summed over micro-batches); the summed micro-batch losses on the rank with the last stage, else 0."""
+    summed over micro-batches); the summed micro-batch losses on the rank with the last stage, else 0.
+    `positions` go to every stage as a keyword (the schedule splits them into micro-batches as it
+    splits the inputs): every stage's attention needs the documents."""
     model.loss_fn.scale = scale
     model.loss_fn.scaler = scaler if train else None
     losses = [] if model.has_last_stage else None
     target = targets if model.has_last_stage else None
     args = (inputs,) if model.has_first_stage else ()
+    kwargs = {} if positions is None else {"positions": positions}
     # return_outputs=False: otherwise the last stage keeps every micro-batch's logits until the step
     # ends, to return them merged (m x tokens x vocabulary; 2 GB a micro-batch for Llama 3 8B at 8k)
     if train:
-        model.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        model.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
     elif isinstance(model.schedule, ScheduleZBVZeroBubble):
         # ZBV's eval() fails in torch 2.13 ("stage doesn't have backward"): run a training step and
         # throw its gradients away (validation batches are few).
         with torch.enable_grad():
-            model.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            model.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         for part in model.parts:
             part.zero_grad(set_to_none=True)
     else:
-        model.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        model.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
     if not losses:
         return torch.zeros((), device=device)
     total = torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
@@ -219,20 +247,22 @@ def reduce_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
 @torch.no_grad()
 def evaluate(model: ParallelModel, batches, device: torch.device, dims: ParallelDims, context) -> float:
     """The validation loss: each global batch's mean over its targets, averaged over `batches`
-    ((inputs, targets, targets in the global batch) of this DP rank)."""
+    ((inputs, targets, positions or None, targets in the global batch) of this DP rank)."""
     for part in model.parts:
         part.eval()
     total = torch.zeros((), device=device)
-    for inputs, targets, n_targets in batches:
+    for inputs, targets, positions, n_targets in batches:
         scale = loss_scale(targets, n_targets, dims.layout)
         inputs, targets = to_device(inputs, device), to_device(targets, device)
+        positions = None if positions is None else to_device(positions, device)
         with context():
             if model.schedule is not None:
-                total += pipeline_loss(model, inputs, targets, device, train=False, scale=scale)
+                total += pipeline_loss(model, inputs, targets, device, train=False, scale=scale, positions=positions)
                 continue
             micro_batch = dims.layout.micro_batch_size * model.rows_per_sample
-            for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch)):
-                total += local_value(micro_batch_loss(model, model.parts[0], x, y)) * scale
+            chunks = zip(inputs.split(micro_batch), targets.split(micro_batch), split_positions(positions, micro_batch))
+            for x, y, p in chunks:
+                total += local_value(micro_batch_loss(model, model.parts[0], x, y, p)) * scale
     for part in model.parts:
         part.train()
     return reduce_loss(total / len(batches), dims)
