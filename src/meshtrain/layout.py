@@ -234,12 +234,6 @@ class Layout:
         """The layout against the model's shape (`args`: ModelArgs), the batch and the schedule."""
         self._validate_model(args)
         t = cfg.training
-        if False and t.compile and self.tp > 1 and self.dp > 1:
-            raise ConfigError(
-                f"training.compile = true with parallel.tp = {self.tp} and FSDP over {self.dp} data-parallel ranks "
-                "fails in torch 2.13 (FSDP hooks inside the whole-model graph that TP needs); compile TP alone or "
-                "TP x PP, or run TP x FSDP eagerly"
-            )
         per_step = self.micro_batch_size * self.dp
         if self.global_batch_size % per_step:
             raise ConfigError(

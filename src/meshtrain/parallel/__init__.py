@@ -129,7 +129,7 @@ def parallelize(
             apply_cp(part, dims.mesh("cp"))
         apply_ac(part, layout.activation_checkpointing, layout.ac_every, random=bool(lora and lora.dropout))
         if training.compile:
-            whole_model = layout.tp > 1 or (layout.dp_cp == 1 and layout.pp == 1)
+            whole_model = layout.dp_cp == 1 and layout.pp == 1
             apply_compile(part, whole_model, exact_casts=fp32_gemm)
         if layout.fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)

@@ -3,14 +3,18 @@ transformer block (torchtitan's choice) where the blocks must stay separate unit
 
 - Whole model (one process, or tensor parallel only): one forward and one backward graph per step,
   so the host launches a handful of compiled kernels instead of walking dozens of modules, hooks
-  and autograd nodes (the host time that bounds small models on a GPU). Under tensor parallelism
-  it is also needed for correctness: in torch 2.13 a compiled block hands plain-tensor gradients
-  back to the eager DTensor redistribution at its boundary (sequence-parallel input), which fails
-  in backward; with the redistributions inside one graph it works.
-- Per block (data parallel, FSDP, pipeline stages): blocks are identical, so one graph is compiled
-  and reused; each block's gradients are ready as soon as its backward graph ran, which keeps
-  DDP's bucketed all-reduce and FSDP's per-block reduce-scatter overlapping the rest of backward
-  (a whole-model backward graph would hand every gradient over at its very end).
+  and autograd nodes (the host time that bounds small models on a GPU).
+- Per block (data parallel, FSDP, pipeline stages, each also with TP): blocks are identical, so one
+  graph is compiled and reused; each block's gradients are ready as soon as its backward graph ran,
+  which keeps DDP's bucketed all-reduce and FSDP's per-block reduce-scatter overlapping the rest of
+  backward (a whole-model backward graph would hand every gradient over at its very end). FSDP needs
+  it: its hooks are marked not to be traced, so a model with FSDP blocks is not one graph.
+
+Under TP the first block's input is the embedding's output after an async redistribution (an
+AsyncCollectiveTensor). In torch 2.13 a compiled function waits on such an input outside its
+autograd node, so the block's input gradient never reaches the embedding: under FSDP its gradient
+stayed zero, under TP alone backward failed in the redistribution. `_wait_collectives`, an eager
+pre-hook on each compiled block, waits first, inside autograd.
 
 `exact_casts` (`emulate_precision_casts`) keeps every bf16 rounding that eager mode does: without it
 inductor fuses away a cast to bf16 and back, and GEMMs in fp32 arithmetic on bf16 storage
@@ -22,9 +26,30 @@ that inductor would keep in fp32 (more exact, not less), and costs time: the com
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 EXACT_CASTS = {"emulate_precision_casts": True}
+
+
+class _WaitCollective(torch.autograd.Function):
+    """The plain tensor of an AsyncCollectiveTensor; its gradient passes through to that tensor."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        done = x.trigger_wait()
+        return done.view_as(done)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@torch.compiler.disable  # a hook of a compiled module is traced unless disabled
+def _wait_collectives(module: nn.Module, args: tuple) -> tuple:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tuple(_WaitCollective.apply(a) if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
 def apply_compile(model: nn.Module, whole_model: bool = False, exact_casts: bool = False) -> None:
@@ -34,4 +59,5 @@ def apply_compile(model: nn.Module, whole_model: bool = False, exact_casts: bool
         model.compile(fullgraph=True, options=options)
         return
     for block in model.layers.values():
+        block.register_forward_pre_hook(_wait_collectives, prepend=True)
         block.compile(fullgraph=True, options=options)
