@@ -60,6 +60,8 @@ CASES = {
     # [parallel]
     "tp zero": (["--parallel.tp", "0"], "parallel.tp"),
     "pp zero": (["--parallel.pp", "0"], "parallel.pp"),
+    "cp zero": (["--parallel.cp", "0"], "parallel.cp"),
+    "cp text": (["--parallel.cp", "two"], "integer"),
     "dp_replicate zero": (["--parallel.dp_replicate", "0"], "parallel.dp_replicate"),
     "zero stage 4": (["--parallel.zero", "4"], "parallel.zero"),
     "schedule": (["--parallel.pp_schedule", "1f2b"], "parallel.pp_schedule"),

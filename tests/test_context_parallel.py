@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
 from meshtrain.parallel.context_parallel import UlyssesAttention
 
 
@@ -63,3 +64,56 @@ def test_all_to_all_attention_equals_attention_over_the_whole_sequence(tmp_path)
     for rank in range(2):
         for case, errors in torch.load(f"{out}.{rank}").items():
             assert max(errors) < 1e-5, (rank, case, errors)
+
+
+LAYOUTS = {
+    "cp2": (("--parallel.cp", "2"), 2),
+    "cp2-zero3": (("--parallel.cp", "2", "--parallel.zero", "3"), 2),
+    "cp2-tp2-zero3": (("--parallel.cp", "2", "--parallel.tp", "2", "--parallel.zero", "3"), 4),
+    "cp2-pp2": (("--parallel.cp", "2", "--parallel.pp", "2"), 4),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_context_parallel_trains_as_one_process_does(reference_run, name):
+    """Each sequence split over two ranks, alone (gradients averaged over the two), with ZeRO-3
+    sharding over them, under TP 2 (one key/value head per TP rank, copied for the all-to-all) and
+    with two pipeline stages: every step's loss and gradient norm, the validation loss and the final
+    weights equal one process's (1e-4)."""
+    layout, nproc = LAYOUTS[name]
+    assert_same_run(reference_run(*layout, nproc=nproc), reference_run())
+
+
+@pytest.mark.multiproc
+def test_a_16k_token_sequence_trains_on_two_processes(corpus, cli_env, tmp_path):
+    """16,384 tokens a sequence, each rank holding 8,192: the loss falls, and each rank's saved
+    activations are about half of what one process holds for the whole sequence (memory.json)."""
+    seq = "16384"
+    extra = ["--training.seq_len", seq, "--model.max_seq_len", seq, "--training.global_batch_size", "1"]
+    extra += ["--training.micro_batch_size", "1", "--training.steps", "4", "--training.lr", "3e-3"]
+    extra += ["--training.eval_every", "0", "--training.eval_batches", "1", "--parallel.cp", "2", "--nproc", "2"]
+    run_dir = tmp_path / "long"
+    result = run_cli(train_args(corpus, run_dir, *extra), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (("--parallel.cp", "2", "--training.seq_len", "33", "--model.max_seq_len", "64"), "divisible by parallel.cp"),
+        (("--parallel.cp", "4", "--parallel.tp", "2", "--parallel.zero", "3", "--nproc", "8"), "query heads"),
+        (("--parallel.cp", "3", "--training.seq_len", "48", "--nproc", "3"), "query heads must be divisible by cp"),
+        (("--parallel.cp", "2", "--nproc", "3"), "not divisible by parallel.tp"),
+    ],
+    ids=["seq", "heads-after-tp", "heads", "world"],
+)
+def test_context_parallel_refusals(corpus, cli_env, tmp_path, extra, fragment):
+    """A CP degree that does not fit the sequence, the heads or the world: one line, before any
+    process starts."""
+    args = train_args(corpus, tmp_path / "run", *extra)
+    if "--nproc" not in extra:
+        args += ["--nproc", "2"]
+    assert_user_error(run_cli(args, cli_env, timeout=120), fragment)

@@ -32,7 +32,7 @@ def full_state_dict(model: ParallelModel, dims: ParallelDims) -> dict[str, torch
     for part in model.parts:
         full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         state.update({k: v.detach().cpu() for k, v in full.items()})
-    if dims.rank_in("dp") or dims.rank_in("tp"):
+    if dims.rank_in("dp") or dims.rank_in("cp") or dims.rank_in("tp"):
         return {}
     gathered = [None] * dims.layout.pp if dist.get_rank() == 0 else None
     dist.gather_object(state, gathered, dst=0, group=dims.mesh("pp").get_group())

@@ -87,6 +87,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal grouped-query attention (GQA): n_kv_heads key/value heads shared by n_heads queries."""
 
+    sequence_slice: tuple[int, int] = (0, 1)  # (this rank's slice, slices) under context parallelism
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_size
@@ -102,10 +104,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (batch, seq, dim); cos/sin the rotary table (positions, head_dim / 2), read from 0, or
         each token's own (batch, seq, head_dim / 2); `mask`: the batch's documents (None: causal)."""
-        batch, seq, _ = x.shape
-        # full sequence here, even when the blocks' inputs are sequence-sharded
+        batch, seq, _ = x.shape  # the whole sequence (or this rank's context-parallel slice of it)
+        # even when the blocks' inputs are sequence-sharded; cos/sin: from position 0 of the whole sequence
+        start = self.sequence_slice[0] * seq
         if cos.ndim == 2:
-            cos, sin = cos[:seq], sin[:seq]
+            cos, sin = cos[start : start + seq], sin[start : start + seq]
+        elif cos.shape[1] != seq:
+            cos, sin = cos[:, start : start + seq], sin[:, start : start + seq]
         q, k, v = self.project(x, cos, sin)
         out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -162,6 +167,8 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    sequence_slice: tuple[int, int] = (0, 1)  # (this rank's slice, slices) under context parallelism
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -181,10 +188,18 @@ class Llama(nn.Module):
 
         `positions` (batch, seq) int64: each token's position within its document, 0 where a
         document starts (packed data, model/masks.py): rotary angles of those positions, and
-        attention within each document only. None: positions 0..seq-1 and causal attention."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        attention within each document only. None: positions 0..seq-1 and causal attention.
+
+        Under context parallelism (parallel/context_parallel.py sets `sequence_slice` to (this
+        rank's slice, slices)) `tokens` and `positions` are of the whole sequence: the rank embeds
+        its contiguous slice and returns that slice's logits; attention gathers the rest."""
+        rank, ranks = self.sequence_slice
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens if ranks == 1 else tokens.chunk(ranks, dim=1)[rank])
+        else:
+            h = tokens  # a later pipeline stage: hidden states (of this rank's slice)
         cos, sin, mask = self.rope_cos, self.rope_sin, None
-        if positions is not None:  # once per forward, for every layer
+        if positions is not None:  # once per forward, for every layer, over the whole sequence
             cos, sin, mask = cos[positions], sin[positions], DocumentMask(positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)

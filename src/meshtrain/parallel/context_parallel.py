@@ -17,8 +17,8 @@ refused ("no sharding strategy registered"), and it supports neither boolean doc
 grouped-query SDPA this model calls. The all-to-all runs wherever the process group runs (gloo,
 NCCL) and is differentiable through torch's functional collectives, which also trace under compile.
 
-`apply_cp` sets the slice a rank holds on the model (`Llama.forward` keeps its part of the tokens
-and of the rotary positions) and wraps each attention's core; `shard_targets` gives the loss the
+`apply_cp` sets the slice a rank holds on the model (`Llama.forward` embeds its part of the tokens,
+each attention rotates by its part of the positions) and wraps each attention's core; `shard_targets` gives the loss the
 same slice of the targets. Gradients then average over DP x CP and ZeRO shards over dp_shard x cp
 (parallel/mesh.py): for the optimizer, context-parallel ranks are data-parallel ranks.
 """
@@ -59,11 +59,11 @@ class UlyssesAttention:
     def __init__(self, core: Callable, group, ranks: int):
         self.core, self.group, self.ranks = core, group, ranks
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         if k.shape[1] % self.ranks:  # fewer key/value heads than ranks: each rank gets a copy of its group's
             k, v = (t.repeat_interleave(self.ranks // k.shape[1], dim=1) for t in (k, v))
         q, k, v = (seq_to_heads(t, self.group, self.ranks) for t in (q, k, v))
-        return heads_to_seq(self.core(q, k, v, *mask), self.group, self.ranks)
+        return heads_to_seq(self.core(q, k, v, mask), self.group, self.ranks)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
@@ -73,7 +73,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     group = cp_mesh.get_group()
     model.sequence_slice = (rank, ranks)
     for block in model.layers.values():
-        attention = block.get_submodule("attention") if hasattr(block, "attention") else _inner(block).attention
+        attention = _inner(block).attention
+        attention.sequence_slice = (rank, ranks)
         attention.attend = UlyssesAttention(attention.attend, group, ranks)
 
 
