@@ -1,10 +1,23 @@
-"""python -m bench [throughput|precision|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|plots|all]
-[options]: see bench/README.md."""
+"""python -m bench [throughput|precision|masking|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|
+plots|all] [options]: see bench/README.md."""
 
 import argparse
 import os
 
-from bench import arithmetic, data, memory, planner, plots, precision, profile, scaling, serve, throughput, watchdog
+from bench import (
+    arithmetic,
+    data,
+    masking,
+    memory,
+    planner,
+    plots,
+    precision,
+    profile,
+    scaling,
+    serve,
+    throughput,
+    watchdog,
+)
 
 p = argparse.ArgumentParser(prog="python -m bench")
 p.add_argument(
@@ -14,6 +27,7 @@ p.add_argument(
     choices=(
         "throughput",
         "precision",
+        "masking",
         "arithmetic",
         "profile",
         "scaling",
@@ -34,6 +48,12 @@ p.add_argument("--batch", type=int, default=8, help="throughput: sequences per s
 p.add_argument("--seq-len", type=int, default=256)
 p.add_argument("--steps", type=int, default=2, help="throughput, precision: steps per timed round")
 p.add_argument("--rounds", type=int, default=6, help="throughput, precision: interleaved timing rounds")
+p.add_argument("--masking-preset", default="tiny", help="masking: the model trained")
+p.add_argument(
+    "--masking-seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048], help="masking"
+)
+p.add_argument("--masking-tokens", type=int, default=2048, help="masking: tokens per step (batch = this / seq_len)")
+p.add_argument("--masking-rounds", type=int, default=3, help="masking: interleaved timing rounds")
 p.add_argument("--arithmetic-rounds", type=int, default=2, help="arithmetic: rounds of 2-process runs")
 p.add_argument("--profile-steps", type=int, default=3, help="profile: steps profiled per variant")
 p.add_argument("--scaling-preset", default="tiny")
@@ -57,6 +77,7 @@ a = p.parse_args()
 for name, suite in (
     ("throughput", throughput),
     ("precision", precision),
+    ("masking", masking),
     ("arithmetic", arithmetic),
     ("profile", profile),
     ("scaling", scaling),

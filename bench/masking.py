@@ -1,0 +1,104 @@
+"""What document masking costs: meshtrain's training step (TrainState.step: parallelize() +
+train_step) on the same packed batch with training.document_masking's positions (each token attends
+within its document, model/masks.py) and without (plain causal attention), timed in interleaved
+rounds in one process. Documents are a few hundred tokens (lengths drawn from 100-500, seeded), so
+every sequence holds several. On a CPU the masked attention is SDPA with a boolean mask; on CUDA
+FlexAttention with a block mask (which skips the blocks outside the documents)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from bench.common import device, markdown, timed, write_results
+from meshtrain.config import load_config
+from meshtrain.train import build
+
+VARIANTS = ("causal", "masked")
+
+
+def document_positions(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """(batch, seq_len) positions of documents of 100-500 tokens packed back to back."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        row = []
+        while len(row) < seq_len:
+            row += range(int(rng.integers(100, 501)))
+        rows.append(row[:seq_len])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def run(preset: str, seq_len: int, batch: int, steps: int, rounds: int) -> dict:
+    dev = device()
+    cfg = load_config(
+        overrides={
+            "model.preset": preset,
+            "model.max_seq_len": seq_len,
+            "training.seq_len": seq_len,
+            "training.global_batch_size": batch,
+            "training.micro_batch_size": batch,
+            "training.dtype": "bf16" if dev.type == "cuda" else "fp32",
+            "training.lr": 3e-4,
+        }
+    )
+    state = build(cfg, with_data=False)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, state.args.vocab_size, (batch, seq_len + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
+    positions = document_positions(batch, seq_len).to(dev)
+    work = {
+        "causal": lambda: state.step(inputs, targets),
+        "masked": lambda: state.step(inputs, targets, None, positions),
+    }
+    for fn in work.values():  # warm-up: kernels, the optimizer's states
+        fn()
+    seconds = {name: [] for name in VARIANTS}
+    cpu_seconds = {name: [] for name in VARIANTS}  # the process's CPU time: steadier on a loaded host
+    for r in range(rounds):
+        for name in VARIANTS[r % 2 :] + VARIANTS[: r % 2]:
+            cpu = time.process_time()
+            seconds[name].append(timed(work[name], steps, dev))
+            cpu_seconds[name].append((time.process_time() - cpu) / steps)
+    row = {"preset": preset, "seq_len": seq_len, "batch": batch}
+    row["documents_per_sequence"] = float((positions == 0).sum()) / batch
+    for name in VARIANTS:
+        row[f"{name}_tokens_per_s"] = batch * seq_len / statistics.median(seconds[name])
+    ratios = [c / m for c, m in zip(seconds["causal"], seconds["masked"])]
+    row["masked_over_causal"] = statistics.median(ratios)
+    row["range"] = [min(ratios), max(ratios)]
+    row["masked_over_causal_cpu_time"] = statistics.median(cpu_seconds["causal"]) / statistics.median(
+        cpu_seconds["masked"]
+    )
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        [
+            r["preset"],
+            f"{r['batch']} x {r['seq_len']}",
+            f"{r['documents_per_sequence']:.1f}",
+            f"{r['causal_tokens_per_s']:,.0f}",
+            f"{r['masked_tokens_per_s']:,.0f}",
+            f"{r['masked_over_causal']:.2f}x ({r['range'][0]:.2f}-{r['range'][1]:.2f})",
+            f"{r['masked_over_causal_cpu_time']:.2f}x",
+        ]
+        for r in rows
+    ]
+    header = ["preset", "batch", "documents / sequence", "causal tok/s", "masked tok/s", "masked / causal speed"]
+    header += ["by CPU time"]
+    return markdown(header, lines)
+
+
+def main(a) -> list[dict]:
+    tokens = a.masking_tokens
+    rows = [
+        run(a.masking_preset, seq_len, max(1, tokens // seq_len), a.steps, a.masking_rounds)
+        for seq_len in a.masking_seq_lens
+    ]
+    write_results("masking", rows, table(rows))
+    return rows
