@@ -243,6 +243,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
         "world_size": s.env.world_size,
         "tp": d.tp,
         "pp": d.pp,
+        "cp": d.cp,
         "dp_replicate": d.dp_replicate,
         "dp_shard": d.dp_shard,
         "zero": d.zero,
