@@ -117,3 +117,19 @@ def test_context_parallel_refusals(corpus, cli_env, tmp_path, extra, fragment):
     if "--nproc" not in extra:
         args += ["--nproc", "2"]
     assert_user_error(run_cli(args, cli_env, timeout=120), fragment)
+
+
+@pytest.mark.multiproc
+def test_a_context_parallel_checkpoint_resumes_on_one_process(corpus, cli_env, tmp_path, reference_run):
+    """Stopped at step 5 on CP 2 x ZeRO-3 (shards over the two sequence slices), resumed on one
+    process: the run ends where the uninterrupted one-process run does."""
+    run_dir = tmp_path / "resharded"
+    stop = ["--checkpoint.every", "5", "--training.stop_at_step", "5"]
+    first = run_cli(
+        train_args(corpus, run_dir, *stop, "--parallel.cp", "2", "--parallel.zero", "3", "--nproc", "2"), cli_env
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli(train_args(corpus, run_dir), cli_env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout + second.stderr
+    assert_same_run(run_dir, reference_run())
