@@ -85,17 +85,24 @@ def test_stop_and_resume_is_exact(name, straight, corpus, cli_env, tmp_path):
     assert {p.name: p.read_text() for p in tmp_path.glob("rng-rank*.txt")} == rng
 
 
+@pytest.fixture(scope="module")
+def zero3_stopped(corpus, cli_env, tmp_path_factory):
+    """A ZeRO-3 2-process run stopped at step 6, trained once: every reshard target resumes from its
+    checkpoint (read-only: each target writes into its own run dir)."""
+    source = tmp_path_factory.mktemp("zero3-source")
+    train(corpus, cli_env, source, *LAYOUTS["zero3-2"], "--training.stop_at_step", "6")
+    return source
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     "target",
     [[], ["--nproc", "2", "--parallel.tp", "2"], ["--nproc", "2", "--parallel.pp", "2"], ["--nproc", "4"]],
     ids=["single", "tp2", "pp2", "dp4"],
 )
-def test_reshard_zero3_checkpoint_onto_other_layouts(target, straight, corpus, cli_env, tmp_path_factory):
-    source = tmp_path_factory.mktemp("zero3-source")
-    train(corpus, cli_env, source, *LAYOUTS["zero3-2"], "--training.stop_at_step", "6")
-    run_dir = tmp_path_factory.mktemp("resharded")
-    ckpt = source / "checkpoints" / "step_00000006"
+def test_reshard_zero3_checkpoint_onto_other_layouts(target, straight, zero3_stopped, corpus, cli_env, tmp_path):
+    run_dir = tmp_path / "resharded"
+    ckpt = zero3_stopped / "checkpoints" / "step_00000006"
     result = train(corpus, cli_env, run_dir, *target, "--checkpoint.resume", str(ckpt))
     assert "'zero': 3" in result.stdout  # it says which layout saved it
     expected, got = losses(straight["single"]), losses(run_dir)
