@@ -146,9 +146,15 @@ def test_a_job_that_reaches_its_time_limit_requeues_itself_and_resumes(slurm, re
     """--time 1 minute, about 70 s of training: USR1 45 s in, a checkpoint and exit 75, the script
     requeues its job, the next run resumes; every step logged once, weights bitwise equal to an
     uninterrupted run of the same layout. (A requeued job starts again once its old credential
-    has expired: scripts/local-slurm.sh sets 10 s instead of the default 120.)"""
+    has expired: scripts/local-slurm.sh sets 10 s instead of the default 120.) Only the first run
+    is slowed (3 s steps, so that it is still training at the USR1): the requeued one trains its
+    remaining steps at full speed instead of 3 s each (and cannot meet the limit a second time)."""
     run_dir, steps = tmp_path / "run", ["--training.steps", "20"]
     out = jobscript(cli_env, tmp_path, "task-per-rank", corpus, run_dir, *steps, limit="00:01:00")
+    script = out.read_text()
+    assert script.count("\nset -euo pipefail\n") == 1
+    first_run_only = '[ "${SLURM_RESTART_COUNT:-0}" = 0 ] || unset MESHTRAIN_STEP_SLEEP  # test: first run slowed\n'
+    out.write_text(script.replace("\nset -euo pipefail\n", "\nset -euo pipefail\n" + first_run_only))
     log = submit(out, tmp_path, faulty(cli_env, MESHTRAIN_STEP_SLEEP="3"), timeout=420)
     job = log.split("requeueing job ", 1)[-1].split()[0] if "requeueing job" in log else ""
     state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
