@@ -49,20 +49,56 @@ def _ulysses_worker(rank: int, store: str, out: str) -> None:
             (got.detach() - want[0][:, :, mine]).abs().max().item(),
             *[(g.grad - w[:, :, mine]).abs().max().item() for g, w in zip(local, want[1:])],
         ]
+    results["model"] = _model_with_documents(rank)
     torch.save(results, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _model_with_documents(rank: int) -> list[float]:
+    """The model on two ranks with packed documents (per-document rotary positions and masks):
+    this rank's slice of the logits and every weight's gradient against one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshtrain.model.llama import Llama, ModelArgs
+    from meshtrain.parallel.context_parallel import apply_cp
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=32)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    starts = [[0, 5, 17], [0, 11]]  # row 0: three documents (one across the ranks' boundary), row 1: two
+    positions = torch.stack(
+        [torch.arange(24) - torch.tensor([max(s for s in row if s <= i) for i in range(24)]) for row in starts]
+    )
+    grads = {}
+    for split in (False, True):
+        model = Llama(args)
+        model.init_weights(seed=0)
+        if split:
+            apply_cp(model, init_device_mesh("cpu", (2,)))
+        logits = model(tokens, positions)
+        logits.square().mean().backward()
+        grads[split] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (whole, want), (mine, got) = grads[False], grads[True]
+    # each rank's loss is of its half; the two ranks' gradients sum to the whole sequence's
+    for name in got:
+        dist.all_reduce(got[name])
+    errors = [(mine - whole[:, rank * 12 : (rank + 1) * 12]).abs().max().item()]
+    return errors + [((got[n] / 2 - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-12)).item() for n in want]
 
 
 @pytest.mark.multiproc
 def test_all_to_all_attention_equals_attention_over_the_whole_sequence(tmp_path):
     """Two ranks, each with half of every sequence: outputs and the gradients of q, k and v equal
     full-sequence attention's, with grouped key/value heads, fewer key/value heads than ranks, and a
-    document mask."""
+    document mask; and the model with packed documents (a document across the ranks' boundary)
+    gives each rank its slice of one process's logits, and the same gradients."""
     out = tmp_path / "out"
     mp.spawn(_ulysses_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2)
     for rank in range(2):
         for case, errors in torch.load(f"{out}.{rank}").items():
+            if case == "model":
+                assert max(errors) < 1e-4, (rank, errors)
+                continue
             assert max(errors) < 1e-5, (rank, case, errors)
 
 
