@@ -2,7 +2,8 @@
 print, write the best layout as a training config, and dry-run it (--verify). [peft] (--peft
 lora|qlora, --lora-rank, --lora-targets, ...), --objective dpo, fp16 (--dtype fp16), FP8 (--fp8) and
 CPU offload (--cpu-offload, a layout knob that is never searched: off unless given) are planned too,
-and written.
+and written. Context parallelism (--cp N, parallel.cp) is searched over the powers of two that fit
+the GPUs, the sequence and the heads, unless given.
 
 The flags that name config keys (--model.*, --training.*, --parallel.*, with short aliases) are read
 by the config loader, so they take exactly the values the trainer takes; a layout key given on the
@@ -48,6 +49,7 @@ PLAN_KEYS = {
     "training.ac_every": (),
     "parallel.tp": ("--tp",),
     "parallel.pp": ("--pp",),
+    "parallel.cp": ("--cp",),
     "parallel.zero": ("--zero",),
     "parallel.dp_replicate": ("--dp-replicate",),
     "parallel.pp_schedule": ("--pp-schedule",),
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         shape = Shape.from_args(model)
     else:
         shape = Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, model.max_seq_len)
-    gpus = o.gpus or (cfg.parallel.tp * cfg.parallel.pp if explain else 8)
+    gpus = o.gpus or (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp if explain else 8)
     global_batch = t.global_batch_size if explain or "training.global_batch_size" in given else 4 * gpus
     gpus_per_node = o.gpus_per_node or (gpus if o.gpu == "cpu" else min(gpus, 8))
     peak = t.peak_tflops or None
@@ -170,6 +172,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
     peft = LoraSpec.from_config(cfg.peft)
     pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
+    if "cp" in pinned:
+        check_cp(shape, cfg.parallel.cp, cfg.parallel.tp if "tp" in pinned else 1, gpus, seq_len)
     check_peft(peft, o.arch, dtype, gpus, {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "zero") if k in pinned})
     w = Workload(
         shape,
@@ -254,6 +258,26 @@ def check_precision(dev, fp8: str, cpu_offload: bool, host_memory_gib: float | N
         )
     if cpu_offload and dev.name == "cpu":
         raise MeshtrainError("--cpu-offload moves a GPU's model states to host memory: on --gpu cpu they are there")
+
+
+def check_cp(shape: Shape, cp: int, tp: int, gpus: int, seq_len: int) -> None:
+    """A pinned context-parallel degree that no layout can take, refused in one line: Ulysses splits
+    each TP rank's query heads over the cp ranks, and each sequence into cp equal slices; and the
+    world is tp x pp x cp x dp. (The trainer's other rules, key/value heads and sequence parallelism's
+    slice, drop layouts in the search, which says why.)"""
+    if cp == 1:
+        return
+    heads = shape.n_heads // tp
+    if heads % cp:
+        where = f"{heads} query heads per tensor-parallel rank (tp {tp})" if tp > 1 else f"{heads} query heads"
+        raise MeshtrainError(
+            f"--cp {cp}: context parallelism splits the attention heads over its ranks (an all-to-all), and "
+            f"the model's {where} are not divisible by {cp}; use a cp that divides them"
+        )
+    if seq_len % cp:
+        raise MeshtrainError(f"--cp {cp}: the sequence of {seq_len} tokens does not split into {cp} equal slices")
+    if gpus % (cp * tp):
+        raise MeshtrainError(f"--cp {cp}: {gpus} GPUs are not divisible by cp x tp = {cp * tp}")
 
 
 def check_peft(peft: LoraSpec | None, arch: str, dtype: str, gpus: int, pinned: dict) -> None:

@@ -11,6 +11,7 @@ from meshtrain.plan.saved import (
     Precision,
     adapter_saved,
     compiled_llama_block,
+    cp_saved,
     gpt_block,
     llama_block,
     op_block,
@@ -41,16 +42,18 @@ def block_bytes_per_token(w: Workload, layout: Layout) -> float:
         return per_token_bytes(gpt_block(shape, w), layout)
     prec = Precision.of(w, layout.fsdp)
     lora = adapter_saved(shape, prec, w.peft) if w.peft else []
-    if w.compiled:
-        return per_token_bytes(compiled_llama_block(shape, prec) + lora, layout)
-    return per_token_bytes(llama_block(shape, prec, w.device == "cuda", w.peft) + lora, layout)
+    cp = cp_saved(shape, layout, prec.attention)
+    if w.compiled:  # inductor keeps the core's output and wo's input apart already: CP adds the key/value copies
+        return per_token_bytes(compiled_llama_block(shape, prec) + lora + cp[1:], layout)
+    return per_token_bytes(llama_block(shape, prec, w.device == "cuda", w.peft) + lora + cp, layout)
 
 
 def checkpointed_block_bytes_per_token(w: Workload, layout: Layout) -> float:
     """A checkpointed block keeps only its input; under "op" also what op_block lists."""
     prec = Precision.of(w, layout.fsdp) if w.shape.arch == "llama" else None
     if layout.activation_checkpointing == "op":
-        return per_token_bytes(op_block(w.shape, w, layout, prec), layout)
+        cp = cp_saved(w.shape, layout, prec.attention, op=True) if prec else []
+        return per_token_bytes(op_block(w.shape, w, layout, prec) + cp, layout)
     stream = prec.stream if prec else (4 if w.dtype == "fp32" else 2)
     return w.shape.dim * stream / (layout.tp if layout.sequence_parallel else 1)
 
@@ -100,11 +103,32 @@ def in_flight(layout: Layout, micro_batches: int) -> float:
     return chunks / v
 
 
+def local_tokens(w: Workload, layout: Layout) -> int:
+    """Tokens of a micro-batch one rank computes: its slice of S / cp of each sequence under context
+    parallelism (embedding, norms, projections, MLP and loss; attention's internals over the whole
+    sequence for heads / cp hold as much, cp_saved)."""
+    return layout.micro_batch_size * (w.seq_len // layout.cp) * w.sequences
+
+
+def all_to_all_bytes_per_token(w: Workload, layout: Layout) -> float:
+    """Bytes of the tensors one layer's four all-to-alls move, per token of the rank's slice (before
+    the (cp - 1) / cp that leaves the rank): q and the attention output (q_dim), k and v (their heads
+    copied up to cp where fewer), on one TP rank, in the attention's dtype; 0 without CP."""
+    if layout.cp == 1:
+        return 0.0
+    s = w.shape
+    kv = max(s.n_kv_heads // layout.tp, layout.cp) * s.head_dim
+    half = 4 if w.dtype == "fp32" or w.fp32_attention else 2
+    return (2 * s.q_dim / layout.tp + 2 * kv) * half
+
+
 def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str, float]:
     """Bytes of saved activations on one rank at the peak of a step, and the transient working
     set on top of them (the logits' gradient; one checkpointed block recomputed in backward; DPO's
-    no-grad reference forward: one block's working set and the logits with their fp32 log-softmax)."""
-    tokens = layout.micro_batch_size * w.seq_len * w.sequences
+    no-grad reference forward: one block's working set and the logits with their fp32 log-softmax;
+    under context parallelism the all-to-alls' buffers of one attention: the tensors sent and
+    received, `all_to_all`)."""
+    tokens = local_tokens(w, layout)
     layers = [n for stage in layout.stage_layers(w.shape.n_layers, pp_rank) for n in stage]
     full, ckpt = block_bytes_per_token(w, layout), checkpointed_block_bytes_per_token(w, layout)
     if layout.activation_checkpointing in ("full", "op"):
@@ -123,10 +147,13 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int = 0) -> dict[str,
         tokens * (max(0.0, full - ckpt) if layout.activation_checkpointing == "op" else full) if checkpointed else 0.0
     )
     logits = tokens * logits_working_bytes_per_token(w, layout) if last else 0.0
+    all_to_all = tokens * all_to_all_bytes_per_token(w, layout)
+    recompute += all_to_all  # in the blocks' backward: the gradients of q, k, v by heads and by sequence
     return {
         "saved": saved,
         "per_micro_batch": per_micro_batch,
-        "recompute": recompute,
+        "recompute": recompute,  # with the all-to-alls' buffers
+        "all_to_all": all_to_all,
         "logits": logits,
         # at the output layer's backward: the logits' gradient; what the loss saved is freed by then
         "logits_grad": tokens * _vocab(w, layout) * _half_bytes(w) if last else 0.0,
@@ -164,8 +191,8 @@ def other_bytes(
 
 
 def ddp_buckets(layout: Layout) -> bool:
-    """Whether the trainer wraps the model in DDP: replicas (ZeRO-0/1) without pipelining."""
-    return layout.dp > 1 and not layout.fsdp and layout.pp == 1
+    """Whether the trainer wraps the model in DDP: replicas (ZeRO-0/1, over DP x CP) without pipelining."""
+    return layout.ddp
 
 
 def gathered_bytes(w: Workload, layout: Layout, elements: float, block_linear: float) -> float:
@@ -243,7 +270,7 @@ def reference_copy_bytes(w: Workload, layout: Layout, rank: int) -> int:
     c = layout.coordinates(rank)
     params = stage_params(w.shape, layout, c["pp"])
     return sum(
-        (2 if w.dtype != "fp32" and len(p.shape) >= 2 else 4) * local_numel(p, layout, c["tp"], c["dp_shard"])
+        (2 if w.dtype != "fp32" and len(p.shape) >= 2 else 4) * local_numel(p, layout, c["tp"], c["shard"])
         for p in params
     )
 
@@ -276,7 +303,7 @@ def rank_memory(
     memory, states.host_state_bytes): only the gathered blocks in flight (each shard copied to the
     GPU for its all-gather), one block's unsharded gradients before their reduce-scatter, the
     activations and the buffers."""
-    rank = pp_rank * layout.dp * layout.tp
+    rank = pp_rank * (layout.world // layout.pp)
     states = model_state_bytes(w.shape, layout, rank, w.peft, w.dtype)
     states = {k: 0 for k in states} if layout.cpu_offload else states
     act = activation_bytes(w, layout, pp_rank)

@@ -156,6 +156,28 @@ def gpt_block(shape: Shape, w: Workload) -> list[tuple[str, float, int, str]]:
     return saved
 
 
+def cp_saved(shape: Shape, layout: Layout, attention: int, op: bool = False) -> list[tuple[str, float, int, str]]:
+    """What Ulysses attention (parallel/context_parallel.py) adds to a Llama block's saved tensors, per
+    token of the rank's slice of S / cp (the attention core over the whole sequence for heads / cp
+    saves as many elements as the slice for every head: q, k, v, its output and log-sum-exp are the
+    block's own entries). The core's output, in the heads layout, is no longer the tensor wo saves:
+    the all-to-all back makes wo's input (one more attention output). With fewer key/value heads per
+    TP rank than cp, each is copied to cp of them before the all-to-all, and the core keeps the
+    copies. Under op-level checkpointing ("op") the all-to-alls' outputs are kept as the TP
+    collectives' are (SAVED_OPS): q, k, v gathered by heads and the output back by sequence. Elements
+    are of the whole model, split over TP ("tp"), as the other tables give them."""
+    if layout.cp == 1:
+        return []
+    q, kv_local = shape.q_dim, shape.n_kv_heads // layout.tp
+    kv = max(kv_local, layout.cp) * shape.head_dim * layout.tp  # key/value elements the all-to-all moves
+    if op:
+        return [("all-to-all outputs: q, k, v by heads, attention output by sequence", 2 * q + 2 * kv, attention, "tp")]
+    saved = [("attention output by sequence (wo's input, after the all-to-all)", q, attention, "tp")]
+    if kv > shape.kv_dim:
+        saved.append(("k, v heads copied for the all-to-all", 2 * (kv - shape.kv_dim), attention, "tp"))
+    return saved
+
+
 def per_token_bytes(saved, layout: Layout) -> float:
     t, sp = layout.tp, layout.sequence_parallel
 

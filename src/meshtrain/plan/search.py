@@ -80,10 +80,12 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
             return str(e)
         return ""
     s = w.shape
-    if layout.cpu_offload and (layout.zero != 3 or layout.dp_shard == 1):
+    if layout.cpu_offload and (layout.zero != 3 or layout.shard_ranks == 1):
         return "cpu offload moves ZeRO-3's shards to host memory: it needs zero 3 over more than one shard"
     if s.n_heads % layout.tp or s.ffn_dim % layout.tp or s.vocab_size % layout.tp:
         return f"heads, ffn and vocabulary must be divisible by tp {layout.tp}"
+    if layout.cp > 1 and (w.seq_len % layout.cp or s.n_heads // layout.tp % layout.cp):
+        return f"the sequence and the heads per TP rank must be divisible by cp {layout.cp}"
     if s.n_layers < layout.pp * layout.stages_per_rank:
         return "fewer layers than pipeline stages"
     if layout.global_batch_size % (layout.micro_batch_size * layout.dp):
@@ -116,13 +118,33 @@ def schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
     return [(name, s) for s in stages] or [(name, 2)]
 
 
+# The shortest slice of a sequence the search gives a context-parallel rank (a pinned --cp may go
+# lower): shorter sequences fit a GPU without CP, and the planner does not model what small slices
+# cost beyond the all-to-alls' bytes (a GEMM's rows per rank, the all-to-alls' latency).
+MIN_CP_SLICE = 2048
+
+
+def cp_degrees(w: Workload, ranks: int) -> list[int]:
+    """Context-parallel degrees to try on `ranks` (world / (tp x pp)): 1, and the powers of two
+    dividing them, the sequence and the query heads (what Ulysses splits; `check` applies the
+    trainer's full rules: per TP rank, key/value heads, sequence parallelism's slice) that leave each
+    rank at least MIN_CP_SLICE tokens of a sequence."""
+    out, cp = [1], 2
+    while ranks % cp == 0 and w.seq_len % cp == 0 and w.shape.n_heads % cp == 0 and w.seq_len // cp >= MIN_CP_SLICE:
+        out.append(cp)
+        cp *= 2
+    return out
+
+
 def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fixed: dict) -> list[Layout]:
     """Every combination of the free knobs; `fixed` pins any of the Layout's fields by its config key
-    name (tp, pp, zero, dp_replicate, micro_batch_size, activation_checkpointing, ac_every, pp_schedule,
-    pp_virtual_stages, sequence_parallel, loss_parallel, cpu_offload). QLoRA runs on one process or plain
-    DDP: only TP 1, PP 1 and ZeRO 0/1 are proposed (a pinned other value is refused by `check`). CPU
-    offload is never searched: off unless pinned (then every layout is proposed, and `check` keeps the
-    ZeRO-3 ones the trainer takes)."""
+        name (tp, pp, cp, zero, dp_replicate, micro_batch_size, activation_checkpointing, ac_every, pp_schedule,
+        pp_virtual_stages, sequence_parallel, loss_parallel, cpu_offload). QLoRA runs on one process or plain
+        DDP: only TP 1, PP 1, CP 1 and ZeRO 0/1 are proposed (a pinned other value is refused by `check`). CPU
+        offload is never searched: off unless pinned (then every layout is proposed, and `check` keeps the
+        ZeRO-3 ones the trainer takes). Context parallelism: the powers of two that fit, down to
+    MIN_CP_SLICE tokens a rank (cp_degrees);
+        DP = gpus / (tp x pp x cp), and ZeRO shards over dp_shard x cp."""
 
     def options(name, values):
         return [fixed[name]] if fixed.get(name) is not None else values
@@ -130,16 +152,19 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fi
     q = w.quantized
     out = []
     for tp in options("tp", [1] if q else [d for d in _divisors(gpus_per_node) if gpus % d == 0]):
-        for pp in options("pp", [1] if q else [d for d in _divisors(gpus // tp) if d <= w.shape.n_layers]):
-            if gpus % (tp * pp):
+        for pp, cp in itertools.product(
+            options("pp", [1] if q else [d for d in _divisors(gpus // tp) if d <= w.shape.n_layers]),
+            options("cp", [1] if q else cp_degrees(w, gpus // tp)),
+        ):
+            if gpus % (tp * pp * cp):
                 continue
-            dp = gpus // (tp * pp)
-            zeros = ([0, 1] if q else [0, 1, 2, 3]) if dp > 1 else [0]
+            dp = gpus // (tp * pp * cp)
+            zeros = ([0, 1] if q else [0, 1, 2, 3]) if dp * cp > 1 else [0]
             for zero, ac in itertools.product(
                 options("zero", zeros), options("activation_checkpointing", list(AC_MODES))
             ):
                 replicate = [1] + [
-                    r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and dp // r * tp == gpus_per_node
+                    r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and dp // r * cp * tp == gpus_per_node
                 ]
                 micro = [b for b in (1, 2, 4, 8, 16, 32) if global_batch % (b * dp) == 0]
                 pipelines = schedules(pp, w.shape.n_layers, fixed)
@@ -152,6 +177,7 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fi
                         Layout(
                             tp=tp,
                             pp=pp,
+                            cp=cp,
                             dp_replicate=r,
                             dp_shard=dp // r,
                             zero=zero,

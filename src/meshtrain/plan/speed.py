@@ -13,9 +13,11 @@ from __future__ import annotations
 from meshtrain.layout import Layout
 from meshtrain.plan.hardware import Device
 from meshtrain.plan.memory import (
+    all_to_all_bytes_per_token,
     block_bytes_per_token,
     ends_bytes_per_token,
     gathered_bytes,
+    local_tokens,
     logits_working_bytes_per_token,
 )
 from meshtrain.plan.states import STATE_BYTES, model_state_bytes, stage_sums, target_elements, trainable_sums
@@ -71,12 +73,19 @@ def memory_traffic_per_token(w: Workload, layout: Layout, pp_rank: int, layers: 
 def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float, pp_rank: int) -> dict[str, float]:
     """One micro-batch's forward + backward on one pipeline rank: matmuls at their shape's efficiency
     and attention at the device's attention efficiency (recomputation included), memory-bound work,
-    TP collectives and the sends to the neighbouring stages."""
+    TP collectives, CP's all-to-alls and the sends to the neighbouring stages.
+
+    Under context parallelism a rank computes S / cp tokens of each sequence: the matmuls and the
+    memory-bound work of its slice (1 / cp of the sequence's), and attention over the whole sequence
+    for heads / cp, which is the same 12 q_dim S FLOPs per token of its slice (1 / cp of the
+    sequence's; causal: every rank holds every query position, so none waits on another). Causal or
+    document-masked, attention is counted as the dense product, as PaLM's and the training log's MFU
+    count it (see docs/planning.md: document masking's cost)."""
     shape, t, s, h = w.shape, layout.tp, w.seq_len, w.shape.dim
     gemm_dtype = "fp32" if w.dtype == "fp32" or w.fp32_arithmetic else w.dtype
     attention_dtype = "fp32" if w.dtype == "fp32" or w.fp32_attention else w.dtype
     act_bytes = 4 if w.dtype == "fp32" else 2
-    tokens = layout.micro_batch_size * s * w.sequences
+    tokens = local_tokens(w, layout)
     layers = [n for stage in layout.stage_layers(shape.n_layers, pp_rank) for n in stage]
     block = stage_sums(shape, layout, pp_rank).block_full
     head = shape.vocab_size * h if layout.holds_last_stage(pp_rank) else 0
@@ -113,16 +122,28 @@ def micro_batch_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float
     if t > 1:  # 4 all-reduces (or reduce-scatter + all-gather pairs) per block and pass: 8 b s h (t-1)/t
         passes = len(layers) + recomputed / 2
         tp_comm = 8 * tokens * h * act_bytes * (t - 1) / t * passes / (_bandwidth(t, dev, inter_gbps) * 1e9)
+    cp_comm = 0.0
+    if layout.cp > 1:
+        # Ulysses: q, k, v in and the output back, an all-to-all each, per block and pass (forward,
+        # backward, and a recomputed block's forward again; "op" keeps their outputs), each sending
+        # (cp - 1) / cp of the rank's tensor to ranks tp apart inside the cp x tp group. They sit on
+        # the critical path: attention waits for its q, k, v and wo for its input, so nothing overlaps
+        # them with compute (unlike the DP traffic below).
+        passes = 2 * len(layers) + recomputed  # "op" recomputes no block's all-to-alls (recomputed is 0)
+        ring = (layout.cp - 1) / layout.cp
+        moved = tokens * all_to_all_bytes_per_token(w, layout) * ring * passes
+        cp_comm = moved / (_bandwidth(layout.cp * t, dev, inter_gbps) * 1e9)
     p2p = 0.0
-    if layout.pp > 1:  # activations forward, their gradients backward, to the next stage dp x tp ranks away
-        span = layout.dp * t * 2
+    if layout.pp > 1:  # activations forward, their gradients backward, to the next stage dp x cp x tp ranks away
+        span = layout.dp * layout.cp * t * 2
         p2p = 2 * tokens * h * act_bytes / t / (_bandwidth(span, dev, inter_gbps) * 1e9)
     return {
         "compute": compute,
         "memory_bound": memory_bound,
         "tp_comm": tp_comm,
+        "cp_comm": cp_comm,
         "p2p": p2p,
-        "total": compute + memory_bound + tp_comm + p2p,
+        "total": compute + memory_bound + tp_comm + cp_comm + p2p,
     }
 
 
@@ -135,7 +156,7 @@ def model_flops_per_token(w: Workload) -> float:
 
 def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> dict[str, float]:
     """Seconds per optimizer step and what they buy: tokens/s, model TFLOP/s per GPU and MFU."""
-    p, dp, t = layout.pp, layout.dp, layout.tp
+    p, dp, t = layout.pp, layout.dp_cp, layout.tp  # gradients average over DP x CP
     m = layout.micro_batches
     per_rank = [micro_batch_time(w, layout, dev, inter_gbps, r) for r in sorted({0, p - 1})]
     slowest = max(per_rank, key=lambda x: x["total"])
@@ -148,15 +169,16 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
     stage = stage_sums(w.shape, layout, 0)
     gathered = gathered_bytes(w, layout, stage.total + (local if w.peft is not None else 0), stage.block_linear)
     dp_comm = 0.0
-    if dp > 1:  # gradients, psi bytes in fp32
+    if dp > 1:  # gradients, psi bytes in fp32, averaged over DP x CP; FSDP shards over dp_shard x cp
         psi = local * STATE_BYTES["grads"]
+        shards = layout.shard_ranks
         if layout.fsdp:  # reduce-scatter the gradients, all-gather the parameters (twice for ZeRO-3)
-            ring = (layout.dp_shard - 1) / layout.dp_shard
+            ring = (shards - 1) / shards
             gathers = 2 if layout.zero == 3 else 1
-            dp_comm = ring * (psi + gathers * gathered) / (_bandwidth(layout.dp_shard * t, dev, inter_gbps) * 1e9)
+            dp_comm = ring * (psi + gathers * gathered) / (_bandwidth(shards * t, dev, inter_gbps) * 1e9)
             if layout.dp_replicate > 1:
                 r = layout.dp_replicate
-                dp_comm += 2 * (r - 1) / r * psi / layout.dp_shard / (inter_gbps * 1e9)
+                dp_comm += 2 * (r - 1) / r * psi / shards / (inter_gbps * 1e9)
         else:
             dp_comm = 2 * (dp - 1) / dp * psi / (_bandwidth(dp * t, dev, inter_gbps) * 1e9)
     # On a GPU, NCCL runs beside the kernels: gradient traffic hides behind the last micro-batch's
@@ -164,7 +186,7 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
     overlap = 0.0 if dev.name == "cpu" else slowest["compute"]
     exposed = max(0.0, dp_comm - overlap)
     # Fused AdamW reads parameter, gradient and two moments and writes parameter and moments (fp32).
-    moments = local / (layout.dp_shard if layout.fsdp else dp if layout.zero == 1 else 1)
+    moments = local / (layout.shard_ranks if layout.fsdp else dp if layout.zero == 1 else 1)
     optimizer = moments * 28 / (dev.memory_gbs * 1e9)
     pcie = 0.0
     if layout.cpu_offload:
@@ -182,6 +204,7 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
             "compute": m * slowest["compute"],
             "memory_bound": m * slowest["memory_bound"],
             "tp_comm": m * slowest["tp_comm"],
+            "cp_comm": m * slowest["cp_comm"],
             "pp_p2p": m * slowest["p2p"],
             "pp_bubble": bubble,
             "dp_comm_exposed": exposed,

@@ -7,7 +7,8 @@ while computing), gradients are fp32, AdamW keeps two fp32 moments: 4 + 4 + 8 = 
 parameter, the same 16 as the ZeRO paper's 2 + 2 + 12 with the fp32 master counted as the parameter.
 ZeRO-1 shards the moments (whole tensors, greedily, as ZeroRedundancyOptimizer does); ZeRO-2/3
 (FSDP2) shard parameters, gradients and moments along dim 0; CPU offload (ZeRO-3) keeps all three in
-host memory.
+host memory. Under context parallelism the cp ranks of a sequence are data-parallel ranks for the
+states: ZeRO-1 partitions over DP x CP, FSDP shards over dp_shard x cp (Layout.shard_ranks).
 
 LoRA/QLoRA (model/lora.py): only the adapters A (r x in) and B (out x r) of each target linear train,
 with the same 16 bytes a parameter, sharded like the layout (TP splits B with a column-parallel
@@ -46,10 +47,12 @@ def _chunk(n: int, parts: int, index: int) -> int:
 
 
 def local_numel(p: Param, layout: Layout, tp_rank: int, shard_rank: int) -> int:
-    """Elements of a parameter one rank holds: its tensor-parallel slice, then its FSDP shard of dim 0."""
+    """Elements of a parameter one rank holds: its tensor-parallel slice, then its FSDP shard of dim 0
+    (`shard_rank`: the rank's place among the dp_shard x cp ranks FSDP shards over, Layout.coordinates'
+    "shard")."""
     if not layout.fsdp:
         return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, 1, 0)
-    return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, layout.dp_shard, shard_rank)
+    return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, layout.shard_ranks, shard_rank)
 
 
 @functools.cache
@@ -122,10 +125,10 @@ def frozen_bytes(p: Param, numel: int, peft: LoraSpec, dtype: str) -> float:
 def _peft_state_bytes(shape: Shape, layout: Layout, rank: int, peft: LoraSpec, dtype: str) -> dict[str, int]:
     c = layout.coordinates(rank)
     params = stage_params(shape, layout, c["pp"])
-    base = sum(frozen_bytes(p, local_numel(p, layout, c["tp"], c["dp_shard"]), peft, dtype) for p in params)
-    local = [(local_numel(a, layout, c["tp"], c["dp_shard"]), True) for a in adapters(params, peft)]
+    base = sum(frozen_bytes(p, local_numel(p, layout, c["tp"], c["shard"]), peft, dtype) for p in params)
+    local = [(local_numel(a, layout, c["tp"], c["shard"]), True) for a in adapters(params, peft)]
     held = sum(n for n, _ in local)
-    moments = zero1_partition(local, layout.dp)[c["dp"]] if layout.zero == 1 and layout.dp > 1 else held
+    moments = zero1_partition(local, layout.dp_cp)[_zero1_index(layout, c)] if _zero1(layout) else held
     return {
         "params": int(base) + STATE_BYTES["params"] * held,
         "grads": STATE_BYTES["grads"] * held,
@@ -133,11 +136,22 @@ def _peft_state_bytes(shape: Shape, layout: Layout, rank: int, peft: LoraSpec, d
     }
 
 
+def _zero1(layout: Layout) -> bool:
+    """ZeroRedundancyOptimizer partitions the moments, over the DP x CP ranks the gradients average over."""
+    return layout.zero == 1 and layout.dp_cp > 1
+
+
+def _zero1_index(layout: Layout, c: dict[str, int]) -> int:
+    """A rank's place in the flattened dp x cp group its optimizer is partitioned over (cp innermost)."""
+    return c["dp"] * layout.cp + c["cp"]
+
+
 def _sharding(layout: Layout) -> Layout:
     """The fields that decide who holds which parameter (a cache key)."""
     return Layout(
         tp=layout.tp,
         pp=layout.pp,
+        cp=layout.cp,
         dp_replicate=layout.dp_replicate,
         dp_shard=layout.dp_shard,
         zero=layout.zero,
@@ -233,9 +247,9 @@ def target_elements(w: Workload, layout: Layout, pp_rank: int) -> int:
 def _model_state_bytes(shape: Shape, layout: Layout, rank: int) -> dict[str, int]:
     c = layout.coordinates(rank)
     params = stage_params(shape, layout, c["pp"])
-    local = [(local_numel(p, layout, c["tp"], c["dp_shard"]), len(p.shape) >= 2) for p in params]
+    local = [(local_numel(p, layout, c["tp"], c["shard"]), len(p.shape) >= 2) for p in params]
     held = sum(n for n, _ in local)
-    moments = zero1_partition(local, layout.dp)[c["dp"]] if layout.zero == 1 and layout.dp > 1 else held
+    moments = zero1_partition(local, layout.dp_cp)[_zero1_index(layout, c)] if _zero1(layout) else held
     grads = held
     if layout.tp > 1 and not layout.fsdp:  # DTensor's vocabulary-parallel embedding: its gradient comes back whole
         grads += sum(p.numel - n for p, (n, _) in zip(params, local, strict=True) if p.name == "tok_embeddings.weight")
@@ -252,5 +266,5 @@ def host_state_bytes(w: Workload, layout: Layout) -> int:
     any pipeline rank; 0 without offload."""
     if not layout.cpu_offload:
         return 0
-    ranks = (pp_rank * layout.dp * layout.tp for pp_rank in range(layout.pp))
+    ranks = (pp_rank * (layout.world // layout.pp) for pp_rank in range(layout.pp))
     return max(sum(model_state_bytes(w.shape, layout, rank, w.peft, w.dtype).values()) for rank in ranks)

@@ -17,6 +17,9 @@ A pipeline rank runs its stages' forward and backward directly, one micro-batch 
 schedules read a value during their warm-up, which fake tensors do not have), then the optimizer
 step; its activations are one micro-batch's, measured, with the blocks' part times the micro-batches
 the schedule keeps in flight. The working set and the peak ("other", "total") are the planner's.
+A context-parallel job (parallel.cp) runs as built: the model keeps this rank's slice of each
+sequence, and each attention's all-to-alls run through torch's functional collectives on the fake
+process group (its alltoall_base returns at once, the output a fake tensor of the received shape).
 A CPU-offload job (parallel.cpu_offload) is built without FSDP2's CPUOffloadPolicy, whose pinned
 host memory has no fake tensor: the same shards, measured and planned as if they stayed on the GPU
 (on the job's GPUs they are host memory, which `meshtrain plan` reports per node).
@@ -60,9 +63,10 @@ class RankReport:
 
 def busiest_ranks(layout: Layout) -> list[int]:
     """Rank 0 of the first pipeline stage and of the last (they hold the embedding and the output:
-    the largest shards); one rank without pipelining."""
+    the largest shards); one rank without pipelining. (Every context-parallel rank of a sequence
+    holds as much: Ulysses gives each the same slice of tokens and share of the heads.)"""
     pp_ranks = sorted({0, *(r for r in range(layout.pp) if layout.holds_last_stage(r))})
-    return [pp_rank * layout.dp * layout.tp for pp_rank in pp_ranks]
+    return [pp_rank * (layout.world // layout.pp) for pp_rank in pp_ranks]
 
 
 def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[RankReport]:
@@ -229,8 +233,11 @@ def _stages_step(model, optimizer, layout: Layout, t, context, args) -> tuple[in
     from meshtrain.train.measure import SavedActivations
 
     mb = layout.micro_batch_size
-    # what a stage receives from the one before: the sequence split over TP under sequence parallelism
-    seq_in = t.seq_len // layout.tp if layout.tp > 1 and layout.sequence_parallel else t.seq_len
+    # what a stage receives from the one before: this rank's slice of the sequence under context
+    # parallelism (the first stage and the loss take whole sequences), split over TP under sequence
+    # parallelism
+    seq_in = t.seq_len // layout.cp
+    seq_in = seq_in // layout.tp if layout.tp > 1 and layout.sequence_parallel else seq_in
     whole = blocks = 0
     optimizer.zero_grad(set_to_none=True)
     for part in model.parts:
