@@ -209,3 +209,26 @@ def greedy_by_recomputation(model, prompt: list[int], n: int) -> list[int]:
             logits = model(torch.tensor([tokens]))[0, -1, : model.args.vocab_size]
             tokens.append(int(logits.argmax()))
     return tokens[len(prompt) :]
+
+
+def train_together(runs: list[list[str]], nproc: int, env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Several `meshtrain train` runs of one world size (each its train_args, without --nproc) in one
+    torchrun launch of tests/layouts_worker.py: one start-up of the processes for all of them (about
+    10 s of a 2-process launch on 2 cores, most of its time). Each run is the trainer's own train()
+    of its config, in its own run dir; the cores are split as `meshtrain train --nproc` splits them.
+    Asserts that every run finished on every rank."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "runs.json"
+        spec.write_text(json.dumps([args[1:] if args[0] == "train" else args for args in runs]))
+        worker = Path(__file__).parent / "layouts_worker.py"
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **env}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        cmd += [str(worker), str(spec)]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    for args in runs:
+        run_dir = Path(args[args.index("--run.dir") + 1])
+        assert all((run_dir / f".done-rank{r}").exists() for r in range(nproc)), (run_dir, result.stdout[-3000:])
+    return result

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SMALL_MODEL, assert_user_error, read_metrics, run_cli, train_args
+from conftest import SMALL_MODEL, assert_user_error, read_metrics, run_cli, train_args, train_together
 from meshtrain.parallel.float8 import apply_fp8
 
 STEPS = ("--training.steps", "30")
@@ -22,12 +22,34 @@ BF16 = ("--training.dtype", "bf16", "--training.bf16_compute", "bf16")  # bf16 k
 QUIET_SCALE = ("--training.initial_loss_scale", "1024", "--training.loss_scale_window", "10")
 
 
+FP16_LAYOUTS = {
+    "zero3": ("--parallel.zero", "3"),
+    "tp2": ("--parallel.tp", "2"),
+    "pp2": ("--parallel.pp", "2"),
+    "zero1": ("--parallel.zero", "1"),
+}
+FP8_LAYOUTS = {k: FP16_LAYOUTS[k] for k in ("zero3", "tp2", "pp2")}
+# The 2-process runs of the layout tests, trained in one launch (conftest.train_together: one start-up
+# of the processes for all seven instead of one each).
+TWO_PROCESS = {
+    **{"fp16-" + "-".join(layout): (*FP16, *QUIET_SCALE, *layout) for layout in FP16_LAYOUTS.values()},
+    **{"fp8-" + "-".join(layout): (*BF16, "--training.fp8", "tensorwise", *layout) for layout in FP8_LAYOUTS.values()},
+}
+
+
 @pytest.fixture(scope="module")
 def runs(corpus, cli_env, tmp_path_factory):
-    """`runs(name, *overrides, nproc=None)`: a 30-step run, trained once per module."""
+    """`runs(name, *overrides, nproc=None)`: a 30-step run, trained once per module (the 2-process
+    ones of TWO_PROCESS all together, the first time one of them is asked for)."""
     done = {}
 
     def get(name: str, *extra: str, nproc: int | None = None, model=SMALL_MODEL):
+        if name not in done and nproc == 2 and name in TWO_PROCESS and model == SMALL_MODEL:
+            assert tuple(extra) == TWO_PROCESS[name], (name, extra)
+            dirs = {n: tmp_path_factory.mktemp(n) for n in TWO_PROCESS}
+            args = [train_args(corpus, dirs[n], *STEPS, *TWO_PROCESS[n], model=model) for n in TWO_PROCESS]
+            train_together(args, 2, cli_env)
+            done.update(dirs)
         if name not in done:
             run_dir = tmp_path_factory.mktemp(name)
             procs = ["--nproc", str(nproc)] if nproc else []
@@ -73,11 +95,7 @@ def test_fp16_trains_like_fp32(runs):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(
-    "layout",
-    [("--parallel.zero", "3"), ("--parallel.tp", "2"), ("--parallel.pp", "2"), ("--parallel.zero", "1")],
-    ids=["zero3", "tp2", "pp2", "zero1"],
-)
+@pytest.mark.parametrize("layout", list(FP16_LAYOUTS.values()), ids=list(FP16_LAYOUTS))
 def test_fp16_is_the_same_on_every_layout(runs, layout):
     one = runs("fp16-quiet", *FP16, *QUIET_SCALE)
     two = runs("fp16-" + "-".join(layout), *FP16, *QUIET_SCALE, *layout, nproc=2)
@@ -126,9 +144,7 @@ def test_fp8_trains_within_5_percent_of_bf16(runs, recipe):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(
-    "layout", [("--parallel.zero", "3"), ("--parallel.tp", "2"), ("--parallel.pp", "2")], ids=["zero3", "tp2", "pp2"]
-)
+@pytest.mark.parametrize("layout", list(FP8_LAYOUTS.values()), ids=list(FP8_LAYOUTS))
 def test_fp8_is_the_same_on_every_layout(runs, layout):
     """ZeRO-3 gathers the fp8 weights (tensorwise), TP and PP convert their shards and stages."""
     one = runs("fp8-quiet", *BF16, "--training.fp8", "tensorwise")
