@@ -4,7 +4,7 @@ single-process per-step loss and gradient norm (fp32, rel. diff <= 1e-4) and the
 import pytest
 from safetensors.torch import load_file
 
-from conftest import assert_same_run, read_metrics, run_cli, train_args
+from conftest import assert_same_run, read_metrics, run_cli, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.train import preflight
@@ -72,16 +72,33 @@ def reference(reference_run):
     return reference_run(*LAYOUT_MODEL)
 
 
+def together(name: str) -> bool:
+    """Trained in one launch with the other layouts of its world size (conftest.train_together: the
+    trainer's train() of each config in turn, one start-up of the processes for them all). Each
+    through `meshtrain train --nproc` instead: fsdp2-tp2 (its launcher's output is read below), the
+    8-process layout (alone in its size) and the compiled ones (each its own compile caches)."""
+    nproc, extra = LAYOUTS[name]
+    return nproc in (2, 4) and "--training.compile" not in extra and name != "fsdp2-tp2"
+
+
 @pytest.fixture(scope="module")
 def layout_run(corpus, cli_env, tmp_path_factory):
-    """(run dir, result) of a layout, launched on first use and shared by the tests that read it."""
+    """(run dir, result) of a layout, launched on first use (with the others of its world size, see
+    together()) and shared by the tests that read it."""
     runs = {}
 
     def get(name):
         if name not in runs:
             nproc, extra = LAYOUTS[name]
-            run_dir = tmp_path_factory.mktemp(name)
-            runs[name] = (run_dir, launch(corpus, cli_env, run_dir, nproc, extra))
+            if together(name):
+                names = [n for n in LAYOUTS if together(n) and LAYOUTS[n][0] == nproc]
+                dirs = {n: tmp_path_factory.mktemp(n) for n in names}
+                args = [train_args(corpus, dirs[n], *LAYOUT_MODEL, *LAYOUTS[n][1]) for n in names]
+                result = train_together(args, nproc, cli_env)
+                runs.update({n: (dirs[n], result) for n in names})
+            else:
+                run_dir = tmp_path_factory.mktemp(name)
+                runs[name] = (run_dir, launch(corpus, cli_env, run_dir, nproc, extra))
         return runs[name]
 
     return get
