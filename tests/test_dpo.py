@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
+from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE
@@ -193,12 +193,16 @@ def test_dpo_is_the_same_on_one_process_zero3_and_tp2_with_lora_and_without(pair
         "full-single": ("--peft.method", "none"),
         "full-zero3": ("--peft.method", "none", "--parallel.zero", "3"),
     }
+    two_process = []  # trained in one launch (conftest.train_together)
     for name, extra in layouts.items():
         runs[name] = tmp_path / name
         args = train_args(pairs_data, runs[name], *DPO_RUN, "--training.steps", "4", "--training.eval_every", "2")
-        nproc = ("--nproc", "2") if {"--parallel.zero", "--parallel.tp"} & set(extra) else ()
-        result = run_cli([*args, *nproc, *extra], cli_env)
+        if {"--parallel.zero", "--parallel.tp"} & set(extra):
+            two_process.append([*args, *extra])
+            continue
+        result = run_cli([*args, *extra], cli_env)
         assert result.returncode == 0, result.stderr[-3000:]
+    train_together(two_process, 2, cli_env)
     for name, reference in (("zero3", "single"), ("tp2", "single"), ("full-zero3", "full-single")):
         assert_same_run(runs[name], runs[reference])
         for got, want in zip(read_metrics(runs[name]), read_metrics(runs[reference])):

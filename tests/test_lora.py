@@ -9,7 +9,7 @@ import torch
 from hf_families import make_model, probe_tokens
 from safetensors.torch import load_file
 
-from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
+from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.model.lora import LoraSpec, merge_state_dict, parse_targets
@@ -77,16 +77,12 @@ def test_the_optimizer_holds_the_adapters_only():
 
 @pytest.mark.multiproc
 def test_lora_loss_is_the_same_on_one_process_zero3_and_tp2_and_resumes_exactly(corpus, cli_env, tmp_path):
-    runs = {}
-    for name, extra in {
-        "single": (),
-        "zero3": ("--nproc", "2", "--parallel.zero", "3"),
-        "tp2": ("--nproc", "2", "--parallel.tp", "2"),
-    }.items():
-        runs[name] = tmp_path / name
-        args = train_args(corpus, runs[name], *LORA, "--checkpoint.every", "5", *extra)
-        result = run_cli(args, cli_env)
-        assert result.returncode == 0, result.stderr[-3000:]
+    runs = {name: tmp_path / name for name in ("single", "zero3", "tp2")}
+    result = run_cli(train_args(corpus, runs["single"], *LORA, "--checkpoint.every", "5"), cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two_process = {"zero3": ("--parallel.zero", "3"), "tp2": ("--parallel.tp", "2")}  # one launch for both
+    args = [train_args(corpus, runs[n], *LORA, "--checkpoint.every", "5", *extra) for n, extra in two_process.items()]
+    train_together(args, 2, cli_env)
     for name in ("zero3", "tp2"):
         assert_same_run(runs[name], runs["single"])
     losses = [r["loss"] for r in read_metrics(runs["single"])]
