@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
+from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args, train_together
 from examples.word_task import TASKS, WORDS, answer, ask, conversations, split
 from meshtrain.config import load_config
 from meshtrain.data import prepare
@@ -173,18 +173,31 @@ def chat_reference(chat_data, cli_env, tmp_path_factory):
     return get
 
 
+def layers_of(extra: list[str]) -> str:
+    return extra[extra.index("--model.n_layers") + 1] if "--model.n_layers" in extra else "2"
+
+
+@pytest.fixture(scope="module")
+def chat_layout_runs(chat_data, cli_env, tmp_path_factory):
+    """The run dir of each of CHAT_LAYOUTS, all four trained in one 2-process launch (conftest.train_together)."""
+    dirs = {name: tmp_path_factory.mktemp(f"chat-{name}") for name in CHAT_LAYOUTS}
+    args = []
+    for name, extra in CHAT_LAYOUTS.items():
+        assert extra[:2] == ["--nproc", "2"]
+        args.append(train_args(chat_data, dirs[name], *CHAT_RUN, "--model.n_layers", layers_of(extra), *extra[2:]))
+    train_together(args, 2, cli_env)
+    return dirs
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(CHAT_LAYOUTS))
-def test_masked_loss_is_the_same_on_every_layout(name, chat_data, chat_reference, cli_env, tmp_path):
-    extra = CHAT_LAYOUTS[name]
-    n_layers = extra[extra.index("--model.n_layers") + 1] if "--model.n_layers" in extra else "2"
-    result = run_cli(train_args(chat_data, tmp_path, *CHAT_RUN, "--model.n_layers", n_layers, *extra), cli_env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    reference = chat_reference(n_layers)
-    assert_same_run(tmp_path, reference)
-    metrics = read_metrics(tmp_path)
+def test_masked_loss_is_the_same_on_every_layout(name, chat_layout_runs, chat_reference):
+    run_dir = chat_layout_runs[name]
+    reference = chat_reference(layers_of(CHAT_LAYOUTS[name]))
+    assert_same_run(run_dir, reference)
+    metrics = read_metrics(run_dir)
     assert all(0 < m["target_tokens"] < 8 * 128 for m in metrics)  # the mask is in force
-    assert (tmp_path / "chat_template.jinja").read_text() == DEFAULT_CHAT_TEMPLATE
+    assert (run_dir / "chat_template.jinja").read_text() == DEFAULT_CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize(
