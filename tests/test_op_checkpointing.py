@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same_run
+from conftest import assert_same_run, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.layout import Layout
 from meshtrain.model import Llama
@@ -40,12 +40,24 @@ def test_op_steps_as_none_does():
         assert torch.equal(got[name], grad), name
 
 
+OP_LAYOUTS = {"zero3": ("--parallel.zero", "3"), "tp2": ("--parallel.tp", "2")}
+
+
+@pytest.fixture(scope="module")
+def op_runs(corpus, cli_env, tmp_path_factory):
+    """The run dir of each of OP_LAYOUTS with "op", both trained in one 2-process launch (conftest.train_together)."""
+    dirs = {name: tmp_path_factory.mktemp(f"op-{name}") for name in OP_LAYOUTS}
+    op = ("--training.activation_checkpointing", "op")
+    train_together([train_args(corpus, dirs[name], *extra, *op) for name, extra in OP_LAYOUTS.items()], 2, cli_env)
+    return dirs
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [("--parallel.zero", "3"), ("--parallel.tp", "2")], ids=["zero3", "tp2"])
-def test_op_trains_as_one_process_does(reference_run, layout):
+@pytest.mark.parametrize("name", list(OP_LAYOUTS))
+def test_op_trains_as_one_process_does(reference_run, op_runs, name):
     """Two processes with "op" against one without checkpointing: the same losses, gradient norms
     and weights, within the tolerance of a different summation order."""
-    assert_same_run(reference_run(*layout, "--training.activation_checkpointing", "op", nproc=2), reference_run())
+    assert_same_run(op_runs[name], reference_run())
 
 
 def test_op_keeps_what_the_planner_predicts_between_full_and_none():

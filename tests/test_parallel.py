@@ -256,14 +256,33 @@ TIED_LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def tied_run(corpus, cli_env, tmp_path_factory):
+    """The run dir of a layout of TIED_LAYOUTS, the 2-process ones trained in one launch (conftest.train_together)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            nproc, extra = TIED_LAYOUTS[name]
+            names = [n for n in TIED_LAYOUTS if TIED_LAYOUTS[n][0] == 2] if nproc == 2 else [name]
+            dirs = {n: tmp_path_factory.mktemp(f"tied-{n}") for n in names}
+            if nproc == 2:
+                args = [train_args(corpus, dirs[n], *LAYOUT_MODEL, *TIED, *TIED_LAYOUTS[n][1]) for n in names]
+                train_together(args, 2, cli_env)
+            else:
+                launch(corpus, cli_env, dirs[name], nproc, [*TIED, *extra])
+            runs.update(dirs)
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(TIED_LAYOUTS))
-def test_tied_embeddings_across_pipeline_stages_match_one_process(name, reference_run, corpus, cli_env, tmp_path):
+def test_tied_embeddings_across_pipeline_stages_match_one_process(name, reference_run, tied_run):
     """Llama 3.2's and the small Qwens' tied embeddings under a pipeline: the last stage's copy gets
     the summed gradient, the norm counts the matrix once, and the run is the single process's."""
-    nproc, extra = TIED_LAYOUTS[name]
-    launch(corpus, cli_env, tmp_path, nproc, [*TIED, *extra])
-    assert_same_run(tmp_path, reference_run(*LAYOUT_MODEL, *TIED))
+    assert_same_run(tied_run(name), reference_run(*LAYOUT_MODEL, *TIED))
 
 
 @pytest.mark.multiproc
