@@ -22,6 +22,7 @@ from conftest import (
     read_metrics,
     run_cli,
     train_args,
+    train_together,
 )
 from meshtrain.checkpoint import MARKER, find_resume, verify
 from meshtrain.errors import CheckpointError
@@ -61,11 +62,16 @@ def assert_same_weights(a, b, exact=True):
 
 @pytest.fixture(scope="module")
 def straight(corpus, cli_env, tmp_path_factory):
-    """Uninterrupted 12-step runs, per layout (and one process)."""
-    runs = {}
+    """Uninterrupted 12-step runs, per layout (and one process); the 2-process ones in one launch
+    (conftest.train_together: one start-up of the processes for the six)."""
+    env, runs, two_process = faulty(cli_env, MESHTRAIN_RNG_PROBE="1"), {}, []
     for name, extra in {"single": [], **LAYOUTS}.items():
         runs[name] = tmp_path_factory.mktemp(f"straight-{name}")
-        train(corpus, cli_env, runs[name], *extra, env=faulty(cli_env, MESHTRAIN_RNG_PROBE="1"))
+        if extra[:2] == ["--nproc", "2"]:
+            two_process.append(train_args(corpus, runs[name], *SCHEDULE, *extra[2:]))
+        else:
+            train(corpus, cli_env, runs[name], *extra, env=env)
+    train_together(two_process, 2, env)
     return runs
 
 
