@@ -177,10 +177,8 @@ def test_cp_8_verify_llama3_8b_at_128k_tokens_on_8_h100s(cli_env):
     micro-batches each, not 32: the memory is the same). The plan fits 80 GB; the dry run builds it
     (ZeRO-3 over the 8 CP ranks, each with 16,384 tokens of each sequence) and holds the states the
     plan gives, its step's peak within 5% of the planned one for the kernels it ran (the CPU's) and of
-    the plan's (CUDA's, with its runtime and fragmentation). Its saved activations are within 10%:
-    the model hands each block the whole rotary table, and FSDP's bf16 input cast copies it for
-    every block (2 x 131,072 x 64 bf16 = 32 MiB a block, 1 GiB of 12.5), which the plan does not
-    count. Without CP (--cp 1, and --tp 1 --pp 1 so that CP is the only split of the sequence
+    the plan's (CUDA's, with its runtime and fragmentation), its saved activations within 5%.
+    Without CP (--cp 1, and --tp 1 --pp 1 so that CP is the only split of the sequence
     available) no layout fits."""
     flags = ["--model", "llama3-8b", "--seq-len", "131072", "--global-batch", "8"]
     report = plan_json(cli_env, *flags, "--cp", "8", "--verify")
@@ -191,7 +189,7 @@ def test_cp_8_verify_llama3_8b_at_128k_tokens_on_8_h100s(cli_env):
     for key in ("params", "grads", "optimizer"):
         assert built[key] == pytest.approx(built["planned"][key], rel=1e-3, abs=1e-3), key
         assert built[key] == pytest.approx(best["memory_gib"][key], rel=1e-3, abs=1e-3), key
-    assert built["activations"] == pytest.approx(built["planned"]["activations"], rel=0.10)
+    assert built["activations"] == pytest.approx(built["planned"]["activations"], rel=0.05)
     assert built["total"] == pytest.approx(built["planned"]["total"], rel=0.05)
     assert built["total"] == pytest.approx(best["memory_gib"]["total"], rel=0.05)
     assert built["total"] * GIB < 80e9

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,11 +28,15 @@ def apply_fsdp(
         if param_dtype
         else MixedPrecisionPolicy()
     )
+    # A block's inputs are left as they come: its hidden states are already in the compute dtype
+    # (the embedding's and the previous block's output), and the rotary table stays fp32, as under
+    # autocast, instead of a bf16 copy of the whole table made for every block.
+    block_mp = dataclasses.replace(mp, cast_forward_inputs=False)
     offload = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's backward comes right after its forward: resharding it would only mean
         # gathering the same parameters again (torchtitan does the same).
         reshard = zero == 3 and i < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **offload)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **offload)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, **offload)
