@@ -66,6 +66,8 @@ def jobscript(cli_env, tmp_path, mode, corpus, run_dir, *extra, limit: str = "00
         str(out),
         "--",
         *train_args(corpus, run_dir)[1:],
+        "--training.dtype",
+        "fp32",  # the reference runs' arithmetic; tiny.toml's "auto" may pick bf16 on a busy machine
         *extra,
     ]
     assert run_cli(args, cli_env).returncode == 0
