@@ -2,8 +2,10 @@
 train_step) on the same packed batch with training.document_masking's positions (each token attends
 within its document, model/masks.py) and without (plain causal attention), timed in interleaved
 rounds in one process. Documents are a few hundred tokens (lengths drawn from 100-500, seeded), so
-every sequence holds several. On a CPU the masked attention is SDPA with a boolean mask; on CUDA
-FlexAttention with a block mask (which skips the blocks outside the documents)."""
+every sequence holds several. On a CPU the masked attention runs two ways (masks.KERNEL forced):
+"dense", SDPA with a boolean (batch, 1, seq, seq) mask, and "varlen", causal SDPA per document; on
+CUDA the masked rows are FlexAttention with a block mask (which skips the blocks outside the
+documents) under both names."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import torch
 
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
+from meshtrain.model import masks
 from meshtrain.train import build
 
-VARIANTS = ("causal", "masked")
+VARIANTS = ("causal", "dense", "varlen")
 
 
 def document_positions(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -50,29 +53,39 @@ def run(preset: str, seq_len: int, batch: int, steps: int, rounds: int) -> dict:
     tokens = torch.randint(0, state.args.vocab_size, (batch, seq_len + 1), generator=gen)
     inputs, targets = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
     positions = document_positions(batch, seq_len).to(dev)
-    work = {
-        "causal": lambda: state.step(inputs, targets),
-        "masked": lambda: state.step(inputs, targets, None, positions),
-    }
+
+    def masked(kernel: str):
+        def step():
+            masks.KERNEL = None if dev.type == "cuda" else kernel
+            try:
+                state.step(inputs, targets, None, positions)
+            finally:
+                masks.KERNEL = None
+
+        return step
+
+    work = {"causal": lambda: state.step(inputs, targets), "dense": masked("dense"), "varlen": masked("varlen")}
     for fn in work.values():  # warm-up: kernels, the optimizer's states
         fn()
     seconds = {name: [] for name in VARIANTS}
     cpu_seconds = {name: [] for name in VARIANTS}  # the process's CPU time: steadier on a loaded host
     for r in range(rounds):
-        for name in VARIANTS[r % 2 :] + VARIANTS[: r % 2]:
+        for name in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
             cpu = time.process_time()
             seconds[name].append(timed(work[name], steps, dev))
             cpu_seconds[name].append((time.process_time() - cpu) / steps)
     row = {"preset": preset, "seq_len": seq_len, "batch": batch}
     row["documents_per_sequence"] = float((positions == 0).sum()) / batch
+    row["default_kernel"] = masks.DocumentMask(positions).kernel
     for name in VARIANTS:
         row[f"{name}_tokens_per_s"] = batch * seq_len / statistics.median(seconds[name])
-    ratios = [c / m for c, m in zip(seconds["causal"], seconds["masked"])]
-    row["masked_over_causal"] = statistics.median(ratios)
-    row["range"] = [min(ratios), max(ratios)]
-    row["masked_over_causal_cpu_time"] = statistics.median(cpu_seconds["causal"]) / statistics.median(
-        cpu_seconds["masked"]
-    )
+        row[f"{name}_cpu_s"] = statistics.median(cpu_seconds[name])
+    for name in ("dense", "varlen"):  # speed over causal's: the median of the ratios within a round
+        ratios = [c / m for c, m in zip(seconds["causal"], seconds[name])]
+        row[f"{name}_over_causal"] = statistics.median(ratios)
+        row[f"{name}_range"] = [min(ratios), max(ratios)]
+        row[f"{name}_over_causal_cpu_time"] = row["causal_cpu_s"] / row[f"{name}_cpu_s"]
+    row["varlen_over_dense_cpu_time"] = row["dense_cpu_s"] / row["varlen_cpu_s"]
     return row
 
 
@@ -83,14 +96,20 @@ def table(rows: list[dict]) -> str:
             f"{r['batch']} x {r['seq_len']}",
             f"{r['documents_per_sequence']:.1f}",
             f"{r['causal_tokens_per_s']:,.0f}",
-            f"{r['masked_tokens_per_s']:,.0f}",
-            f"{r['masked_over_causal']:.2f}x ({r['range'][0]:.2f}-{r['range'][1]:.2f})",
-            f"{r['masked_over_causal_cpu_time']:.2f}x",
+            f"{r['dense_tokens_per_s']:,.0f}",
+            f"{r['varlen_tokens_per_s']:,.0f}",
+            f"{r['dense_over_causal']:.2f}x ({r['dense_range'][0]:.2f}-{r['dense_range'][1]:.2f})",
+            f"{r['varlen_over_causal']:.2f}x ({r['varlen_range'][0]:.2f}-{r['varlen_range'][1]:.2f})",
+            f"{r['dense_over_causal_cpu_time']:.2f}x",
+            f"{r['varlen_over_causal_cpu_time']:.2f}x",
+            f"{r['varlen_over_dense_cpu_time']:.2f}x",
+            r["default_kernel"],
         ]
         for r in rows
     ]
-    header = ["preset", "batch", "documents / sequence", "causal tok/s", "masked tok/s", "masked / causal speed"]
-    header += ["by CPU time"]
+    header = ["preset", "batch", "documents / sequence", "causal tok/s", "dense tok/s", "varlen tok/s"]
+    header += ["dense / causal speed", "varlen / causal speed", "dense / causal by CPU time"]
+    header += ["varlen / causal by CPU time", "varlen / dense by CPU time", "default"]
     return markdown(header, lines)
 
 

@@ -16,8 +16,8 @@ from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE
 from meshtrain.data.loader import Dataset, DistributedLoader, validation_batches
 from meshtrain.data.prepare import ChatOptions
-from meshtrain.model import Llama, ModelArgs
-from meshtrain.model.masks import DocumentMask, dense_mask, document_ids
+from meshtrain.model import Llama, ModelArgs, masks
+from meshtrain.model.masks import DocumentMask, dense_mask, document_ids, segments
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=64)
 LENGTHS = (7, 12, 9)  # three documents, each ending with EOS
@@ -57,7 +57,9 @@ def test_positions_give_documents_and_their_mask():
     assert not mask.triu(1).any()  # never a later key
 
 
-def test_packed_logits_and_gradients_equal_each_document_alone():
+@pytest.mark.parametrize("kernel", [None, "varlen", "dense"])  # None: the default (dense at 28 tokens)
+def test_packed_logits_and_gradients_equal_each_document_alone(kernel, monkeypatch):
+    monkeypatch.setattr(masks, "KERNEL", kernel)
     model, docs = make(), documents()
     tokens, positions = packed_batch(docs)
     packed = model(tokens, positions)
@@ -100,10 +102,11 @@ def test_plain_positions_are_todays_forward_bitwise():
     torch.testing.assert_close(model(tokens, positions), model(tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_mask_attends_the_whole_sequence_for_any_heads():
+@pytest.mark.parametrize("kernel", ["varlen", "dense"])
+def test_mask_attends_the_whole_sequence_for_any_heads(kernel):
     """Context parallelism calls attend with a share of the heads over the full sequence."""
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])
-    mask = DocumentMask(positions)
+    mask = DocumentMask(positions, kernel)
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
     out = mask.attend(q, k, v)
     expected = torch.cat(
@@ -116,7 +119,65 @@ def test_mask_attends_the_whole_sequence_for_any_heads():
     torch.testing.assert_close(out, expected)
 
 
-def test_masking_passes_checkpoint_wrappers_and_fp32_attention():
+def random_positions(lengths_per_row: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([[p for n in row for p in range(n)] for row in lengths_per_row])
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_varlen_equals_the_dense_mask_with_gradients(heads):
+    """Several documents of different lengths a row, rows cut differently, a row of one document,
+    two rows cut alike (batched together), a first document that started in an earlier window."""
+    rows = [[5, 17, 1, 9], [32], [3, 3, 20, 6], [3, 3, 20, 6], [11, 21]]
+    positions = random_positions(rows)
+    positions[4, :11] += 7  # mid-document at the window's start: positions 7..17, still one document
+    assert segments(document_ids(positions)) == [tuple(r) for r in rows]
+    n_q, n_kv = heads
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(5, n, 32, 16, generator=gen) for n in (n_q, n_kv, n_kv)]
+    weight = torch.randn(5, n_q, 32, 16, generator=gen)
+    results = {}
+    for kernel in ("dense", "varlen"):
+        q, k, v = (t.clone().requires_grad_() for t in qkv)
+        mask = DocumentMask(positions, kernel=kernel)
+        assert mask.kernel == kernel and (mask.dense is None) == (kernel == "varlen")
+        out = mask.attend(q, k, v)
+        (out * weight).sum().backward()
+        results[kernel] = (out, q.grad, k.grad, v.grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["dense"], results["varlen"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_default_kernel_is_varlen_unless_documents_are_many_and_dense_when_compiling(monkeypatch):
+    assert DocumentMask(random_positions([[300, 500, 1248], [2048]])).kernel == "varlen"
+    assert DocumentMask(random_positions([[300, 500, 224], [1024]])).kernel == "dense"  # under 2,048 tokens
+    # up to 64 documents a 2,048-token row, scaled by (seq / 2048)^2: 256 at 4,096 tokens
+    assert DocumentMask(random_positions([[32] * 64, [2048]])).kernel == "varlen"
+    assert DocumentMask(random_positions([[31] * 66 + [2], [31] * 66 + [2]])).kernel == "dense"
+    assert DocumentMask(random_positions([[16] * 256])).kernel == "varlen"
+    assert DocumentMask(random_positions([[15] * 272 + [16]])).kernel == "dense"
+    monkeypatch.setattr(masks, "KERNEL", "dense")
+    assert DocumentMask(random_positions([[10, 22]])).kernel == "dense"
+    monkeypatch.setattr(masks, "KERNEL", None)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def compiled(positions, q, k, v):
+        mask = DocumentMask(positions)
+        return mask.attend(q, k, v), mask.dense is not None
+
+    positions = random_positions([[10, 22]])
+    q = torch.randn(1, 2, 32, 8)
+    out, dense = compiled(positions, q, q, q)
+    assert dense
+    eager = DocumentMask(positions)
+    torch.testing.assert_close(out, eager.attend(q, q, q))
+    # a mask built eagerly (varlen) handed to a compiled block: the dense mask in the graph
+    block = torch.compile(lambda mask, q: mask.attend(q, q, q), fullgraph=True, backend="eager")
+    torch.testing.assert_close(block(eager, q), out)
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "dense"])
+def test_masking_passes_checkpoint_wrappers_and_fp32_attention(kernel, monkeypatch):
+    monkeypatch.setattr(masks, "KERNEL", kernel)
     from meshtrain.parallel.activation_checkpoint import apply_ac
     from meshtrain.parallel.precision import apply_fp32_compute
 
