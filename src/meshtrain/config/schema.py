@@ -155,8 +155,10 @@ class TrainingConfig:
     document's positions restart at 0 (torchtitan's and Megatron's document masking). Chat data: each
     conversation alone (and the padding), whatever end-of-text tokens its turns hold. Preference (DPO)
     data holds one conversation a row, so nothing changes. Plain text whose tokenizer has no end-of-text
-    token trains causal over the whole sequence (logged). Kernels: FlexAttention block masks on CUDA,
-    SDPA with a boolean mask elsewhere; a batch without any boundary runs plain causal attention. Off:
+    token trains causal over the whole sequence (logged). Kernels: FlexAttention block masks on CUDA;
+    elsewhere causal SDPA on each document (rows of 2,048 tokens or more, eager) or SDPA with a boolean
+    mask (shorter rows, very many documents, compiled); a batch without any boundary runs plain causal
+    attention (model/masks.py). Off:
     causal attention across the packed documents at positions 0..seq_len-1."""
     compile: bool = False
     """torch.compile the model (whole on one process or under TP, per block with DP/FSDP/PP) and the
