@@ -1,4 +1,4 @@
-"""python -m bench [throughput|precision|masking|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|
+"""python -m bench [throughput|precision|masking|context|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|
 plots|all] [options]: see bench/README.md."""
 
 import argparse
@@ -6,6 +6,7 @@ import os
 
 from bench import (
     arithmetic,
+    context,
     data,
     masking,
     memory,
@@ -28,6 +29,7 @@ p.add_argument(
         "throughput",
         "precision",
         "masking",
+        "context",
         "arithmetic",
         "profile",
         "scaling",
@@ -54,6 +56,22 @@ p.add_argument(
 )
 p.add_argument("--masking-tokens", type=int, default=2048, help="masking: tokens per step (batch = this / seq_len)")
 p.add_argument("--masking-rounds", type=int, default=3, help="masking: interleaved timing rounds")
+p.add_argument("--context-preset", default="tiny", help="context: the model trained")
+p.add_argument(
+    "--context-lengths",
+    type=lambda s: [int(x) for x in s.split(",")],
+    default=[1024, 2048, 4096, 8192, 16384, 32768],
+    help="context: sequence lengths (global batch 1, causal attention)",
+)
+p.add_argument(
+    "--context-masked",
+    type=lambda s: [int(x) for x in s.split(",") if x],
+    default=[],
+    help="context: lengths also run with training.document_masking (default none)",
+)
+p.add_argument("--context-dtype", default="fp32", help="context: training.dtype")
+p.add_argument("--context-steps", type=int, default=5, help="context: steps per run up to 4k (3 at 8k, 1 from 16k)")
+p.add_argument("--context-rounds", type=int, default=2, help="context: rounds at lengths up to 4k (longer: one)")
 p.add_argument("--arithmetic-rounds", type=int, default=2, help="arithmetic: rounds of 2-process runs")
 p.add_argument("--profile-steps", type=int, default=3, help="profile: steps profiled per variant")
 p.add_argument("--scaling-preset", default="tiny")
@@ -78,6 +96,7 @@ for name, suite in (
     ("throughput", throughput),
     ("precision", precision),
     ("masking", masking),
+    ("context", context),
     ("arithmetic", arithmetic),
     ("profile", profile),
     ("scaling", scaling),

@@ -93,3 +93,20 @@ def test_precision_rows_time_steps_that_train_in_their_precision():
         step()
         first[dtype] = float(step.loss)
     assert 0 < abs(first["fp8-tensorwise"] - first["bf16"]) < 0.01 * first["bf16"], first
+
+
+def test_context_suite_steps_skips_and_table():
+    """bench context: fewer steps at long lengths (the first untimed where there are several), the
+    one-process peak extrapolated linearly to decide a skip, and skipped lengths named in the table."""
+    from bench.context import estimate_peak, skipped_first, steps_for, table
+
+    assert [steps_for(n, 5) for n in (1024, 4096, 8192, 16384, 32768)] == [5, 5, 3, 1, 1]
+    assert [skipped_first(s) for s in (1, 3, 5)] == [0, 1, 2]
+    assert estimate_peak(32768, {8192: 1000}) is None
+    assert estimate_peak(32768, {4096: 1000, 8192: 2000, 16384: 4000}) == 8000
+    row = {"seq_len": 8192, "document_masking": False, "steps": 3, "timed_from_step": 2, "rounds": 1}
+    row |= {"single_tokens_per_s": 300.0, "cp2_tokens_per_s": 330.0, "speed_ratio": 1.1, "speed_ratio_runs": [1.1]}
+    row |= {"single_peak_mib": 2400.0, "cp2_peak_mib": 1500.0, "memory_ratio": 0.625}
+    text = table([row], ["32768: one process would need ~30.0 GiB, 20.0 free"], gpu=False)
+    assert "| 8,192 | 2-3 | 300 | 330 | 1.10x | 2,400 | 1,500 | 0.62 |" in text
+    assert "| 32768 | skipped: one process would need ~30.0 GiB, 20.0 free |" in text
