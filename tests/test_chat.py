@@ -14,9 +14,10 @@ from examples.word_task import TASKS, WORDS, answer, ask, conversations, split
 from meshtrain.config import load_config
 from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, tokenize_conversations
-from meshtrain.data.loader import IGNORE_INDEX, Dataset
+from meshtrain.data.loader import Dataset
 from meshtrain.data.prepare import ChatOptions
 from meshtrain.data.tokenizer import end_of_text, load_tokenizer
+from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.model import Llama
 from meshtrain.train import build as build_state
 

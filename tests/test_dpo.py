@@ -13,8 +13,8 @@ from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, 
 from meshtrain.config import load_config
 from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE
-from meshtrain.data.loader import IGNORE_INDEX
 from meshtrain.data.prepare import ChatOptions
+from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.model.llama import copy_full_into
 from meshtrain.train import build as build_state
 

@@ -13,9 +13,10 @@ from conftest import assert_user_error, run_cli
 from examples.word_task import TASKS, WORDS, answer, ask
 from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from meshtrain.data.loader import IGNORE_INDEX, Blend, Dataset, DistributedLoader, TokenWindows, to_batch
+from meshtrain.data.loader import Blend, Dataset, DistributedLoader
 from meshtrain.data.prepare import ChatOptions
 from meshtrain.data.tokenizer import end_of_text, load_tokenizer
+from meshtrain.data.windows import IGNORE_INDEX, TokenWindows, to_batch
 from meshtrain.errors import DataError
 
 PREFERENCE = ChatOptions(DEFAULT_CHAT_TEMPLATE, format="preference")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtrain.data.loader import IGNORE_INDEX
+from meshtrain.data.windows import IGNORE_INDEX
 
 DEFAULT_BETA = 0.1  # TRL's
 

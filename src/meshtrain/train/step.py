@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.config import TrainingConfig
-from meshtrain.data.loader import IGNORE_INDEX
+from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.layout import Layout
 from meshtrain.model.lora import adapters_off
 from meshtrain.optim import local_optimizer
