@@ -3,7 +3,10 @@
 Each case is a short bf16 run of the test model on `--launch.device cuda`, held to the plain bf16
 run on the same GPU: compile, full and selective checkpointing and ZeRO-3 at world 1 give the same
 loss curve (within bf16/kernel-order tolerance); a stopped and resumed run continues the same
-curve; the exported model gives transformers' logits."""
+curve; the exported model gives transformers' logits; dtype auto takes bf16 from the device; document
+masking runs FlexAttention, equal to each document alone, and trains compiled like eager."""
+
+import json
 
 import pytest
 import torch
@@ -91,3 +94,68 @@ def test_fp8_trains_where_the_gpu_has_fp8_units_and_is_refused_elsewhere(baselin
     assert result.returncode == 0, result.stderr[-3000:]
     for ref, m in zip(baseline[1], read_metrics(tmp_path), strict=True):
         assert m["loss"] == pytest.approx(ref["loss"], rel=5e-2), m["step"]
+
+
+def test_dtype_auto_takes_bf16_from_the_device(corpus, cli_env, tmp_path):
+    args = train_args(corpus, tmp_path, *GPU, "--training.dtype", "auto", "--training.steps", "2")
+    result = run_cli(args, cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    choice = json.loads((tmp_path / "arithmetic.json").read_text())
+    assert (choice["dtype"], choice["bf16_compute"], choice["how"]) == ("bf16", "bf16", "device")
+    assert all(m["arithmetic"] == "bf16" for m in read_metrics(tmp_path))
+
+
+def test_document_masking_runs_flex_attention_and_equals_each_document_alone():
+    """On CUDA the mask is a FlexAttention block mask; packed logits and gradients equal each
+    document run alone (fp32, so the tolerance is the kernels' order of summation only)."""
+    import torch.nn.functional as F
+
+    from meshtrain.model import Llama, ModelArgs
+    from meshtrain.model.masks import DocumentMask
+
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=211, max_seq_len=512)
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cuda")
+    model.init_weights(0)
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, args.vocab_size, (n,), generator=gen).cuda() for n in (130, 61, 200, 121)]
+    tokens = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d), device="cuda") for d in docs])[None]
+    assert DocumentMask(positions).kernel == "flex"
+
+    def loss_and_grads(forward):
+        model.zero_grad()
+        loss = forward()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def targets(d):
+        return torch.cat([d[1:], torch.tensor([-100], device="cuda")])
+
+    packed, packed_grads = loss_and_grads(
+        lambda: F.cross_entropy(model(tokens, positions)[0], torch.cat([targets(d) for d in docs]), reduction="sum")
+    )
+    alone, alone_grads = loss_and_grads(
+        lambda: sum(F.cross_entropy(model(d[None])[0], targets(d), reduction="sum") for d in docs)
+    )
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-3)
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_document_masking_trains_compiled_like_eager(corpus, cli_env, tmp_path):
+    eager = gpu_run(corpus, cli_env, tmp_path / "eager", "--training.seq_len", "256", "--model.max_seq_len", "256")
+    compiled = gpu_run(
+        corpus,
+        cli_env,
+        tmp_path / "compiled",
+        "--training.seq_len",
+        "256",
+        "--model.max_seq_len",
+        "256",
+        "--training.compile",
+        "true",
+    )
+    for ref, m in zip(eager, compiled, strict=True):
+        assert m["loss"] == pytest.approx(ref["loss"], rel=2e-2), m["step"]

@@ -8,7 +8,11 @@ transformer block (torchtitan's choice) where the blocks must stay separate unit
   graph is compiled and reused; each block's gradients are ready as soon as its backward graph ran,
   which keeps DDP's bucketed all-reduce and FSDP's per-block reduce-scatter overlapping the rest of
   backward (a whole-model backward graph would hand every gradient over at its very end). FSDP needs
-  it: its hooks are marked not to be traced, so a model with FSDP blocks is not one graph.
+  it: its hooks are marked not to be traced, so a model with FSDP blocks is not one graph. Also per
+  block: document masking on CUDA, so that FlexAttention's block mask is built once per step outside
+  the graphs and handed to every compiled block (torchtitan's way). Built inside one whole-model
+  graph, the trainer's compiled step failed on an H100 (torch 2.11: a CUDA "operation not supported
+  on global/shared address space" error in inductor's autotuning); per block it trains like eager.
 
 Under TP the first block's input is the embedding's output after an async redistribution (an
 AsyncCollectiveTensor). In torch 2.13 a compiled function waits on such an input outside its
