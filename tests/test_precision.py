@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -225,3 +226,53 @@ def test_mfu_is_against_the_best_peak_whatever_arithmetic_runs(monkeypatch, tmp_
     assert hardware.mfu_peak_tflops(torch.device("cpu"), "bf16") == 0.9
     assert hardware.mfu_peak_tflops(torch.device("cpu"), "fp32") == 0.3
     assert hardware.mfu_peak_tflops(torch.device("cpu"), "bf16", override=2.0) == 2.0
+
+
+def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_reused(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    with arithmetic.OtherLoad() as quiet:
+        time.sleep(0.5)
+    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)
+        with arithmetic.OtherLoad() as busy:
+            time.sleep(1.0)
+    finally:
+        for p in spinners:
+            p.wait()
+    assert busy.share > 0.6 > arithmetic.BUSY and busy.share > quiet.share + 0.4, (busy.share, quiet.share)
+
+    # A busy first look: the probe again on one thread, the choice taken from it, not cached.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(arithmetic.OtherLoad, "share", 0.7)
+    threads = []
+
+    def probe(args, sequences, seq_len, names):
+        threads.append(torch.get_num_threads())
+        gemm = 8.0 if threads[-1] == 1 else 30.0  # the busy look reads bf16 GEMMs slow, the one-thread look fast
+        return {n: {"bf16/bf16-gemm": gemm}.get(n, 10.0) for n in names}, {"bf16": 5.0, "fp32": 5.0, "bf16/fp32": 5.0}
+
+    monkeypatch.setattr(arithmetic, "probe", probe)
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for start in range(2):
+            _, choice = arithmetic.resolve(config(), config().model_args(), CPU)
+            assert (choice.name, choice.how, choice.busy) == ("bf16/bf16-gemm", "busy", 0.7)
+            assert threads[-2:] == [2, 1] and len(threads) == 2 * (start + 1)  # measured again at the next start
+        assert "other processes used 70% of the CPUs" in choice.describe()
+        monkeypatch.setattr(arithmetic.OtherLoad, "share", 0.01)  # a quiet start: kept
+        assert arithmetic.resolve(config(), config().model_args(), CPU)[1].how == "measured"
+        assert arithmetic.resolve(config(), config().model_args(), CPU)[1].how == "cached"
+    finally:
+        torch.set_num_threads(original)
+
+
+def test_a_contender_near_its_margin_is_timed_again():
+    assert arithmetic.near_margin({"bf16": 104.0, "bf16/bf16-gemm": 100.0}, "bf16/bf16-gemm")  # 4% vs 5%
+    assert not arithmetic.near_margin({"bf16": 120.0, "bf16/bf16-gemm": 100.0}, "bf16/bf16-gemm")
+    assert not arithmetic.near_margin({"bf16": 95.0, "bf16/bf16-gemm": 100.0}, "bf16/bf16-gemm")
