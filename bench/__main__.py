@@ -1,5 +1,5 @@
-"""python -m bench [throughput|precision|masking|context|arithmetic|profile|scaling|memory|serve|data|planner|watchdog|
-plots|all] [options]: see bench/README.md."""
+"""python -m bench [throughput|precision|masking|context|arithmetic|stability|profile|scaling|memory|serve|data|
+planner|watchdog|plots|all] [options]: see bench/README.md."""
 
 import argparse
 import os
@@ -16,6 +16,7 @@ from bench import (
     profile,
     scaling,
     serve,
+    stability,
     throughput,
     watchdog,
 )
@@ -31,6 +32,7 @@ p.add_argument(
         "masking",
         "context",
         "arithmetic",
+        "stability",
         "profile",
         "scaling",
         "memory",
@@ -72,6 +74,7 @@ p.add_argument(
 p.add_argument("--context-dtype", default="fp32", help="context: training.dtype")
 p.add_argument("--context-steps", type=int, default=5, help="context: steps per run up to 4k (3 at 8k, 1 from 16k)")
 p.add_argument("--context-rounds", type=int, default=2, help="context: rounds at lengths up to 4k (longer: one)")
+p.add_argument("--stability-starts", type=int, default=10, help="stability: fresh probes per row")
 p.add_argument("--arithmetic-rounds", type=int, default=2, help="arithmetic: rounds of 2-process runs")
 p.add_argument("--profile-steps", type=int, default=3, help="profile: steps profiled per variant")
 p.add_argument("--scaling-preset", default="tiny")
@@ -98,6 +101,7 @@ for name, suite in (
     ("masking", masking),
     ("context", context),
     ("arithmetic", arithmetic),
+    ("stability", stability),
     ("profile", profile),
     ("scaling", scaling),
     ("memory", memory),
