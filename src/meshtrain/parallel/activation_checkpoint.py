@@ -73,6 +73,12 @@ def _op_contexts():
     return create_selective_checkpoint_contexts(op_policy)
 
 
+def unwrapped(block: nn.Module) -> nn.Module:
+    """The block itself, inside apply_ac's checkpoint wrapper if it has one: what TP's and CP's
+    plans address by name."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
 def apply_ac(model: nn.Module, mode: str, every: int = 1, random: bool = False) -> None:
     """mode "full": every block; "selective": every `every`-th block (memory for compute, in steps);
     "op": every block, saving what op_policy keeps. `random`: the blocks draw random numbers (LoRA's

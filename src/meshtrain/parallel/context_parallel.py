@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshtrain.parallel.activation_checkpoint import unwrapped
+
 
 def seq_to_heads(x: torch.Tensor, group, ranks: int) -> torch.Tensor:
     """(batch, heads, S / cp, d), this rank's slice of the sequence -> (batch, heads / cp, S, d), its
@@ -73,13 +75,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     group = cp_mesh.get_group()
     model.sequence_slice = (rank, ranks)
     for block in model.layers.values():
-        attention = _inner(block).attention
+        attention = unwrapped(block).attention
         attention.sequence_slice = (rank, ranks)
         attention.attend = UlyssesAttention(attention.attend, group, ranks)
-
-
-def _inner(block: nn.Module) -> nn.Module:
-    return getattr(block, "_checkpoint_wrapped_module", block)
 
 
 class ShardedTargets:

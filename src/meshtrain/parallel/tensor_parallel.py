@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtrain.model.lora import LoRALinear
 from meshtrain.model.shapes import BLOCK_SHARDED_DIM, COLUMN
+from meshtrain.parallel.activation_checkpoint import unwrapped
 
 
 class _SplitsAdapters:
@@ -70,7 +71,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     parallelize_module(model, tp_mesh, plan)
 
     for block in model.layers.values():
-        inner = _unwrap(block)
+        inner = unwrapped(block)
         block_plan: dict[str, object] = {
             # cos/sin (the None entries) stay plain tensors
             "attention": PrepareModuleInput(
@@ -91,7 +92,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             for norm in ("attention.q_norm", "attention.k_norm"):
                 block_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(inner, tp_mesh, block_plan)
-
-
-def _unwrap(block: nn.Module) -> nn.Module:
-    return getattr(block, "_checkpoint_wrapped_module", block)
