@@ -134,6 +134,14 @@ class TrainingConfig:
     bf16 attention); "auto": bf16 on a GPU, and on a CPU whichever a probe times fastest, forward and
     backward at this model's shapes (cached per CPU model, thread count, torch version and shape).
     Setting it to anything but auto implies bf16 storage: refused with dtype fp32."""
+    attention_backward: Literal["auto", "flash", "recompute"] = "auto"
+    """How attention's gradients are computed on a CPU (causal, and document masks as a compiled step
+    applies them): "flash", torch's flash-attention backward kernel; "recompute", the scores
+    recomputed from matmuls (faster at short sequences when compiled, holding one layer's batch x
+    heads x seq^2 fp32 scores, up to 256 MiB; beyond that the kernel); "auto": on a CPU with
+    training.compile, whichever a probe times faster at this run's shapes in its attention arithmetic
+    (cached like bf16_compute's), else flash. GPUs keep their attention kernels: "recompute" is
+    refused there."""
     initial_loss_scale: float | None = option(None, ge=1)
     """With dtype fp16: the loss scale of the first step (unset: 65536, torch's GradScaler default)."""
     loss_scale_window: int | None = option(None, gt=0)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.model.masks import DocumentMask
+from meshtrain.model.recompute_attention import applies, recomputed_attention
 
 
 @dataclass
@@ -88,6 +89,9 @@ class Attention(nn.Module):
     """Causal grouped-query attention (GQA): n_kv_heads key/value heads shared by n_heads queries."""
 
     sequence_slice: tuple[int, int] = (0, 1)  # (this rank's slice, slices) under context parallelism
+    # CPU: the flash kernel's forward with a backward recomputed from matmuls (model/recompute_attention.py),
+    # set where training.attention_backward resolved to "recompute"
+    recompute_backward: bool = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -133,7 +137,9 @@ class Attention(nn.Module):
         KV heads are shared by their query groups without copies. With a document `mask` (over the
         whole sequence of q, k and v) each query sees only the earlier keys of its own document."""
         if mask is not None:
-            return mask.attend(q, k, v)
+            return mask.attend(q, k, v, self.recompute_backward)
+        if self.recompute_backward and applies(q):
+            return recomputed_attention(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
@@ -168,6 +174,9 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     sequence_slice: tuple[int, int] = (0, 1)  # (this rank's slice, slices) under context parallelism
+    # CPU: the flash kernel's forward with a backward recomputed from matmuls (model/recompute_attention.py),
+    # set where training.attention_backward resolved to "recompute"
+    recompute_backward: bool = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -42,6 +42,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from meshtrain.model.recompute_attention import applies, recomputed_attention
+
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
     """positions (batch, seq) -> the index of each token's document within its row (0, 1, ...;
@@ -167,9 +169,11 @@ class DocumentMask:
     def seq_len(self) -> int:
         return self.positions.shape[1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute_backward: bool = False) -> torch.Tensor:
         """Attention of (batch, heads, seq, head_dim) q, k, v over the whole sequence the mask
-        describes; grouped-query k/v heads shared by their query groups without copies."""
+        describes; grouped-query k/v heads shared by their query groups without copies.
+        `recompute_backward`: the dense mask's backward recomputed from matmuls where it applies
+        (model/recompute_attention.py)."""
         if q.shape[2] != self.seq_len or k.shape[2] != self.seq_len:
             raise ValueError(f"a document mask of {self.seq_len} tokens given q/k of {q.shape[2]}/{k.shape[2]}")
         if self.block_mask is not None:
@@ -178,6 +182,8 @@ class DocumentMask:
             return varlen_attention(q, k, v, self.lengths)
         # dense; a mask built eagerly and handed to a compiled block gets its dense mask in the graph
         dense = self.dense if self.dense is not None else dense_mask(self.documents)
+        if recompute_backward and applies(q):
+            return recomputed_attention(q, k, v, dense)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtrain.model.llama import Attention
 from meshtrain.model.lora import LoraSpec, apply_lora, freeze_base
 from meshtrain.model.masks import flex_available
 from meshtrain.parallel.activation_checkpoint import apply_ac
@@ -122,6 +123,10 @@ def parallelize(
         fp32_gemm, fp32_attention = fp32_classes(training)
         if fp32_gemm or fp32_attention:
             apply_fp32_compute(part, fp32_gemm, fp32_attention)
+        if training.attention_backward == "recompute":  # CPU: model/recompute_attention.py
+            for module in part.modules():
+                if isinstance(module, Attention):
+                    module.recompute_backward = True
         if layout.tp > 1:
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
             if lora is not None or frozen:

@@ -271,11 +271,11 @@ def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
     work |= {("head", v): timed_head(v) for v in dict.fromkeys(head_variant(n) for n in names)}
     for fn in work.values():  # warm-up: oneDNN builds its kernels on a shape's first call
         fn()
-    samples = {k: [_time(fn)] for k, fn in work.items()}  # a first look
+    samples = {k: [timed_ms(fn)] for k, fn in work.items()}  # a first look
     for kind in ("block", "head"):  # what is far behind (an emulated bf16: ~30x) cannot win: not timed again
         fastest = min(v[0] for (k, _), v in samples.items() if k == kind)
         for k in [k for k in work if k[0] == kind and samples[k][0] > DISTANT * fastest]:
-            samples[k].append(_time(work[k]))  # a second look first: a load spike read 15x
+            samples[k].append(timed_ms(work[k]))  # a second look first: a load spike read 15x
             if min(samples[k]) > DISTANT * fastest:
                 del work[k]
 
@@ -283,7 +283,7 @@ def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
         for r in range(count):  # each round starts at another piece of work
             for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
                 # twice: the first call pays for what the previous piece of work left behind
-                samples[k] += [_time(work[k]), _time(work[k])]
+                samples[k] += [timed_ms(work[k]), timed_ms(work[k])]
 
     def fast(k) -> float:
         """The second-fastest timing: load only slows a timing, so the fastest are the truest, but
@@ -318,7 +318,7 @@ def _forward_backward(module, x: torch.Tensor, bf16: bool) -> None:
     out.backward(torch.ones_like(out))
 
 
-def _time(fn) -> float:
+def timed_ms(fn) -> float:
     """Wall-clock ms; with one thread CPU ms (the same when the machine is quiet, and unstretched
     when other processes take turns on the core: ten starts of `tiny` under two busy processes kept
     their pick by CPU time and not by the clock)."""

@@ -27,6 +27,8 @@ from meshtrain.model.lora import LoraSpec
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.arithmetic import Choice
+from meshtrain.train.attention_backward import AttentionBackward
+from meshtrain.train.attention_backward import resolve as resolve_attention_backward
 from meshtrain.train.arithmetic import resolve as resolve_arithmetic
 from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
@@ -74,6 +76,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     arithmetic: Choice  # what training.dtype / bf16_compute "auto" resolved to (cfg holds the result)
+    attention: AttentionBackward  # what training.attention_backward "auto" resolved to
     dataset: Blend | None = None
     loader: DistributedLoader | None = None
     val: dict[str, list] = field(default_factory=dict)  # validation batches of each source
@@ -181,12 +184,13 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
             )
     args, layout = preflight(cfg, env.world_size, dataset)
     cfg, arithmetic = resolve_arithmetic(cfg, args, device)
+    cfg, attention = resolve_attention_backward(cfg, args, layout, device)
     t = cfg.training
     torch.manual_seed(t.seed)
     if env.rank == 0:
         warn_if_too_big(cfg, args, layout, device, env.local_world_size)
     dims, model, optimizer, scheduler, n_params = build_model(cfg, args, layout, device)
-    state = TrainState(cfg, env, device, dims, args, n_params, model, optimizer, scheduler, arithmetic, dataset)
+    state = TrainState(cfg, env, device, dims, args, n_params, model, optimizer, scheduler, arithmetic, attention, dataset)
     if dataset is not None:
         state.loader = dataset.loader(t.global_batch_size, dims.dp_rank, layout.dp, t.seed, device.type == "cuda")
         for name, source in zip(dataset.names, dataset.sources):

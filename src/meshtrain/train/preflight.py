@@ -78,6 +78,11 @@ def check_device(cfg: Config, device: torch.device, launcher: bool = False) -> N
 
     if not launcher and (problem := fp8_refusal(cfg.training.fp8, device)):
         raise ConfigError(problem)
+    if cfg.training.attention_backward == "recompute" and device.type != "cpu":
+        raise ConfigError(
+            f"training.attention_backward = 'recompute' replaces the CPU flash-attention backward, but this job trains "
+            f"on {device.type}, whose attention kernels it keeps: set training.attention_backward = auto (or flash)"
+        )
     if cfg.parallel.cpu_offload and device.type == "cpu":
         raise ConfigError(
             "parallel.cpu_offload moves ZeRO-3's shards from GPU memory to host memory, but this job trains on the "
