@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -276,3 +278,30 @@ def test_a_contender_near_its_margin_is_timed_again():
     assert arithmetic.near_margin({"bf16": 104.0, "bf16/bf16-gemm": 100.0}, "bf16/bf16-gemm")  # 4% vs 5%
     assert not arithmetic.near_margin({"bf16": 120.0, "bf16/bf16-gemm": 100.0}, "bf16/bf16-gemm")
     assert not arithmetic.near_margin({"bf16": 95.0, "bf16/bf16-gemm": 100.0}, "bf16/bf16-gemm")
+
+
+FAULTS = """
+import resource, sys, torch
+from meshtrain.hardware import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+for _ in range(20):  # the heap grows to the block's size
+    torch.empty(2**24).fill_(1.0)  # 64 MiB: over glibc's largest mmap threshold
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    torch.empty(2**24).fill_(1.0)
+print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_memory_is_reused_without_page_faults():
+    def faults(mode: str) -> tuple[str, float]:
+        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True)
+        kept, per_block = out.stdout.split()
+        return kept, float(per_block)
+
+    default, kept = faults("default"), faults("keep")
+    # by default each block is mapped afresh and every page faulted in (16,384 of 4 KiB); kept, its
+    # pages are reused
+    assert default[0] == "False" and default[1] >= 16
+    assert kept[0] == "True" and kept[1] <= default[1] / 10

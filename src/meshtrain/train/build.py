@@ -18,6 +18,7 @@ from meshtrain.checkpoint import Checkpointer
 from meshtrain.config import Config, parse_data_path
 from meshtrain.data import Blend, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
 from meshtrain.errors import DataError
+from meshtrain.hardware import keep_freed_memory
 from meshtrain.launch import LaunchEnv, detect
 from meshtrain.launch.distributed import init_distributed
 from meshtrain.layout import Layout
@@ -169,6 +170,8 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
         enable_flight_recorder()
     device = init_distributed(env, cfg.launch.device, process_group_timeout(cfg.training.hang_timeout))
     check_device(cfg, device)
+    if device.type == "cpu":  # each step's activations in the pages the last one used (hardware.py)
+        keep_freed_memory()
     dataset = None
     if with_data:
         if env.rank == 0:
