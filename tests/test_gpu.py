@@ -102,7 +102,10 @@ def test_dtype_auto_takes_bf16_from_the_device(corpus, cli_env, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     choice = json.loads((tmp_path / "arithmetic.json").read_text())
     assert (choice["dtype"], choice["bf16_compute"], choice["how"]) == ("bf16", "bf16", "device")
+    assert (choice["attention_backward"]["kind"], choice["attention_backward"]["how"]) == ("flash", "device")
     assert all(m["arithmetic"] == "bf16" for m in read_metrics(tmp_path))
+    refused = run_cli([*args, "--training.attention_backward", "recompute"], cli_env)  # a CPU kernel's backward
+    assert refused.returncode != 0 and "attention_backward = 'recompute'" in refused.stderr
 
 
 def test_document_masking_runs_flex_attention_and_equals_each_document_alone():

@@ -235,7 +235,9 @@ def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_r
     import sys
     import time
 
-    for _ in range(6):  # an idle half-second (what earlier tests left running, such as inductor's compile workers, may end first)
+    for _ in range(
+        6
+    ):  # an idle half-second (what earlier tests left running, such as inductor's compile workers, may end first)
         with arithmetic.OtherLoad() as quiet:
             time.sleep(0.5)
         if quiet.share < 0.2:

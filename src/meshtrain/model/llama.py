@@ -174,9 +174,6 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     sequence_slice: tuple[int, int] = (0, 1)  # (this rank's slice, slices) under context parallelism
-    # CPU: the flash kernel's forward with a backward recomputed from matmuls (model/recompute_attention.py),
-    # set where training.attention_backward resolved to "recompute"
-    recompute_backward: bool = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -169,7 +169,9 @@ class DocumentMask:
     def seq_len(self) -> int:
         return self.positions.shape[1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute_backward: bool = False) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute_backward: bool = False
+    ) -> torch.Tensor:
         """Attention of (batch, heads, seq, head_dim) q, k, v over the whole sequence the mask
         describes; grouped-query k/v heads shared by their query groups without copies.
         `recompute_backward`: the dense mask's backward recomputed from matmuls where it applies

@@ -27,7 +27,12 @@ def applies(q: torch.Tensor) -> bool:
     """Whether (batch, heads, seq, head_dim) q's backward is one to recompute: gradients wanted, a
     plain CPU tensor (not a DTensor), and the score matrix within MAX_SCORES."""
     batch, heads, seq, _ = q.shape
-    return q.requires_grad and q.device.type == "cpu" and not isinstance(q, DTensor) and batch * heads * seq * seq <= MAX_SCORES
+    return (
+        q.requires_grad
+        and q.device.type == "cpu"
+        and not isinstance(q, DTensor)
+        and batch * heads * seq * seq <= MAX_SCORES
+    )
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -38,7 +43,11 @@ class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, allowed):
         scale = q.shape[-1] ** -0.5
-        bias = None if allowed is None else torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, -torch.inf)
+        bias = (
+            None
+            if allowed is None
+            else torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, -torch.inf)
+        )
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, allowed is None, attn_mask=bias, scale=scale
         )[:2]

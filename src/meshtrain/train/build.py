@@ -28,9 +28,9 @@ from meshtrain.model.lora import LoraSpec
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.arithmetic import Choice
+from meshtrain.train.arithmetic import resolve as resolve_arithmetic
 from meshtrain.train.attention_backward import AttentionBackward
 from meshtrain.train.attention_backward import resolve as resolve_attention_backward
-from meshtrain.train.arithmetic import resolve as resolve_arithmetic
 from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
 from meshtrain.train.preflight import check_device, preflight, warn_if_too_big
@@ -193,7 +193,9 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     if env.rank == 0:
         warn_if_too_big(cfg, args, layout, device, env.local_world_size)
     dims, model, optimizer, scheduler, n_params = build_model(cfg, args, layout, device)
-    state = TrainState(cfg, env, device, dims, args, n_params, model, optimizer, scheduler, arithmetic, attention, dataset)
+    state = TrainState(
+        cfg, env, device, dims, args, n_params, model, optimizer, scheduler, arithmetic, attention, dataset
+    )
     if dataset is not None:
         state.loader = dataset.loader(t.global_batch_size, dims.dp_rank, layout.dp, t.seed, device.type == "cuda")
         for name, source in zip(dataset.names, dataset.sources):

@@ -90,7 +90,10 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
 def announce(s: TrainState) -> None:
     t, run_dir = s.cfg.training, Path(s.cfg.run.dir)
     write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
-    write_json(run_dir / "arithmetic.json", dataclasses.asdict(s.arithmetic) | {"attention_backward": dataclasses.asdict(s.attention)})
+    write_json(
+        run_dir / "arithmetic.json",
+        dataclasses.asdict(s.arithmetic) | {"attention_backward": dataclasses.asdict(s.attention)},
+    )
     copy_file(s.dataset.tokenizer_path, run_dir / "tokenizer.json")
     if s.dataset.template_path:  # chat data: serve and export render prompts as the model learned them
         copy_file(s.dataset.template_path, run_dir / TEMPLATE_FILE)
