@@ -47,7 +47,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +55,11 @@ from torch import nn
 
 from meshtrain.hardware import cached_measurement, cpu_model
 from meshtrain.launch.distributed import agreed
+from meshtrain.layout import Layout
 from meshtrain.model.llama import ModelArgs, TransformerBlock, precompute_rope
 from meshtrain.parallel.precision import FP32_CLASSES, apply_fp32_compute, arithmetic_label
+from meshtrain.train import attention_backward
+from meshtrain.train.probe_timing import BUSY, OtherLoad, timed_ms
 
 # (name, dtype, bf16_compute) in order of preference: all-bf16 first (least memory, no casts).
 CANDIDATES = (
@@ -76,9 +78,6 @@ MARGIN = {"fp32": 0.03, "bf16/bf16-gemm": 0.05, "bf16/bf16-attention": 0.05, "bf
 PROBE_TOKENS = 512  # whole sequences up to this many tokens are timed; the time is scaled to the micro-batch
 ROUNDS = 3  # rounds of two back-to-back timings of each contender after the first look
 DISTANT = 3.0  # this many times slower than the fastest of its kind at two looks: out (an emulated bf16 reads ~30x)
-# Other processes used more of the CPUs than this while the probe measured: the record is not reused,
-# and a multi-threaded probe is taken again on one thread, by CPU time (bench/README.md 1b: ten starts)
-BUSY = 0.25
 CONTENDER = 1.25  # within this factor of the fastest after one round: timed on among the contenders
 CLOSE = 0.03  # a contender whose lead over all-bf16 is this near its margin is timed again with all-bf16 ...
 CLOSE_ROUNDS = 8  # ... for up to this many more rounds (measured: the lead read 0.986-1.06 over 8 starts at 3 rounds)
@@ -120,8 +119,11 @@ class Choice:
         return f"{what} (auto, {self.how} at this model's shapes; ms per micro-batch: {times})"
 
 
-def resolve(cfg, args: ModelArgs, device: torch.device):
-    """(the config with dtype and bf16_compute resolved, the Choice). Every rank takes rank 0's."""
+def resolve(cfg, args: ModelArgs, device: torch.device, layout: Layout | None = None):
+    """(the config with dtype and bf16_compute resolved, the Choice). Every rank takes rank 0's.
+    With the run's `layout`, a compiled CPU run's candidates are timed with attention's backward as
+    train/attention_backward.py will pick it for each (the recomputed one is faster only compiled,
+    which the eager probe does not see)."""
     t = cfg.training
     if t.dtype in ("fp32", "fp16"):
         choice = Choice(t.dtype, "auto", "given")
@@ -136,7 +138,10 @@ def resolve(cfg, args: ModelArgs, device: torch.device):
         if t.fp8 != "off":  # FP8 takes the GEMMs: only the attention's arithmetic is left to choose
             names = [name for name in names if name == "fp32" or not FP32_CLASSES[name.partition("/")[2] or "bf16"][0]]
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        choice = agreed(cpu_choice(args, t.micro_batch_size, t.seq_len, names) if rank0 else None)
+        shape = None
+        if layout is not None and t.compile and t.attention_backward == "auto":
+            shape = attention_backward.attention_shape(t, args, layout)
+        choice = agreed(cpu_choice(args, t.micro_batch_size, t.seq_len, names, shape) if rank0 else None)
     training = dataclasses.replace(t, dtype=choice.dtype, bf16_compute=choice.bf16_compute)
     return dataclasses.replace(cfg, training=training), choice
 
@@ -146,7 +151,12 @@ def gpu_has_bf16() -> bool:
     return torch.cuda.is_bf16_supported(including_emulation=False) if torch.cuda.is_available() else True
 
 
-def cpu_choice(args: ModelArgs, micro_batch: int, seq_len: int, names: list[str]) -> Choice:
+def cpu_choice(
+    args: ModelArgs, micro_batch: int, seq_len: int, names: list[str], attention_shape: tuple | None = None
+) -> Choice:
+    """The fastest candidate at the model's shapes (measured once, cached). `attention_shape`: a
+    compiled run's, whose attention backward is probed too: each candidate's time less what the
+    recomputed backward saves in its attention arithmetic, n_layers times."""
     sequences = max(1, min(micro_batch, PROBE_TOKENS // seq_len))
     key = (
         f"{cpu_model()}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|torch {torch.__version__}|"
@@ -183,10 +193,18 @@ def cpu_choice(args: ModelArgs, micro_batch: int, seq_len: int, names: list[str]
         )
 
     record = cached_measurement(key, measure, False, "arithmetic.json", valid)  # timings: the rule reads them
+    step_ms = dict(record["step_ms"])
+    if attention_shape is not None:
+        fp32_attention = {name: name == "fp32" or FP32_CLASSES[name.partition("/")[2] or "bf16"][1] for name in names}
+        for fp32 in set(fp32_attention.values()):
+            dtype = torch.float32 if fp32 else torch.bfloat16
+            saving = args.n_layers * attention_backward.recompute_saving(attention_shape, dtype)
+            for name in (n for n in names if fp32_attention[n] == fp32):
+                step_ms[name] -= saving
     busy = record["busy"] > BUSY
-    _, dtype, compute = next(c for c in CANDIDATES if c[0] == choose(record["step_ms"], busy))
+    _, dtype, compute = next(c for c in CANDIDATES if c[0] == choose(step_ms, busy))
     how = "busy" if busy else "measured" if fresh else "cached"
-    return Choice(dtype, compute, how, record["step_ms"], key, record["busy"])
+    return Choice(dtype, compute, how, step_ms, key, record["busy"])
 
 
 def choose(step_ms: dict[str, float], busy: bool = False) -> str:
@@ -198,33 +216,6 @@ def choose(step_ms: dict[str, float], busy: bool = False) -> str:
     margin = {n: m + (CLOSE if busy else 0.0) for n, m in MARGIN.items()}
     better = {n: ms for n, ms in step_ms.items() if n != "bf16" and ms * (1 + margin[n]) < step_ms["bf16"]}
     return min(better, key=better.get) if better else "bf16"
-
-
-class OtherLoad:
-    """The share of the machine's CPU time that other processes used while this one measured, from
-    /proc/stat's busy time less this process's CPU time (0 where /proc/stat is missing)."""
-
-    share = 0.0
-
-    def __enter__(self):
-        self._start = (_cpu_ticks(), time.process_time())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        (start, ours), end = self._start, _cpu_ticks()
-        if start is not None and end is not None and end[1] > start[1]:
-            ours_ticks = (time.process_time() - ours) * os.sysconf("SC_CLK_TCK")
-            self.share = round(max(0.0, (end[0] - start[0] - ours_ticks) / (end[1] - start[1])), 3)
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat's first line."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    except (OSError, ValueError):
-        return None
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
 def near_margin(step_ms: dict[str, float], name: str) -> bool:
@@ -316,13 +307,3 @@ def _forward_backward(module, x: torch.Tensor, bf16: bool) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out = module(inp)
     out.backward(torch.ones_like(out))
-
-
-def timed_ms(fn) -> float:
-    """Wall-clock ms; with one thread CPU ms (the same when the machine is quiet, and unstretched
-    when other processes take turns on the core: ten starts of `tiny` under two busy processes kept
-    their pick by CPU time and not by the clock)."""
-    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
-    start = clock()
-    fn()
-    return (clock() - start) * 1e3

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshtrain.errors import ConfigError
 from meshtrain.hardware import cached_measurement, cpu_model
 from meshtrain.launch.distributed import agreed
 from meshtrain.layout import Layout
 from meshtrain.model.llama import ModelArgs
 from meshtrain.model.recompute_attention import MAX_SCORES, recomputed_attention
 from meshtrain.parallel.precision import fp32_classes
-from meshtrain.train.arithmetic import BUSY, OtherLoad, timed_ms
+from meshtrain.train.probe_timing import BUSY, OtherLoad, timed_ms
 
 MARGIN = 0.05  # the recomputation must time this much faster than the kernel
 ROUNDS = 4  # interleaved rounds of two back-to-back timings of each after the warm-up
@@ -59,24 +60,48 @@ class AttentionBackward:
 def resolve(cfg, args: ModelArgs, layout: Layout, device: torch.device):
     """(the config with attention_backward resolved, the AttentionBackward). Every rank takes rank 0's."""
     t = cfg.training
+    if t.attention_backward == "recompute" and attention_shape(t, args, layout) is None:
+        raise ConfigError(
+            f"training.attention_backward = 'recompute' would hold {t.micro_batch_size} x heads x {t.seq_len}^2 "
+            f"attention scores a layer, over its bound of {MAX_SCORES:,}: set it to auto or flash, or lower "
+            "training.micro_batch_size"
+        )
     if t.attention_backward != "auto":
         choice = AttentionBackward(t.attention_backward, "given")
     elif device.type != "cpu":
         choice = AttentionBackward("flash", "device")
     elif not t.compile:
         choice = AttentionBackward("flash", "eager")
+    elif (shape := attention_shape(t, args, layout)) is None:
+        choice = AttentionBackward("flash", "too large")
     else:
-        shards = layout.tp * layout.cp  # tensor parallel splits the heads; Ulysses trades the sequence for them
-        heads, kv_heads = args.n_heads // shards, max(1, args.n_kv_heads // shards)
-        if t.micro_batch_size * heads * t.seq_len**2 > MAX_SCORES:
-            choice = AttentionBackward("flash", "too large")
-        else:
-            fp32 = t.dtype == "fp32" or fp32_classes(t)[1]
-            dtype = torch.float32 if fp32 else {"bf16": torch.bfloat16, "fp16": torch.float16}[t.dtype]
-            rank0 = not dist.is_initialized() or dist.get_rank() == 0
-            shape = (t.micro_batch_size, heads, kv_heads, t.seq_len, args.head_size)
-            choice = agreed(cpu_choice(shape, dtype) if rank0 else None)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        choice = agreed(cpu_choice(shape, attention_dtype(t)) if rank0 else None)
     return dataclasses.replace(cfg, training=dataclasses.replace(t, attention_backward=choice.kind)), choice
+
+
+def attention_shape(t, args: ModelArgs, layout: Layout) -> tuple[int, int, int, int, int] | None:
+    """(micro-batch, local heads, local kv heads, seq, head_dim) of a rank's attention, or None where
+    the recomputed backward's scores would exceed MAX_SCORES."""
+    shards = layout.tp * layout.cp  # tensor parallel splits the heads; Ulysses trades the sequence for them
+    heads, kv_heads = args.n_heads // shards, max(1, args.n_kv_heads // shards)
+    if t.micro_batch_size * heads * t.seq_len**2 > MAX_SCORES:
+        return None
+    return (t.micro_batch_size, heads, kv_heads, t.seq_len, args.head_size)
+
+
+def attention_dtype(t) -> torch.dtype:
+    """What attention computes in, for a training config whose arithmetic is resolved."""
+    if t.dtype == "fp32" or fp32_classes(t)[1]:
+        return torch.float32
+    return torch.float16 if t.dtype == "fp16" else torch.bfloat16
+
+
+def recompute_saving(shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> float:
+    """ms per layer (forward + backward of a micro-batch) the recomputed backward saves where the
+    probe picks it at `shape` in `dtype`; 0 where it keeps the kernel."""
+    choice = cpu_choice(shape, dtype)
+    return choice.ms["flash"] - choice.ms["recompute"] if choice.kind == "recompute" else 0.0
 
 
 def cpu_choice(shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> AttentionBackward:

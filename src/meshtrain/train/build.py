@@ -186,7 +186,7 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
                 "its documents, so its sequences train with plain causal attention"
             )
     args, layout = preflight(cfg, env.world_size, dataset)
-    cfg, arithmetic = resolve_arithmetic(cfg, args, device)
+    cfg, arithmetic = resolve_arithmetic(cfg, args, device, layout)
     cfg, attention = resolve_attention_backward(cfg, args, layout, device)
     t = cfg.training
     torch.manual_seed(t.seed)
