@@ -16,6 +16,7 @@ from meshtrain.model.masks import dense_mask, document_ids
 from meshtrain.model.recompute_attention import MAX_SCORES, applies, recomputed_attention
 from meshtrain.train import arithmetic, attention_backward
 from meshtrain.train.preflight import check_device
+from meshtrain.train.probe_timing import own_code
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -126,26 +127,63 @@ def test_auto_is_measured_compiled_on_a_cpu_once_and_the_kernel_elsewhere(monkey
     assert attention_backward.resolve(cfg, args, layout, CPU)[1].how in ("measured", "busy")  # another format
 
 
-def test_the_arithmetic_probe_counts_the_recomputed_backward_of_a_compiled_run(monkeypatch, tmp_path):
+def test_a_compiled_run_s_arithmetic_probe_times_its_contenders_compiled(monkeypatch, tmp_path):
     # measured on a Xeon with AMX (tiny, 1 process): the eager probe put bf16 GEMMs + fp32 attention
     # ahead, while compiled with the recomputed bf16 backward all-bf16 trained 7% faster
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probed = []
     blocks = {"bf16": 10.0, "fp32": 30.0, "bf16/bf16-gemm": 9.0, "bf16/bf16-attention": 31.0, "bf16/fp32": 29.0}
+    compiled_blocks = blocks | {"bf16": 8.0}
     heads = {"bf16": 5.0, "fp32": 15.0, "bf16/fp32": 16.0}
+
+    def probe(args, sequences, length, names, compiled=None):
+        probed.append(compiled)
+        return {n: (blocks if compiled is None else compiled_blocks)[n] for n in names}, heads
+
+    monkeypatch.setattr(arithmetic, "probe", probe)
+    kinds = {torch.bfloat16: "recompute", torch.float32: "flash"}  # the bf16 backward recomputed, fp32's kept
     monkeypatch.setattr(
-        arithmetic, "probe", lambda args, sequences, length, names: ({n: blocks[n] for n in names}, heads)
+        attention_backward, "cpu_choice", lambda shape, dtype: attention_backward.AttentionBackward(kinds[dtype], "x")
     )
-    savings = {torch.bfloat16: 2.0, torch.float32: 0.0}  # ms a layer: the bf16 backward recomputed, fp32's kept
-    monkeypatch.setattr(attention_backward, "recompute_saving", lambda shape, dtype: savings[dtype])
     args = config().model_args()
     layout = Layout.from_config(config(), 1)
     eager = arithmetic.resolve(config(dtype="auto"), args, CPU, layout)[1]
-    assert eager.name == "bf16/bf16-gemm"  # 59 ms a micro-batch against 65
+    assert eager.name == "bf16/bf16-gemm" and probed == [None]  # 59 ms a micro-batch against 65
     compiled = arithmetic.resolve(config(dtype="auto", compile=True), args, CPU, layout)[1]
-    assert compiled.name == "bf16" and compiled.how == "cached"  # the same timings, read again
-    assert compiled.step_ms["bf16"] == pytest.approx(args.n_layers * (10.0 - 2.0) + 5.0)
-    assert compiled.step_ms["bf16/bf16-gemm"] == pytest.approx(args.n_layers * 9.0 + 5.0)
-    assert compiled.step_ms["bf16/bf16-attention"] == pytest.approx(args.n_layers * (31.0 - 2.0) + 16.0)
+    assert compiled.name == "bf16" and compiled.how == "measured" and compiled.key != eager.key
+    assert probed[1] == {  # each candidate with the backward picked for its attention arithmetic
+        "bf16": True,
+        "fp32": False,
+        "bf16/bf16-gemm": False,
+        "bf16/bf16-attention": True,
+        "bf16/fp32": False,
+    }
+    assert compiled.step_ms["bf16"] == pytest.approx(args.n_layers * 8.0 + 5.0)
+    assert arithmetic.resolve(config(dtype="auto", compile=True), args, CPU, layout)[1].how == "cached"
+
+
+def test_the_compiled_probe_compiles_each_contender_under_a_code_object_of_its_own():
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
+    names = ["bf16", "bf16/bf16-gemm"]
+    graphs = counters["stats"]["unique_graphs"]
+    blocks, heads = arithmetic.probe(args, 2, 64, names, compiled={"bf16": True, "bf16/bf16-gemm": False})
+    assert counters["stats"]["unique_graphs"] >= graphs + len(names)  # each contender's block, compiled
+    assert set(blocks) == set(names) and set(heads) == {"bf16"} and min(blocks.values()) > 0
+
+    # dynamo keeps at most recompile_limit (8) graphs per code object and runs the rest eagerly: the
+    # probes' functions, one per candidate and shape, each get a code object of their own
+    def shifted(n):
+        return lambda x: x + n
+
+    functions = [own_code(shifted(n)) for n in range(torch._dynamo.config.recompile_limit + 2)]
+    graphs = counters["stats"]["unique_graphs"]
+    for fn in functions:
+        torch.compile(fn, dynamic=False)(torch.zeros(3))
+    assert counters["stats"]["unique_graphs"] == graphs + len(functions)
+    assert all(len(_debug_get_cache_entry_list(fn.__code__)) == 1 for fn in functions)
 
 
 def test_recompute_is_refused_on_a_gpu_and_beyond_its_memory_bound():

@@ -143,7 +143,7 @@ def config(dtype="auto", compute="auto", **training):
 
 
 def fake_probe(monkeypatch, block_ms: dict, head_ms: dict, calls: list):
-    def probe(args, sequences, seq_len, names):
+    def probe(args, sequences, seq_len, names, compiled=None):
         calls.append(names)
         return {n: block_ms[n] for n in names}, head_ms
 
@@ -258,7 +258,7 @@ def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_r
     monkeypatch.setattr(arithmetic.OtherLoad, "share", 0.7)
     threads = []
 
-    def probe(args, sequences, seq_len, names):
+    def probe(args, sequences, seq_len, names, compiled=None):
         threads.append(torch.get_num_threads())
         gemm = 8.0 if threads[-1] == 1 else 30.0  # the busy look reads bf16 GEMMs slow, the one-thread look fast
         return {n: {"bf16/bf16-gemm": gemm}.get(n, 10.0) for n in names}, {"bf16": 5.0, "fp32": 5.0, "bf16/fp32": 5.0}

@@ -17,6 +17,10 @@ the output head, and times forward + backward of a micro-batch's sequences in ev
 
 Each class of work thus runs in each arithmetic at the model's shapes, beside the others as in the
 step. A candidate's time is n_layers x its block + the head in its GEMM arithmetic, per micro-batch.
+For a compiled run the contenders' blocks are timed compiled, with the attention backward that
+train/attention_backward.py picks for their attention arithmetic: compiling fuses away eager's
+elementwise overheads unequally (`tiny`, 8 x 256 tokens, on a Xeon with AMX: the all-bf16 block
+42 -> 22 ms with its recomputed backward, bf16 GEMMs + fp32 attention 32 -> 23 ms).
 
 How it is timed, so that neither a busy machine nor one lucky timing decides:
 - A first look at every candidate; what is 3x behind the fastest at two looks (an emulated bf16) is
@@ -57,9 +61,10 @@ from meshtrain.hardware import cached_measurement, cpu_model
 from meshtrain.launch.distributed import agreed
 from meshtrain.layout import Layout
 from meshtrain.model.llama import ModelArgs, TransformerBlock, precompute_rope
+from meshtrain.parallel.compile import EXACT_CASTS
 from meshtrain.parallel.precision import FP32_CLASSES, apply_fp32_compute, arithmetic_label
 from meshtrain.train import attention_backward
-from meshtrain.train.probe_timing import BUSY, OtherLoad, timed_ms
+from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, timed_ms
 
 # (name, dtype, bf16_compute) in order of preference: all-bf16 first (least memory, no casts).
 CANDIDATES = (
@@ -79,6 +84,9 @@ PROBE_TOKENS = 512  # whole sequences up to this many tokens are timed; the time
 ROUNDS = 3  # rounds of two back-to-back timings of each contender after the first look
 DISTANT = 3.0  # this many times slower than the fastest of its kind at two looks: out (an emulated bf16 reads ~30x)
 CONTENDER = 1.25  # within this factor of the fastest after one round: timed on among the contenders
+# ... times this for a compiled run's, which are timed compiled: compiling sped `tiny`'s blocks up by
+# 1.2x (fp32) to 1.9x (all-bf16 with its backward recomputed) on a Xeon with AMX
+COMPILE_GAIN_SPREAD = 1.6
 CLOSE = 0.03  # a contender whose lead over all-bf16 is this near its margin is timed again with all-bf16 ...
 CLOSE_ROUNDS = 8  # ... for up to this many more rounds (measured: the lead read 0.986-1.06 over 8 starts at 3 rounds)
 
@@ -121,9 +129,9 @@ class Choice:
 
 def resolve(cfg, args: ModelArgs, device: torch.device, layout: Layout | None = None):
     """(the config with dtype and bf16_compute resolved, the Choice). Every rank takes rank 0's.
-    With the run's `layout`, a compiled CPU run's candidates are timed with attention's backward as
-    train/attention_backward.py will pick it for each (the recomputed one is faster only compiled,
-    which the eager probe does not see)."""
+    With the run's `layout`, a compiled CPU run's contenders are timed compiled, with attention's
+    backward as train/attention_backward.py will pick it for each (the recomputed one is faster only
+    compiled, and compiling speeds the candidates up unequally)."""
     t = cfg.training
     if t.dtype in ("fp32", "fp16"):
         choice = Choice(t.dtype, "auto", "given")
@@ -155,26 +163,35 @@ def cpu_choice(
     args: ModelArgs, micro_batch: int, seq_len: int, names: list[str], attention_shape: tuple | None = None
 ) -> Choice:
     """The fastest candidate at the model's shapes (measured once, cached). `attention_shape`: a
-    compiled run's, whose attention backward is probed too: each candidate's time less what the
-    recomputed backward saves in its attention arithmetic, n_layers times."""
+    compiled run's, whose attention backward is probed first (train/attention_backward.py); the
+    contenders are then timed compiled, each with the backward picked for its attention arithmetic."""
     sequences = max(1, min(micro_batch, PROBE_TOKENS // seq_len))
     key = (
         f"{cpu_model()}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|torch {torch.__version__}|"
         f"dim {args.dim} heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.padded_vocab_size} "
         f"layers {args.n_layers}|{sequences}x{seq_len} of {micro_batch}|{','.join(names)}"
     )
+    compiled = None
+    if attention_shape is not None:
+        recomputed = {
+            dtype: attention_backward.cpu_choice(attention_shape, dtype).kind == "recompute"
+            for dtype in dict.fromkeys(attention_arithmetic(name) for name in names)
+        }
+        compiled = {name: recomputed[attention_arithmetic(name)] for name in names}
+        backward = (f"{dtype} {'recomputed' if r else 'kernel'}" for dtype, r in recomputed.items())
+        key += f"|compiled, attention backward: {', '.join(backward)}"
     fresh = []
 
     def measure() -> dict:
         fresh.append(True)
         scale = micro_batch / sequences
         with OtherLoad() as load:
-            block, head = probe(args, sequences, seq_len, names)
+            block, head = probe(args, sequences, seq_len, names, compiled)
         threads = torch.get_num_threads()
         if load.share > BUSY and threads > 1:  # threads taking turns with others' time the waits, not the work
             torch.set_num_threads(1)  # one thread is timed by its CPU time, which others' load hardly stretches
             try:  # twice, each candidate's faster: an outlier needs both (one start in ten read 1.31x once)
-                looks = [probe(args, sequences, seq_len, names) for _ in range(2)]
+                looks = [probe(args, sequences, seq_len, names, compiled) for _ in range(2)]
             finally:
                 torch.set_num_threads(threads)
             block, head = ({k: min(look[i][k] for look in looks) for k in looks[0][i]} for i in (0, 1))
@@ -194,13 +211,6 @@ def cpu_choice(
 
     record = cached_measurement(key, measure, False, "arithmetic.json", valid)  # timings: the rule reads them
     step_ms = dict(record["step_ms"])
-    if attention_shape is not None:
-        fp32_attention = {name: name == "fp32" or FP32_CLASSES[name.partition("/")[2] or "bf16"][1] for name in names}
-        for fp32 in set(fp32_attention.values()):
-            dtype = torch.float32 if fp32 else torch.bfloat16
-            saving = args.n_layers * attention_backward.recompute_saving(attention_shape, dtype)
-            for name in (n for n in names if fp32_attention[n] == fp32):
-                step_ms[name] -= saving
     busy = record["busy"] > BUSY
     _, dtype, compute = next(c for c in CANDIDATES if c[0] == choose(step_ms, busy))
     how = "busy" if busy else "measured" if fresh else "cached"
@@ -224,6 +234,13 @@ def near_margin(step_ms: dict[str, float], name: str) -> bool:
     return "bf16" in step_ms and abs(step_ms["bf16"] / step_ms[name] - 1 - MARGIN[name]) < CLOSE
 
 
+def attention_arithmetic(name: str) -> torch.dtype:
+    """What a candidate's attention computes in."""
+    if name == "fp32" or FP32_CLASSES[name.partition("/")[2] or "bf16"][1]:
+        return torch.float32
+    return torch.bfloat16
+
+
 def head_variant(name: str) -> str:
     """The output head is one GEMM: plain fp32, bf16 kernels, or fp32 arithmetic on bf16 storage."""
     if name == "fp32":
@@ -232,9 +249,11 @@ def head_variant(name: str) -> str:
     return "bf16/fp32" if fp32_gemm else "bf16"
 
 
-def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
+def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str], compiled: dict[str, bool] | None = None):
     """Best forward + backward time (ms) of one block in each candidate, and of the output head in
-    each GEMM arithmetic the candidates use, on `sequences` sequences of seq_len tokens."""
+    each GEMM arithmetic the candidates use, on `sequences` sequences of seq_len tokens. `compiled`
+    (a compiled run's: per candidate, whether its attention backward is recomputed): the contenders'
+    blocks are timed compiled, with that backward, as the step runs them."""
     gen = torch.Generator().manual_seed(0)
     base = TransformerBlock(args)
     with torch.no_grad():
@@ -244,12 +263,23 @@ def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
     x = torch.randn(sequences, seq_len, args.dim, generator=gen)
     head_weight = torch.randn(args.padded_vocab_size, args.dim, generator=gen) * 0.02
 
-    def timed_block(name: str):
+    def timed_block(name: str, recompute_backward: bool | None = None):
+        """Eager, or compiled (`recompute_backward` given) as apply_compile compiles a block."""
         _, dtype, compute = next(c for c in CANDIDATES if c[0] == name)
         block = copy.deepcopy(base)
+        fp32_gemm = dtype == "bf16" and compute != "bf16" and FP32_CLASSES[compute][0]
         if dtype == "bf16" and compute != "bf16":
             apply_fp32_compute(block, *FP32_CLASSES[compute])
-        return lambda: _forward_backward(lambda inp: block(inp, cos, sin), x, dtype == "bf16")
+
+        def forward(inp):
+            return block(inp, cos, sin)
+
+        if recompute_backward is not None:
+            block.attention.recompute_backward = recompute_backward
+            forward = torch.compile(
+                own_code(forward), fullgraph=True, dynamic=False, options=EXACT_CASTS if fp32_gemm else None
+            )
+        return lambda: _forward_backward(forward, x, dtype == "bf16")
 
     def timed_head(variant: str):
         head = nn.Linear(args.dim, args.padded_vocab_size, bias=False)
@@ -290,7 +320,15 @@ def probe(args: ModelArgs, sequences: int, seq_len: int, names: list[str]):
     # 0.98-1.02 timed alone.
     live = [n for n in names if ("block", n) in work]
     fastest = min(step(n) for n in live)
-    contenders = [n for n in live if step(n) <= CONTENDER * fastest]
+    spread = COMPILE_GAIN_SPREAD if compiled is not None else 1.0
+    contenders = [n for n in live if step(n) <= CONTENDER * spread * fastest]
+    if compiled is not None:  # fused, eager's elementwise overheads gone: bf16 attention gained 2x as much as fp32's
+        with torch._inductor.config.patch(compile_threads=1):  # in this process: its own CPU time, not others' load
+            for n in contenders:
+                work[("block", n)] = timed_block(n, compiled[n])
+                work[("block", n)]()  # compiles
+                work[("block", n)]()  # the allocator's and oneDNN's first calls
+                samples[("block", n)] = []
     keys = (k for n in contenders for k in (("block", n), ("head", head_variant(n))))
     rounds([k for k in dict.fromkeys(keys) if k in work], ROUNDS)
     for _ in range(CLOSE_ROUNDS):  # a contender near its margin: it and all-bf16 again, until clear

@@ -29,7 +29,7 @@ from meshtrain.layout import Layout
 from meshtrain.model.llama import ModelArgs
 from meshtrain.model.recompute_attention import MAX_SCORES, recomputed_attention
 from meshtrain.parallel.precision import fp32_classes
-from meshtrain.train.probe_timing import BUSY, OtherLoad, timed_ms
+from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, timed_ms
 
 MARGIN = 0.05  # the recomputation must time this much faster than the kernel
 ROUNDS = 4  # interleaved rounds of two back-to-back timings of each after the warm-up
@@ -97,13 +97,6 @@ def attention_dtype(t) -> torch.dtype:
     return torch.float16 if t.dtype == "fp16" else torch.bfloat16
 
 
-def recompute_saving(shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> float:
-    """ms per layer (forward + backward of a micro-batch) the recomputed backward saves where the
-    probe picks it at `shape` in `dtype`; 0 where it keeps the kernel."""
-    choice = cpu_choice(shape, dtype)
-    return choice.ms["flash"] - choice.ms["recompute"] if choice.kind == "recompute" else 0.0
-
-
 def cpu_choice(shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> AttentionBackward:
     batch, heads, kv_heads, seq, head_dim = shape
     key = (
@@ -149,7 +142,7 @@ def compiled(shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> dict:
     }
     work = {}
     for name, attend in kernels.items():
-        compiled = torch.compile(attend, dynamic=False)
+        compiled = torch.compile(own_code(attend), dynamic=False)
 
         def forward_backward(compiled=compiled):
             inputs = [x.detach().requires_grad_() for x in (q, k, v)]

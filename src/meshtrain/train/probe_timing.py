@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 
 import torch
 
@@ -15,19 +16,25 @@ BUSY = 0.25
 
 class OtherLoad:
     """The share of the machine's CPU time that other processes used while this one measured, from
-    /proc/stat's busy time less this process's CPU time (0 where /proc/stat is missing)."""
+    /proc/stat's busy time less this process's CPU time and its finished children's (the compiler
+    that inductor runs for a compiled probe) (0 where /proc/stat is missing)."""
 
     share = 0.0
 
     def __enter__(self):
-        self._start = (_cpu_ticks(), time.process_time())
+        self._start = (_cpu_ticks(), _own_cpu_seconds())
         return self
 
     def __exit__(self, *exc) -> None:
         (start, ours), end = self._start, _cpu_ticks()
         if start is not None and end is not None and end[1] > start[1]:
-            ours_ticks = (time.process_time() - ours) * os.sysconf("SC_CLK_TCK")
+            ours_ticks = (_own_cpu_seconds() - ours) * os.sysconf("SC_CLK_TCK")
             self.share = round(max(0.0, (end[0] - start[0] - ours_ticks) / (end[1] - start[1])), 3)
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -48,3 +55,10 @@ def timed_ms(fn) -> float:
     start = clock()
     fn()
     return (clock() - start) * 1e3
+
+
+def own_code(fn):
+    """`fn` with a code object of its own, for a probe to compile: dynamo keeps the graphs it
+    compiles per code object, up to its recompile_limit (8), beyond which a function runs eagerly;
+    the probes' candidates, each another module or shape, would fill one code object's entries."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
