@@ -2,7 +2,8 @@
 against the Hugging Face loops, for 1 and 2 processes.
 
 meshtrain: `meshtrain train` as a user runs it, one fresh process (every core) or `--nproc 2` (DDP,
-a core each, as `make train` runs), compiled, in each arithmetic (fp32; bf16 storage with bf16
+a core each, as `make train` runs), compiled (and eagerly, as `make train` runs, for the presets in
+`--arithmetic-eager`), in each arithmetic (fp32; bf16 storage with bf16
 kernels, fp32 arithmetic, bf16 GEMMs + fp32 attention, fp32 GEMMs + bf16 attention) and in auto
 (which probes at its own thread count), the steady tokens/s from metrics.jsonl, the runs in an order
 that alternates between rounds. Every variant gets a fresh process: many compiled models in one
@@ -60,12 +61,13 @@ def hf_tokens_per_s(preset: str, batch: int, seq_len: int, steps: int, rounds: i
     return {name: batch * seq_len / statistics.median(ts) for name, ts in times.items()}
 
 
-def meshtrain_runs(preset: str, procs: int, batch: int, seq_len: int, steps: int, rounds: int, a):
+def meshtrain_runs(preset: str, procs: int, compiled: bool, a):
     """(tokens/s of each forced arithmetic and of auto, auto's pick) from `meshtrain train` runs."""
+    batch, seq_len, steps, rounds = a.batch, a.seq_len, a.train_steps, a.arithmetic_rounds
 
     def flags(dtype: str, compute: str) -> list[str]:
         given = {"model.preset": preset, "training.dtype": dtype, "training.bf16_compute": compute}
-        given |= {"training.compile": "true", "training.seq_len": seq_len, "training.lr": 3e-4}
+        given |= {"training.compile": str(compiled).lower(), "training.seq_len": seq_len, "training.lr": 3e-4}
         given |= {"training.global_batch_size": procs * batch, "training.micro_batch_size": batch}
         given |= {"training.steps": steps, "training.warmup_steps": 1, "training.eval_batches": 1}
         return [x for k, v in given.items() for x in (f"--{k}", str(v))] + ["--run.log_every", "1"]
@@ -83,26 +85,29 @@ def meshtrain_runs(preset: str, procs: int, batch: int, seq_len: int, steps: int
     return {name: statistics.median(v) for name, v in measured.items()}, picked
 
 
-def row(preset, procs, threads, picked, tok_s, args, seq_len) -> dict:
+def row(preset, procs, threads, compiled, picked, tok_s, args, seq_len) -> dict:
     forced = {name: tok_s[name] for name in CHOICES}
     fastest = max(forced, key=forced.get)
     auto = tok_s.get("auto", forced[picked])  # auto's own runs: a second look at its pick's speed
-    out = {"preset": preset, "processes": procs, "threads": threads, "auto_picks": picked, "fastest": fastest}
-    out |= {"tokens_per_s": tok_s, "auto_vs_fastest": forced[picked] / forced[fastest]}
+    out = {"preset": preset, "processes": procs, "threads": threads, "compiled": compiled, "auto_picks": picked}
+    out |= {"fastest": fastest, "tokens_per_s": tok_s, "auto_vs_fastest": forced[picked] / forced[fastest]}
     hf_compiled = [tok_s[name] for name in ("hf+compile fp32", "hf+compile bf16") if name in tok_s]
-    if hf_compiled:
+    if hf_compiled and compiled:
         out["best_vs_hf_compile"] = forced[fastest] / max(hf_compiled)
         out["auto_vs_hf_compile"] = auto / max(hf_compiled)
     flops = Shape.from_args(args).flops_per_token(seq_len)
     peak = mfu_peak_tflops(device(), "bf16")  # the machine's: the larger of its bf16 and fp32 matmul peaks, every core
     out["mfu"] = {name: v * flops / 1e12 / peak for name, v in tok_s.items()}
-    print(f"  {preset} x{procs}: auto -> {picked}, " + ", ".join(f"{n} {v:,.0f}" for n, v in tok_s.items()), flush=True)
+    mode = "compiled" if compiled else "eager"
+    speeds = ", ".join(f"{n} {v:,.0f}" for n, v in tok_s.items())
+    print(f"  {preset} x{procs} {mode}: auto -> {picked}, {speeds}", flush=True)
     return out
 
 
 def table(rows: list[dict]) -> str:
     columns = [*CHOICES, "auto", *HF]
-    header = ["preset", "processes x threads", *[f"{c} tok/s" for c in columns], "auto picks", "auto / fastest"]
+    header = ["preset", "processes x threads", "compile", *[f"{c} tok/s" for c in columns], "auto picks"]
+    header.append("auto / fastest")
     header.append("fastest / best hf+compile")
 
     def cell(r, c):
@@ -113,6 +118,7 @@ def table(rows: list[dict]) -> str:
         [
             r["preset"],
             f"{r['processes']} x {r['threads']}",
+            "yes" if r.get("compiled", True) else "no",
             *[cell(r, c) for c in columns],
             r["auto_picks"],
             f"{r['auto_vs_fastest']:.2f}",
@@ -135,14 +141,15 @@ def main(a) -> list[dict]:
         looks = [hf_look(preset, a)]
         args = load_config(overrides={"model.preset": preset}).model_args()
         measured = []
-        for procs in (1, 2) if device().type == "cpu" else (1,):
-            tok_s, picked = meshtrain_runs(preset, procs, a.batch, a.seq_len, a.train_steps, a.arithmetic_rounds, a)
-            measured.append((procs, tok_s, picked))
+        for compiled in (True, False) if preset in a.arithmetic_eager.split(",") else (True,):
+            for procs in (1, 2) if device().type == "cpu" else (1,):
+                tok_s, picked = meshtrain_runs(preset, procs, compiled, a)
+                measured.append((procs, compiled, tok_s, picked))
         looks.append(hf_look(preset, a))  # a VM's speed drifts over the minutes between: HF before and after
         hf = {name: max(look[name] for look in looks) for name in HF}  # the faster look: the stronger baseline
-        for procs, tok_s, picked in measured:
+        for procs, compiled, tok_s, picked in measured:
             threads = torch.get_num_threads() // procs
-            out = row(preset, procs, threads, picked, tok_s | hf, args, a.seq_len)  # HF: every core
+            out = row(preset, procs, threads, compiled, picked, tok_s | hf, args, a.seq_len)  # HF: every core
             rows.append(out | {"hf_looks": looks})
     write_results("arithmetic", rows, table(rows))
     return rows

@@ -64,7 +64,7 @@ from meshtrain.model.llama import ModelArgs, TransformerBlock, precompute_rope
 from meshtrain.parallel.compile import EXACT_CASTS
 from meshtrain.parallel.precision import FP32_CLASSES, apply_fp32_compute, arithmetic_label
 from meshtrain.train import attention_backward
-from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, timed_ms
+from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, quiet_record, timed_ms
 
 # (name, dtype, bf16_compute) in order of preference: all-bf16 first (least memory, no casts).
 CANDIDATES = (
@@ -80,7 +80,11 @@ CANDIDATES = (
 # probe's 9% lead of bf16-gemm over bf16 was 10% in the step (tiny, one thread), a 3% lead was 0%
 # (small, two threads)).
 MARGIN = {"fp32": 0.03, "bf16/bf16-gemm": 0.05, "bf16/bf16-attention": 0.05, "bf16/fp32": 0.05}
-PROBE_TOKENS = 512  # whole sequences up to this many tokens are timed; the time is scaled to the micro-batch
+# whole sequences up to this many tokens are timed eagerly, the time scaled to the micro-batch; a compiled
+# run's the whole micro-batch: its recomputed attention backward holds fp32 scores that outgrow the caches
+# (`tiny` at 1 thread, on a Xeon with AMX: all-bf16's compiled block 15% ahead of bf16 GEMMs + fp32
+# attention's at 2 sequences, 7.5% at 8, in the step 1-6%)
+PROBE_TOKENS = 512
 ROUNDS = 3  # rounds of two back-to-back timings of each contender after the first look
 DISTANT = 3.0  # this many times slower than the fastest of its kind at two looks: out (an emulated bf16 reads ~30x)
 CONTENDER = 1.25  # within this factor of the fastest after one round: timed on among the contenders
@@ -165,7 +169,7 @@ def cpu_choice(
     """The fastest candidate at the model's shapes (measured once, cached). `attention_shape`: a
     compiled run's, whose attention backward is probed first (train/attention_backward.py); the
     contenders are then timed compiled, each with the backward picked for its attention arithmetic."""
-    sequences = max(1, min(micro_batch, PROBE_TOKENS // seq_len))
+    sequences = micro_batch if attention_shape is not None else max(1, min(micro_batch, PROBE_TOKENS // seq_len))
     key = (
         f"{cpu_model()}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|torch {torch.__version__}|"
         f"dim {args.dim} heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.padded_vocab_size} "
@@ -198,16 +202,8 @@ def cpu_choice(
         step_ms = {name: scale * (args.n_layers * block[name] + head[head_variant(name)]) for name in names}
         return {"step_ms": step_ms, "busy": load.share}
 
-    def valid(record) -> bool:  # a busy machine's record is measured again at the next start
-        return (
-            isinstance(record, dict)
-            and set(record) == {"step_ms", "busy"}
-            and isinstance(record["busy"], float)
-            and 0 <= record["busy"] <= BUSY
-            and isinstance(record["step_ms"], dict)
-            and set(record["step_ms"]) == set(names)
-            and all(isinstance(ms, (int, float)) and ms > 0 for ms in record["step_ms"].values())
-        )
+    def valid(record) -> bool:
+        return quiet_record(record, "step_ms", names)
 
     record = cached_measurement(key, measure, False, "arithmetic.json", valid)  # timings: the rule reads them
     step_ms = dict(record["step_ms"])

@@ -29,7 +29,7 @@ from meshtrain.layout import Layout
 from meshtrain.model.llama import ModelArgs
 from meshtrain.model.recompute_attention import MAX_SCORES, recomputed_attention
 from meshtrain.parallel.precision import fp32_classes
-from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, timed_ms
+from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, quiet_record, timed_ms
 
 MARGIN = 0.05  # the recomputation must time this much faster than the kernel
 ROUNDS = 4  # interleaved rounds of two back-to-back timings of each after the warm-up
@@ -112,16 +112,8 @@ def cpu_choice(shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> Att
             ms = probe(work)
         return {"ms": ms, "busy": load.share}
 
-    def valid(record) -> bool:  # a busy machine's record is measured again at the next start
-        return (
-            isinstance(record, dict)
-            and set(record) == {"ms", "busy"}
-            and isinstance(record["busy"], float)
-            and 0 <= record["busy"] <= BUSY
-            and isinstance(record["ms"], dict)
-            and set(record["ms"]) == {"flash", "recompute"}
-            and all(isinstance(ms, (int, float)) and ms > 0 for ms in record["ms"].values())
-        )
+    def valid(record) -> bool:
+        return quiet_record(record, "ms", ("flash", "recompute"))
 
     record = cached_measurement(key, measure, False, "arithmetic.json", valid)
     ms = record["ms"]

@@ -62,3 +62,18 @@ def own_code(fn):
     compiles per code object, up to its recompile_limit (8), beyond which a function runs eagerly;
     the probes' candidates, each another module or shape, would fill one code object's entries."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def quiet_record(record, field: str, names) -> bool:
+    """Whether a cached probe record is `{field: {name: ms} for exactly `names`, "busy": share}`,
+    measured on a machine that others did not keep busy (a busy one's is measured again at the next
+    start)."""
+    return (
+        isinstance(record, dict)
+        and set(record) == {field, "busy"}
+        and isinstance(record["busy"], float)
+        and 0 <= record["busy"] <= BUSY
+        and isinstance(record[field], dict)
+        and set(record[field]) == set(names)
+        and all(isinstance(ms, (int, float)) and ms > 0 for ms in record[field].values())
+    )
