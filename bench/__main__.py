@@ -34,6 +34,17 @@ def at_least(low: int):
     return parse
 
 
+def stability_rows(text: str) -> list[tuple[str, str, str]]:
+    """`preset:threads:eager|compiled,...` (threads: a number or `all`), checked before anything runs."""
+    rows = [tuple(spec.split(":")) for spec in text.split(",")]
+    for row in rows:
+        if len(row) != 3 or not (row[1] == "all" or row[1].isdigit() and int(row[1]) > 0):
+            raise argparse.ArgumentTypeError(f"{':'.join(row)!r} is not preset:threads:eager|compiled")
+        if row[2] not in ("eager", "compiled"):
+            raise argparse.ArgumentTypeError(f"{':'.join(row)!r}: the probe is eager or compiled, not {row[2]!r}")
+    return rows
+
+
 count = at_least(1)
 p = argparse.ArgumentParser(prog="python -m bench")
 p.add_argument(
@@ -89,6 +100,12 @@ p.add_argument("--context-dtype", default="fp32", help="context: training.dtype"
 p.add_argument("--context-steps", type=count, default=5, help="context: steps per run up to 4k (3 at 8k, 1 from 16k)")
 p.add_argument("--context-rounds", type=count, default=2, help="context: rounds at lengths up to 4k (longer: one)")
 p.add_argument("--stability-starts", type=count, default=10, help="stability: fresh probes per row")
+p.add_argument(
+    "--stability-rows",
+    type=stability_rows,
+    default="tiny:1:eager,small:all:eager,small:all:compiled",
+    help="stability: preset:threads:eager|compiled, comma-separated (threads: a number or all)",
+)
 p.add_argument("--arithmetic-rounds", type=count, default=2, help="arithmetic: rounds of 2-process runs")
 p.add_argument("--arithmetic-eager", default="tiny", help="arithmetic: presets also run eagerly (as `make train` runs)")
 p.add_argument("--profile-steps", type=count, default=3, help="profile: steps profiled per variant")

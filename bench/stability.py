@@ -1,9 +1,11 @@
 """Is `training.dtype = "auto"` stable? Fresh starts of its probe (each a new process with an empty
 cache, so each measures), on a quiet machine and while busy processes (one per core, each a 1-thread
 fp32 matmul loop: other jobs on the same host) compete for every core. A row is a preset at a
-thread count as a user runs it: `tiny` at 1 thread (each process of `make train`'s `--nproc 2`),
-`small` at every core (one process). It counts the picks, and gives the spread of the measured
-lead of bf16 GEMMs + fp32 attention over all-bf16 (the closest contest on the machines met so far).
+thread count as a user runs it: `tiny` at 1 thread, eager (each process of `make train`'s `--nproc
+2`), `small` at every core (one process), eager and compiled (whose probe times its attention
+backward first, then its contenders compiled). It counts the picks, and gives the spread of the
+measured lead of bf16 GEMMs + fp32 attention over all-bf16 (the closest contest on the machines met
+so far).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from meshtrain.config import load_config
 from meshtrain.train.arithmetic import CANDIDATES, cpu_choice
 torch.set_num_threads(int(sys.argv[2]))
 args = load_config(overrides={"model.preset": sys.argv[1]}).model_args()
-choice = cpu_choice(args, 8, 256, [name for name, _, _ in CANDIDATES])
+compiled = sys.argv[3] == "compiled"  # the attention shape a compiled run probes at: 8 x 256 tokens
+shape = (8, args.n_heads, args.n_kv_heads, 256, args.head_size) if compiled else None
+choice = cpu_choice(args, 8, 256, [name for name, _, _ in CANDIDATES], shape)
 print(json.dumps({"pick": choice.name, "how": choice.how, "busy": choice.busy, "step_ms": choice.step_ms}))
 """
 LOAD = """
@@ -35,7 +39,7 @@ while True:
 """
 
 
-def starts(preset: str, threads: int, n: int, busy: bool) -> list[dict]:
+def starts(preset: str, threads: int, mode: str, n: int, busy: bool) -> list[dict]:
     load = [subprocess.Popen([sys.executable, "-c", LOAD]) for _ in range(os.cpu_count() or 1)] if busy else []
     out = []
     try:
@@ -43,7 +47,7 @@ def starts(preset: str, threads: int, n: int, busy: bool) -> list[dict]:
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, XDG_CACHE_HOME=cache)
                 result = subprocess.run(
-                    [sys.executable, "-c", PROBE, preset, str(threads)], env=env, capture_output=True, text=True
+                    [sys.executable, "-c", PROBE, preset, str(threads), mode], env=env, capture_output=True, text=True
                 )
                 if result.returncode != 0:
                     raise RuntimeError(result.stderr[-2000:])
@@ -56,19 +60,22 @@ def starts(preset: str, threads: int, n: int, busy: bool) -> list[dict]:
 
 def main(a) -> list[dict]:
     rows = []
-    for preset, threads in (("tiny", 1), ("small", os.cpu_count() or 1)):
+    for preset, threads, mode in a.stability_rows:
+        threads = int(threads) if threads != "all" else os.cpu_count() or 1
         for busy in (False, True):
-            picked = starts(preset, threads, a.stability_starts, busy)
+            picked = starts(preset, threads, mode, a.stability_starts, busy)
             leads = [p["step_ms"]["bf16"] / p["step_ms"]["bf16/bf16-gemm"] for p in picked]
-            row = {"preset": preset, "threads": threads, "busy_processes": (os.cpu_count() or 1) if busy else 0}
+            row = {"preset": preset, "threads": threads, "mode": mode}
+            row |= {"busy_processes": (os.cpu_count() or 1) if busy else 0}
             row |= {"picks": dict(collections.Counter(p["pick"] for p in picked)), "starts": picked}
             row |= {"others_share": [p["busy"] for p in picked], "gemm_lead": [min(leads), max(leads)]}
-            print(f"  {preset} x{threads} {'busy' if busy else 'quiet'}: {row['picks']}", flush=True)
+            print(f"  {preset} x{threads} {mode} {'busy' if busy else 'quiet'}: {row['picks']}", flush=True)
             rows.append(row)
     lines = [
         [
             r["preset"],
             str(r["threads"]),
+            r["mode"],
             f"{r['busy_processes']} busy" if r["busy_processes"] else "quiet",
             f"{min(r['others_share']):.0%}-{max(r['others_share']):.0%}",
             ", ".join(f"{name} {count}" for name, count in sorted(r["picks"].items(), key=lambda kv: -kv[1])),
@@ -76,6 +83,6 @@ def main(a) -> list[dict]:
         ]
         for r in rows
     ]
-    header = ["preset", "threads", "machine", "others' share of the CPUs", "picks", "bf16 / bf16-gemm time"]
+    header = ["preset", "threads", "probe", "machine", "others' share of the CPUs", "picks", "bf16 / bf16-gemm time"]
     write_results("stability", rows, markdown(header, lines))
     return rows
