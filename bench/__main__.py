@@ -107,7 +107,9 @@ p.add_argument(
     help="stability: preset:threads:eager|compiled, comma-separated (threads: a number or all)",
 )
 p.add_argument("--arithmetic-rounds", type=count, default=2, help="arithmetic: rounds of 2-process runs")
-p.add_argument("--arithmetic-eager", default="tiny", help="arithmetic: presets also run eagerly (as `make train` runs)")
+p.add_argument(
+    "--arithmetic-eager", help="arithmetic: presets also run eagerly, as `make train` runs (default: tiny, if run)"
+)
 p.add_argument("--profile-steps", type=count, default=3, help="profile: steps profiled per variant")
 p.add_argument("--scaling-preset", default="tiny")
 p.add_argument("--scaling-rounds", type=count, default=2, help="scaling: rounds over every layout")

@@ -136,12 +136,16 @@ def hf_look(preset: str, a) -> dict[str, float]:
 
 
 def main(a) -> list[dict]:
+    presets = a.presets.split(",")
+    eager = ["tiny"] if a.arithmetic_eager is None and "tiny" in presets else (a.arithmetic_eager or "").split(",")
+    if unknown := sorted(set(eager) - set(presets) - {""}):
+        raise SystemExit(f"--arithmetic-eager {','.join(unknown)}: not among --presets {a.presets}")
     rows = []
     for preset in a.presets.split(","):
         looks = [hf_look(preset, a)]
         args = load_config(overrides={"model.preset": preset}).model_args()
         measured = []
-        for compiled in (True, False) if preset in a.arithmetic_eager.split(",") else (True,):
+        for compiled in (True, False) if preset in eager else (True,):
             for procs in (1, 2) if device().type == "cpu" else (1,):
                 tok_s, picked = meshtrain_runs(preset, procs, compiled, a)
                 measured.append((procs, compiled, tok_s, picked))
