@@ -13,7 +13,7 @@ from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, 
 from examples.word_task import TASKS, WORDS, answer, ask, conversations, split
 from meshtrain.config import load_config
 from meshtrain.data import prepare
-from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, tokenize_conversations
+from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, conversation, tokenize_conversations
 from meshtrain.data.loader import Dataset
 from meshtrain.data.prepare import ChatOptions
 from meshtrain.data.tokenizer import end_of_text, load_tokenizer
@@ -55,6 +55,13 @@ def test_the_targets_are_each_answer_and_its_end_of_turn(source, tokenizer):
     assert targets == f"cat red{end}star moon sun{end}"
     [(_, every)] = tokenize_conversations(tokenizer, template, [(messages, "row 1")], "all")
     assert all(every)
+    # OpenAI fine-tuning's per-answer weight: an answer of weight 0 is context, not a target
+    weighted = conversation({"messages": [*messages[:2], {**messages[2], "weight": 0}, *messages[3:]]}, "row 1")
+    [(same_ids, weighted_mask)] = tokenize_conversations(tokenizer, template, [(weighted, "row 1")], "assistant")
+    assert same_ids == ids
+    assert tokenizer.decode([i for i, m in zip(ids, weighted_mask) if m], skip_special_tokens=False) == (
+        f"star moon sun{end}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +218,13 @@ def test_masked_loss_is_the_same_on_every_layout(name, chat_layout_runs, chat_re
         ([{"messages": [{"role": "user", "content": 3}]}], [], ["message 1 (user) has no string content"]),
         (None, [], ["plain text", "--format chat"]),
         ([{"prompt": "a b", "completion": "b a"}], ["--max-tokens", "3"], ["all 1 conversations", "--max-tokens 3"]),
+        ([{"messages": [{"role": "user", "content": "hi", "name": "al"}]}], [], ["message 1 has 'name'", "keys"]),
+        ([{"messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}], [], ["weight 0.5", "0 (not"]),
+        ([{"messages": [{"role": "assistant", "content": "a", "weight": 0}]}], [], ["no assistant message (of weight"]),
+        ([{"messages": [{"role": "assistant", "content": "a", "weight": 0}]}], ["--chat-targets", "all"], ["weight 0"]),
     ],
-    ids=["plain-jsonl", "role", "no-answer", "no-completion", "content", "txt", "too-long"],
+    ids=["plain-jsonl", "role", "no-answer", "no-completion", "content", "txt", "too-long"]
+    + ["unknown-key", "weight-value", "all-weight-0", "weight-0-all-targets"],
 )
 def test_bad_chat_data_gets_one_line(rows, extra, fragments, corpus, cli_env, tmp_path):
     if rows is None:

@@ -116,3 +116,19 @@ def test_every_key_is_documented_and_listed_in_train_help():
 def test_out_of_range_values_are_named(override, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, override)
+
+
+def test_a_pretrained_directory_is_the_shape_and_a_preset_beside_it_is_refused(tmp_path):
+    import json
+
+    from meshtrain.interop.families import args_to_config
+
+    small = load_config(None, {"model.preset": "small"}).model_args()
+    (tmp_path / "config.json").write_text(json.dumps(args_to_config(small, "float32", None, [])))
+    pretrained = load_config(None, {"model.init_from": f"hf:{tmp_path}"})
+    assert (model_args(pretrained).dim, model_args(pretrained).n_layers) == (small.dim, small.n_layers)
+    assert pretrained.model.source() == f"hf:{tmp_path}" and load_config().model.source() == "tiny"
+    for preset in ("small", "tiny"):  # ignored either way: the weights fix the shape
+        cfg = load_config(None, {"model.init_from": f"hf:{tmp_path}", "model.preset": preset})
+        with pytest.raises(ConfigError, match=rf"model.preset = '{preset}' but model.init_from's config.json"):
+            model_args(cfg)

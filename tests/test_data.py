@@ -437,3 +437,18 @@ def test_damaged_shards_are_found_before_training(tmp_path):
     shard.write_bytes(data[:-2])
     with pytest.raises(DataError, match="truncated or replaced"):
         Blend(str(tmp_path / "out"), 16)
+
+
+def test_a_vocabulary_size_set_for_data_prepared_with_another_is_refused(corpus):
+    """data.vocab_size is the BPE trained for the default corpus: beside data already prepared with
+    another vocabulary it would be silently ignored, so it is refused (unset, the data's is used)."""
+    from meshtrain.config import load_config
+    from meshtrain.train.build import ensure_dataset
+
+    given = {"data.path": str(corpus), "data.corpus": ""}
+    assert ensure_dataset(load_config(None, given)).vocab_size == 512
+    assert ensure_dataset(load_config(None, {**given, "data.vocab_size": 512})).vocab_size == 512
+    for corpus_name in ("", "stdlib"):
+        cfg = load_config(None, {**given, "data.corpus": corpus_name, "data.vocab_size": 16384})
+        with pytest.raises(DataError, match=r"data.vocab_size = 16384 but .* prepared with a vocabulary of 512"):
+            ensure_dataset(cfg)

@@ -466,3 +466,20 @@ def test_saved_activations_of_compiled_blocks():
     # The bf16 weights (the graphs keep them; autocast's cache the output layer's): "other" in the planner
     predicted += 2 * sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "tok_" not in name)
     assert predicted == pytest.approx(saved.bytes, rel=0.10), (predicted, saved.bytes)
+
+
+def test_a_config_that_starts_from_a_pretrained_model_plans_that_model(cli_env, tmp_path):
+    """model.init_from's config.json is the shape the trainer builds, so it is the shape planned
+    (not the preset it replaces), and its max_seq_len bounds the planned sequence."""
+    from conftest import run_cli
+    from meshtrain.interop.families import args_to_config
+
+    llama = load_config(None, {"model.preset": "llama3-8b"}).model_args()
+    (tmp_path / "config.json").write_text(json.dumps(args_to_config(llama, "bfloat16", None, [])))
+    config = tmp_path / "finetune.toml"
+    config.write_text(f'[model]\ninit_from = "hf:{tmp_path}"\n[training]\nseq_len = 2048\n[parallel]\nzero = 3\n')
+    planned = plan_json(cli_env, "--config", str(config), "--gpu", "h100-80gb", "--gpus", "8")["model"]
+    assert (planned["dim"], planned["n_layers"], planned["vocab_size"]) == (4096, 32, 128256)
+    config.write_text(config.read_text().replace("seq_len = 2048", "seq_len = 9000"))
+    result = run_cli(["plan", "--config", str(config), "--gpu", "h100-80gb", "--gpus", "8"], cli_env)
+    assert result.returncode == 2 and "training.seq_len (9000) is longer than the model allows" in result.stderr

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from meshtrain.cli.options import add_config_keys, add_options, options_of
-from meshtrain.config import Config, config_keys, load_config, option, section_of, to_toml
+from meshtrain.config import Config, check_model_args, config_keys, load_config, option, section_of, to_toml
 from meshtrain.errors import MeshtrainError
 from meshtrain.layout import Layout
 from meshtrain.model import PRESETS, ModelArgs
@@ -138,10 +138,20 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
     if values.get("--peft.method") == "qlora" and "training.dtype" not in given and not o.config:
         overrides += ["--training.dtype", "bf16"]  # QLoRA computes in bf16
     if "training.seq_len" in given and "model.max_seq_len" not in given:  # the planned model covers the sequence
-        model = load_config(o.config, [*(["--model.preset", preset] if preset else [])]).model_args()
+        model = planned_model(load_config(o.config, [*(["--model.preset", preset] if preset else [])]))
         seq_len = config_keys()["training.seq_len"].from_text(values["--training.seq_len"])
         overrides += ["--model.max_seq_len", str(max(seq_len, model.max_seq_len))]
     return load_config(o.config, overrides), given
+
+
+def planned_model(cfg: Config) -> ModelArgs:
+    """The shape `meshtrain train` would build from `cfg`: model.init_from's config.json where it
+    names one (not the preset it replaces), checked against the sequence length as the trainer does."""
+    from meshtrain.train.preflight import model_args
+
+    model = model_args(cfg)
+    check_model_args(model, cfg)
+    return model
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -149,7 +159,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     cfg, given = _load(o, list(getattr(args, "overrides", None) or []))
     explain = bool(o.config)
     t = cfg.training
-    model = cfg.model_args()
+    model = planned_model(cfg)
     llama = o.arch == "llama"
     seq_len = t.seq_len if explain or "training.seq_len" in given else min(2048, model.max_seq_len)
     if llama:

@@ -26,6 +26,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("auto", "cpu", "cuda", "neuron")
 
 
+DEFAULT_PRESET = "tiny"  # the shape of an unset model.preset
+
+
 def check_preset(name: str) -> None:
     if name not in PRESETS:
         raise ValueError(f"unknown preset: use one of {', '.join(PRESETS)}")
@@ -38,9 +41,10 @@ def check_init_from(value: str) -> None:
 
 @dataclass
 class ModelConfig:
-    preset: str = option("tiny", check=check_preset)
-    """Named shape: tiny, small, gpt2-124m, gpt2-345m, llama3-8b/70b/405b, llama3.1-8b/70b/405b,
-    llama3.2-1b/3b, mistral-7b, qwen2.5-7b/72b, qwen3-8b/32b."""
+    preset: str | None = option(None, check=check_preset)
+    """Named shape (unset: tiny): tiny, small, gpt2-124m, gpt2-345m, llama3-8b/70b/405b,
+    llama3.1-8b/70b/405b, llama3.2-1b/3b, mistral-7b, qwen2.5-7b/72b, qwen3-8b/32b. Refused beside
+    model.init_from, whose config.json is the shape."""
     dim: int | None = option(None, gt=0)
     """Hidden size (unset: the preset's)."""
     n_layers: int | None = option(None, gt=0)
@@ -77,6 +81,10 @@ class ModelConfig:
     """"hf:DIR": start from a local Hugging Face directory (Llama, Mistral, Qwen2/2.5, Qwen3): its
     config.json replaces the preset and the shape keys (only max_seq_len and vocab_multiple may be set)."""
 
+    def source(self) -> str:
+        """Where the shape comes from, for the start line: the pretrained directory or the preset."""
+        return self.init_from or self.preset or DEFAULT_PRESET
+
 
 @dataclass
 class DataConfig:
@@ -85,8 +93,9 @@ class DataConfig:
     corpus: Literal["stdlib", ""] = "stdlib"
     """When `path` holds no prepared data: "stdlib" builds it from the Python standard library's source
     (on every machine); "" never builds (an error instead)."""
-    vocab_size: int = option(8192, ge=256)
-    """BPE vocabulary trained for `corpus`."""
+    vocab_size: int | None = option(None, ge=256)
+    """BPE vocabulary trained for `corpus` (unset: 8192). Set, it must be the prepared data's
+    vocabulary: data prepared with another one is refused, not silently used."""
 
 
 def _off_or_at_least(value: float, least: float, unit: str) -> None:
@@ -329,7 +338,7 @@ class Config:
 
     def model_args(self, vocab_size: int | None = None, base: ModelArgs | None = None) -> ModelArgs:
         """`base` (default: the preset) with this config's overrides; `vocab_size` fills an unset one."""
-        args = dataclasses.replace(base or PRESETS[self.model.preset])
+        args = dataclasses.replace(base or PRESETS[self.model.preset or DEFAULT_PRESET])
         for f in dataclasses.fields(ModelArgs):
             value = getattr(self.model, f.name, None)
             if value is not None:

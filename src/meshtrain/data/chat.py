@@ -67,13 +67,14 @@ class ChatTemplate:
         self, messages: list[dict], targets: str = "assistant", answers_from: int = 0
     ) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the character spans whose tokens are targets): the assistant
-        turns from message `answers_from` on (those before are a prompt), or with "all" every token."""
+        turns from message `answers_from` on (those before are a prompt) but those of weight 0, or with
+        "all" every token."""
         text = self.render(messages)
         if targets == "all":
             return text, [(0, len(text))]
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant" or i < answers_from:
+            if message["role"] != "assistant" or i < answers_from or message.get("weight") == 0:
                 continue
             prompt, through = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
             start, end = len(prompt), len(through)
@@ -108,7 +109,9 @@ def conversation(record: object, where: str) -> list[dict]:
 
 
 def _messages(messages: list, where: str, what: str = "message") -> list[dict]:
-    """Each message as {"role", "content"}, checked (other keys dropped)."""
+    """Each message as {"role", "content"}, checked; an assistant turn of a conversation may carry
+    OpenAI fine-tuning's "weight" (0: not a target, 1: a target), kept as given. Any other key is
+    refused: a field meshtrain would drop could be one the data's author meant to take effect."""
     out = []
     for i, message in enumerate(messages, 1):
         role = message.get("role") if isinstance(message, dict) else None
@@ -116,7 +119,15 @@ def _messages(messages: list, where: str, what: str = "message") -> list[dict]:
             raise DataError(f"{where}: {what} {i} has role {role!r}; the roles are {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
             raise DataError(f"{where}: {what} {i} ({role}) has no string content")
+        weighted = role == "assistant" and what == "message"
+        if unknown := sorted(set(message) - {"role", "content", *(["weight"] if weighted else [])}):
+            allowed = "role, content and, on an assistant message of a conversation, weight"
+            raise DataError(f"{where}: {what} {i} has {unknown[0]!r}, which meshtrain cannot use (keys: {allowed})")
         out.append({"role": role, "content": message["content"]})
+        if "weight" in message:
+            if message["weight"] not in (0, 1) or isinstance(message["weight"], float | bool):
+                raise DataError(f"{where}: {what} {i} has weight {message['weight']!r}; use 0 (not learned) or 1")
+            out[-1]["weight"] = message["weight"]
     return out
 
 
@@ -194,6 +205,13 @@ def tokenize_conversations(
     `answers_from[i]` on (default: all its assistant turns); a conversation with no target token is
     an error (it would teach nothing, silently)."""
     firsts = answers_from or [0] * len(conversations)
+    if targets == "all":
+        for messages, where in conversations:
+            if any(m.get("weight") == 0 for m in messages):
+                raise DataError(
+                    f"{where}: an answer has weight 0 (not learned), but --chat-targets all learns every "
+                    "token: drop the weight or the flag"
+                )
     rendered = [template.target_spans(m, targets, first) for (m, _), first in zip(conversations, firsts)]
     encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     out = []
@@ -201,7 +219,7 @@ def tokenize_conversations(
         mask = [int(any(a <= start < b for a, b in spans)) for start, _ in encoding.offsets]
         if not any(mask):
             raise DataError(
-                f"{where}: the conversation has no assistant message, so no token to learn from; "
+                f"{where}: the conversation has no assistant message (of weight 1), so no token to learn from; "
                 "add the answer, leave the row out, or prepare with --chat-targets all"
             )
         out.append((encoding.ids, mask))

@@ -37,6 +37,8 @@ from meshtrain.train.preflight import check_device, preflight, warn_if_too_big
 from meshtrain.train.step import cross_entropy, step_context, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
 
+DEFAULT_VOCAB = 8192  # the default corpus's BPE vocabulary where data.vocab_size is unset
+
 
 def ensure_dataset(cfg: Config) -> Blend:
     """Build the default corpus on first use (data.corpus = "stdlib", data.path one directory);
@@ -45,9 +47,14 @@ def ensure_dataset(cfg: Config) -> Blend:
     paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
     if len(paths) == 1 and not (paths[0] / "manifest.json").is_file() and cfg.data.corpus:
         log.info(f"preparing the default corpus (Python standard library source) in {paths[0]} ...")
-        prepare(stdlib_sources(), paths[0], vocab_size=cfg.data.vocab_size, progress=True)
+        prepare(stdlib_sources(), paths[0], vocab_size=cfg.data.vocab_size or DEFAULT_VOCAB, progress=True)
     for path in paths:
-        read_manifest(path)  # a clear error if missing or corrupt
+        prepared = read_manifest(path)["vocab_size"]  # a clear error if missing or corrupt
+        if cfg.data.vocab_size is not None and prepared != cfg.data.vocab_size:
+            raise DataError(
+                f"data.vocab_size = {cfg.data.vocab_size} but {path} is prepared with a vocabulary of {prepared}: "
+                "drop data.vocab_size to train on it, or prepare the data again into another data.path"
+            )
     return Blend(cfg.data.path, cfg.training.seq_len)
 
 

@@ -100,7 +100,7 @@ def announce(s: TrainState) -> None:
     if s.cfg.model.init_from:  # the pretrained model's config, tokenizer files and end tokens, for export
         keep_source_files(s.cfg.model.init_from.removeprefix("hf:"), run_dir)
     log.info(
-        f"meshtrain | {s.cfg.model.preset}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
+        f"meshtrain | {s.cfg.model.source()}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
         f"({s.dims.describe()}) | {s.device.type} {s.arithmetic.name} | global batch {t.global_batch_size} x "
         f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.layout.micro_batches}"
         f"{' pipeline micro-batches' if s.layout.pp > 1 else ' accumulation'}) | {t.steps} steps"

@@ -32,6 +32,11 @@ def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
         from meshtrain.errors import ConfigError
         from meshtrain.interop.hf import hf_model_args
 
+        if cfg.model.preset is not None:
+            raise ConfigError(
+                f"model.preset = {cfg.model.preset!r} but model.init_from's config.json is the model's shape: "
+                "drop model.preset (or model.init_from, to train the preset from scratch)"
+            )
         base = hf_model_args(cfg.model.init_from.removeprefix("hf:"))
         for key in SHAPE_KEYS:  # its weights have this shape: a key that says otherwise cannot hold
             value, theirs = getattr(cfg.model, key), base.head_size if key == "head_dim" else getattr(base, key)
