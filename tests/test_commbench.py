@@ -33,6 +33,9 @@ def test_comm_bench_over_two_processes(cli_env, tmp_path):
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * BUS_FACTOR[r["op"]](2))
 
 
-def test_bad_comm_bench_options(cli_env):
+def test_bad_comm_bench_options(cli_env, tmp_path):
     assert_user_error(run_cli(["bench", "comm", "--ops", "all_to_all"], cli_env), "all_to_all")
     assert_user_error(run_cli(["bench", "comm", "--min-bytes", "lots"], cli_env), "--min-bytes")
+    # checked before the measurement (and its processes), not after it
+    result = run_cli(["bench", "comm", "--nproc", "2", "--out", str(tmp_path)], cli_env)
+    assert_user_error(result, f"--out {tmp_path} is a directory")

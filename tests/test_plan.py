@@ -483,3 +483,13 @@ def test_a_config_that_starts_from_a_pretrained_model_plans_that_model(cli_env, 
     config.write_text(config.read_text().replace("seq_len = 2048", "seq_len = 9000"))
     result = run_cli(["plan", "--config", str(config), "--gpu", "h100-80gb", "--gpus", "8"], cli_env)
     assert result.returncode == 2 and "training.seq_len (9000) is longer than the model allows" in result.stderr
+
+
+def test_a_written_config_never_replaces_the_config_it_is_made_from(cli_env, tmp_path):
+    from conftest import run_cli
+
+    config = tmp_path / "mine.toml"
+    config.write_text("# my notes\n[training]\nseq_len = 512\n")
+    result = run_cli(["plan", "--config", str(config), "--gpu", "h100-80gb", "--write-config", str(config)], cli_env)
+    assert result.returncode == 2 and "is the --config file it is made from" in result.stderr
+    assert config.read_text() == "# my notes\n[training]\nseq_len = 512\n"

@@ -87,6 +87,17 @@ def atomic_write(path: Path | str, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def check_output(path: Path | str, flag: str, inputs: dict[str, Path | str | None]) -> None:
+    """Before any work: an output file may replace an older output, but never one of the command's
+    own inputs (`inputs`: flag -> path, e.g. the config a script is written from) nor a directory."""
+    out = Path(path)
+    if out.is_dir():
+        raise MeshtrainError(f"{flag} {out} is a directory: name a file")
+    for name, given in inputs.items():
+        if given and out.exists() and Path(given).exists() and out.samefile(given):
+            raise MeshtrainError(f"{flag} {out} is the {name} file it is made from: write it to another path")
+
+
 def write_text(path: Path | str, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from meshtrain.cli.options import add_options, options_of
 from meshtrain.config import option, parse_size
 from meshtrain.errors import MeshtrainError
+from meshtrain.files import check_output
 
 
 def _check_ops(text: str) -> None:
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     o: CommOptions = options_of(args, CommOptions)
     if o.min_bytes > o.max_bytes:
         raise MeshtrainError(f"--min-bytes ({o.min_bytes} bytes) must be at most --max-bytes ({o.max_bytes} bytes)")
+    if o.out:
+        check_output(o.out, "--out", {})  # before the measurement, not after it
     if o.nproc and "RANK" not in os.environ:
         from meshtrain.launch.local import launch_workers
 

@@ -22,6 +22,7 @@ from typing import Literal
 from meshtrain.cli.options import add_config_keys, add_options, options_of
 from meshtrain.config import Config, check_model_args, config_keys, load_config, option, section_of, to_toml
 from meshtrain.errors import MeshtrainError
+from meshtrain.files import check_output
 from meshtrain.layout import Layout
 from meshtrain.model import PRESETS, ModelArgs
 from meshtrain.model.lora import LoraSpec
@@ -156,6 +157,8 @@ def planned_model(cfg: Config) -> ModelArgs:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     o: PlanOptions = options_of(args, PlanOptions)
+    if o.write_config:
+        check_output(o.write_config, "--write-config", {"--config": o.config, "--comm": o.comm})
     cfg, given = _load(o, list(getattr(args, "overrides", None) or []))
     explain = bool(o.config)
     t = cfg.training
