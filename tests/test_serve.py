@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from conftest import greedy_by_recomputation, run_cli, train_args
+from meshtrain.errors import MeshtrainError
 from meshtrain.model import Llama, ModelArgs
-from meshtrain.serve import Engine, Request, SamplingParams
+from meshtrain.serve import Engine, Request, SamplingParams, ServedModel, load_engine
+from meshtrain.serve.app import APIError, Message, _chat_prompt
 
 KEY = "test-key"
 PROMPTS = [
@@ -239,6 +241,91 @@ def test_bad_requests_get_openai_errors(server, headers, body, status, kind):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["type"] == kind and error["message"]
+
+
+HI = [{"role": "user", "content": "hi"}]
+NO_EFFECT = [  # inputs that used to be accepted and silently dropped: (path, body, param, message)
+    (
+        "/v1/chat/completions",
+        {"messages": [*HI, {"role": "user", "content": "x", "name": "bob"}]},
+        "messages.1.name",
+        "messages[1].name is not supported by this model's chat template: drop it",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream_options is only allowed when stream is true: leave it out or set stream",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "stream_options": {"include_usage": True}, "stream": False},
+        "stream_options",
+        "stream_options is only allowed when stream is true: leave it out or set stream",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "stream": True, "stream_options": {"include_usage": True, "continuous_usage": True}},
+        "stream_options.continuous_usage",
+        "stream_options.continuous_usage: this server does not support this parameter; leave it out",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "max_tokens": 3, "max_completion_tokens": 4},
+        "max_completion_tokens",
+        "max_tokens (3) and max_completion_tokens (4) differ: send only max_completion_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize("path, body, param, message", NO_EFFECT)
+def test_inputs_that_would_have_no_effect_are_refused(server, path, body, param, message):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(server + path, json={"model": "hf-served", **body}, headers=auth, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["message"], error["param"], error["type"]) == (message, param, "invalid_request_error")
+
+
+def test_agreeing_max_tokens_and_an_empty_name_are_accepted(client):
+    chat = client.chat.completions.create(
+        model="hf-served",
+        messages=[{"role": "user", "content": "hi", "name": ""}],
+        max_tokens=3,
+        max_completion_tokens=3,
+        temperature=0,
+    )
+    assert 1 <= chat.usage.completion_tokens <= 3
+
+
+def test_a_name_the_chat_template_renders_reaches_the_prompt():
+    named = (
+        "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: {{ m.content }}\n{% endfor %}"
+    )
+    served = ServedModel("m", None, None, [], None, named)
+    messages = [Message(role="system", content="be brief"), Message(role="user", content="hi", name="bob")]
+    assert _chat_prompt(served, messages) == "system: be brief\nuser (bob): hi\n"
+    served.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.name }}{% endif %}{% endfor %}"
+    with pytest.raises(APIError, match=r"messages\[0\]\.name is not supported"):  # rendered for users only
+        _chat_prompt(served, [Message(role="system", content="x", name="a"), *messages[1:]])
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        (
+            "neuron",
+            "--device neuron is not supported by serve and generate (CUDA or the CPU only); use auto, cuda or cpu",
+        ),
+        ("cuda", "--device cuda but no CUDA device is visible; use auto or cpu"),
+    ],
+)
+def test_a_device_the_engine_cannot_use_is_refused_before_loading(device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(MeshtrainError) as refused:
+        load_engine("/nonexistent/model", device=device)  # refused before the path is even looked at
+    assert str(refused.value) == message
 
 
 def test_survives_malformed_bursts_and_abrupt_disconnects(server, client):

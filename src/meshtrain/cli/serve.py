@@ -29,7 +29,8 @@ class ServeOptions:
     """Prompt + completion tokens per request (default: the model's max_seq_len, at most 8192: the KV
     cache holds max-batch x this many tokens)."""
     device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
-    """auto: CUDA where there is a GPU, else the CPU (launch.device)."""
+    """auto: CUDA where there is a GPU, else the CPU; cuda; cpu (launch.device's choices, but neuron is
+    refused: the engine runs on CUDA or the CPU)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Serving precision (auto: bf16 on a GPU, else fp32)."""
 
@@ -51,7 +52,8 @@ class GenerateOptions:
     seed: int | None = option(None, ge=0, le=2**63 - 1)
     """Seed of the sampling (0 to 2**63-1)."""
     device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
-    """auto: CUDA where there is a GPU, else the CPU (launch.device)."""
+    """auto: CUDA where there is a GPU, else the CPU; cuda; cpu (launch.device's choices, but neuron is
+    refused: the engine runs on CUDA or the CPU)."""
 
 
 def add_parsers(sub) -> None:

@@ -27,6 +27,7 @@ __all__ = [
 
 
 DEFAULT_CONTEXT = 8192  # serve/generate without --max-context: the model's max_seq_len up to this
+SERVE_DEVICES = ("auto", "cuda", "cpu")
 
 
 def load_engine(
@@ -34,9 +35,7 @@ def load_engine(
 ) -> tuple[ServedModel, Engine]:
     if max_batch < 1:
         raise MeshtrainError(f"--max-batch {max_batch} must be at least 1")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MeshtrainError("--device cuda but no CUDA device is visible; use auto or cpu")
-    dev = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    dev = _device(device)
     if dtype not in ("auto", "fp32", "bf16"):
         raise MeshtrainError(f"--dtype {dtype} is unknown: use auto, fp32 or bf16")
     torch_dtype = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and dev.type == "cuda") else torch.float32
@@ -48,6 +47,19 @@ def load_engine(
     # take hundreds of GiB at 16 slots, so the default stops at DEFAULT_CONTEXT
     context = max_context or min(limit, DEFAULT_CONTEXT)
     return served, Engine(served.model, served.tokenizer, served.eos_ids, max_batch, context)
+
+
+def _device(device: str) -> torch.device:
+    """Where serve and generate run: CUDA or the CPU. The CLI shares launch.device's choices, but the
+    engine has no Neuron path, so neuron (or cuda without a GPU) is refused before the model loads
+    rather than silently run elsewhere."""
+    if device not in SERVE_DEVICES:
+        raise MeshtrainError(
+            f"--device {device} is not supported by serve and generate (CUDA or the CPU only); use auto, cuda or cpu"
+        )
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MeshtrainError("--device cuda but no CUDA device is visible; use auto or cpu")
+    return torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 def serve(

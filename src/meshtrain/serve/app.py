@@ -35,9 +35,16 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
 class Sampling(BaseModel):
-    """The generation fields both endpoints take. Unknown fields are refused (400), never ignored;
-    `user` is accepted as OpenAI's end-user id and has no effect on the answer."""
+    """The generation fields both endpoints take. Unknown fields are refused (400), never ignored
+    (unlike OpenAI, which ignores some): a misspelled or unsupported option would otherwise change
+    nothing without a word. Every declared field takes effect or is refused in `_check` or its
+    endpoint; `user` is accepted as OpenAI's end-user id and has no effect on the answer."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -49,7 +56,7 @@ class Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = 1
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -192,6 +199,13 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatRequest):
         if body.max_completion_tokens is not None:
+            if body.max_tokens not in (None, body.max_completion_tokens):
+                raise APIError(
+                    400,
+                    f"max_tokens ({body.max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) "
+                    "differ: send only max_completion_tokens",
+                    "max_completion_tokens",
+                )
             body.max_tokens = body.max_completion_tokens
         if body.tools or body.tool_choice not in (None, "none"):
             raise APIError(400, "tools: tool calls are not supported by this server; leave tools out", "tools")
@@ -203,10 +217,24 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
             )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return await _generate(served, engine, body, served.render_chat(messages), chat=True)
+        return await _generate(served, engine, body, _chat_prompt(served, body.messages), chat=True)
 
     return app
+
+
+def _chat_prompt(served: ServedModel, messages: list[Message]) -> str:
+    """The rendered conversation. A message's `name` goes to the chat template; where the template
+    does not render it (the prompt is the same without it) the request is refused, since the name
+    would otherwise be dropped without a word."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    turns = [turn | {"name": m.name} if m.name else turn for turn, m in zip(plain, messages, strict=True)]
+    prompt = served.render_chat(turns)
+    for i, m in enumerate(messages):
+        if m.name and served.render_chat([*turns[:i], plain[i], *turns[i + 1 :]]) == prompt:
+            raise APIError(
+                400, f"messages[{i}].name is not supported by this model's chat template: drop it", f"messages.{i}.name"
+            )
+    return prompt
 
 
 def _token_ids(served: ServedModel, ids: list[int]) -> list[int]:
@@ -234,6 +262,10 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         raise APIError(400, "n: only n = 1 is supported", "n")
     if body.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server; leave it out", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true: leave it out or set stream", "stream_options"
+        )
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", "prompt")
     echo = getattr(body, "echo", False)
@@ -327,7 +359,7 @@ async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt:
         "model": served.name,
     }
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(generation, events, meta, chat, include_usage), media_type="text/event-stream")
     text, finish = [], None
     try:
