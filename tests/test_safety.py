@@ -91,9 +91,24 @@ def test_a_fresh_start_never_mixes_with_another_runs_checkpoints(run, corpus, cl
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 
+def test_a_fresh_start_never_replaces_an_earlier_runs_results(run, corpus, cli_env, tmp_path):
+    """A run without checkpoints (checkpoint.every = 0) leaves its weights and metrics; a second start
+    in that run.dir has nothing to continue and would replace them: refused before anything is written,
+    by either launcher. With the run's checkpoints there it continues (tests/test_checkpoint.py)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    for launcher in ([], ["--nproc", "2"]):
+        result = run_cli([*train_args(corpus, run_dir, "--training.steps", "4"), *launcher], cli_env)
+        assert_user_error(result, f"run.dir {run_dir} holds an earlier run's model.safetensors and metrics.jsonl")
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
 @pytest.mark.multiproc
 def test_one_job_per_run_directory(corpus, cli_env, tmp_path):
-    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, "--nproc", "2")]
+    args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, "--nproc", "2", "--checkpoint.every", "5")]
     first = subprocess.Popen(
         args, env=faulty(cli_env, MESHTRAIN_STEP_SLEEP="0.4"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -117,7 +132,7 @@ def test_one_job_per_run_directory(corpus, cli_env, tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 11))
     assert not lock.exists()  # released at the end
 
-    # A lock left by a job that died (SIGKILL, a node reboot) is taken over.
+    # A lock left by a job that died (SIGKILL, a node reboot) is taken over; the run continues.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     lock.write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead.stdout), "started": "1", "job": "old"}))
     result = run_cli([*train_args(corpus, tmp_path), "--training.steps", "12"], cli_env)

@@ -81,12 +81,7 @@ class RunLock:
                     holder = self._read()
                 if holder is not None and holder.get("job") == self.token:
                     return self  # this job's own lock (an elastic restart, a requeued job)
-                if holder is not None and _holder_alive(holder):
-                    raise RunDirLocked(
-                        f"{self.path.parent} is in use by another job (host {holder.get('host')}, pid "
-                        f"{holder.get('pid')}, job {holder.get('job')}, since {holder.get('since')}): use another "
-                        f"run.dir, or delete {self.path} if that job is gone"
-                    ) from None
+                self._refuse(holder)
                 self._set_aside()  # stale: its holder died
                 continue
             except OSError as e:
@@ -98,6 +93,23 @@ class RunLock:
             self.held = True
             return self
         raise RunDirLocked(f"could not take {self.path}: other processes keep replacing it")
+
+    def held_by_this_job(self) -> bool:
+        """Whether this job (an earlier start of it: an elastic restart, a requeue) holds the lock;
+        RunDirLocked if another live job does (checked without taking the lock)."""
+        holder = self._read()
+        if holder is not None and holder.get("job") == self.token:
+            return True
+        self._refuse(holder)
+        return False
+
+    def _refuse(self, holder: dict | None) -> None:
+        if holder is not None and _holder_alive(holder):
+            raise RunDirLocked(
+                f"{self.path.parent} is in use by another job (host {holder.get('host')}, pid "
+                f"{holder.get('pid')}, job {holder.get('job')}, since {holder.get('since')}): use another "
+                f"run.dir, or delete {self.path} if that job is gone"
+            ) from None
 
     def _read(self) -> dict | None:
         try:

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshtrain.cli.options import add_config_keys, add_options, options_of
 from meshtrain.config import option
@@ -90,7 +91,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     """Prepare the data and run the preflight once, before any worker starts; hold the run directory
     for the whole job, across its workers' restarts (on a multi-node job started by hand: node 0's
     launcher); start the workers."""
-    from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage
+    from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage, refuse_overwriting_results
     from meshtrain.launch.distributed import require_device
     from meshtrain.launch.local import launch_workers
     from meshtrain.lock import TOKEN_VARIABLE, RunLock
@@ -101,11 +102,13 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     setup_logging(0, cfg.run.log_level)
     require_device(cfg.launch.device)
     refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
+    lock = RunLock(cfg.run.dir)
+    if not lock.held_by_this_job():  # else this is the job itself, requeued
+        refuse_overwriting_results(cfg.checkpoint.resume, checkpoint_root(cfg), Path(cfg.run.dir))
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
     nodes = o.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))
     preflight(cfg, o.nproc * nodes, dataset)
     check_device(cfg, workers_device(cfg), launcher=True)
-    lock = RunLock(cfg.run.dir)
     if not o.node_rank:
         lock.acquire()
         os.environ[TOKEN_VARIABLE] = lock.token  # the workers it starts belong to this job

@@ -22,6 +22,7 @@ from meshtrain.checkpoint import (
     committed_checkpoints,
     find_resume,
     refuse_another_lineage,
+    refuse_overwriting_results,
 )
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.data.chat import TEMPLATE_FILE
@@ -344,6 +345,8 @@ def hold_run_dir(cfg: Config, rank: int) -> RunLock:
         try:
             lock.acquire()
             refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
+            if lock.held:  # taken now, not held by this job's launcher or an earlier start of it
+                refuse_overwriting_results(cfg.checkpoint.resume, checkpoint_root(cfg), Path(cfg.run.dir))
         except MeshtrainError as e:
             lock.release()
             error = e
