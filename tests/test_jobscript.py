@@ -13,7 +13,8 @@ from conftest import assert_user_error, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"
 FITS = ["--training.micro_batch_size", "1"]  # tiny.toml's batch of 16 on the 16 ranks of 2 x 8 GPUs
-COMMON = ["--config", "configs/tiny.toml", "--nodes", "2", "--time", "02:00:00", "--account", "proj42"]
+LAUNCHED = ["--config", "configs/tiny.toml", "--nodes", "2", "--time", "02:00:00"]  # mpirun, torchrun: no account
+COMMON = [*LAUNCHED, "--account", "proj42"]
 CASES = {
     "slurm": ["slurm", *COMMON, "--gpus-per-node", "8", "--partition", "gpu", "--module", "cuda/12.4"],
     "slurm-agent-container": [
@@ -33,8 +34,8 @@ CASES = {
     "slurm-cpu": ["slurm", *COMMON, "--procs-per-node", "2"],
     "sge": ["sge", *COMMON, "--gpus-per-node", "4", "--module", "cuda/12.4", "--module", "nccl/2.21"],
     "pbs": ["pbs", *COMMON, "--gpus-per-node", "4", "--partition", "workq"],
-    "mpirun": ["mpirun", *COMMON, "--procs-per-node", "4"],
-    "torchrun": ["torchrun", *COMMON, "--gpus-per-node", "8"],
+    "mpirun": ["mpirun", *LAUNCHED, "--procs-per-node", "4"],
+    "torchrun": ["torchrun", *LAUNCHED, "--gpus-per-node", "8"],
     "pcluster": ["pcluster", *COMMON, "--gpus-per-node", "8", "--instance-type", "p5.48xlarge"],
 }
 
@@ -94,9 +95,82 @@ def test_slurm_script_has_the_preemption_and_rank_settings(cli_env):
     assert "--ntasks-per-node=1" in agent and "--nproc 8" in agent and "--container-image=" in agent
 
 
-def test_bad_jobscript_requests(cli_env):
+def test_bad_jobscript_requests(cli_env, tmp_path):
     assert_user_error(run_cli(["jobscript", "lsf", "--config", "c.toml"], cli_env), "lsf", "slurm")
     assert_user_error(run_cli(["jobscript", "slurm", "--config", "c.toml", "--nodes", "0"], cli_env), "--nodes")
+    config = tmp_path / "mine.toml"  # the script never replaces the config it runs
+    config.write_text(Path("configs/tiny.toml").read_text())
+    result = run_cli(["jobscript", "slurm", "--config", str(config), "--out", str(config)], cli_env)
+    assert_user_error(result, f"--out {config} is the --config file it is made from")
+    assert config.read_text() == Path("configs/tiny.toml").read_text()
+
+
+def test_flags_a_kind_does_not_use_are_refused(cli_env):
+    """Every flag takes effect or is refused in one line naming it and the kinds that take it."""
+    tiny = ["--config", "configs/tiny.toml"]
+    unused = {
+        ("mpirun", "--module", "cuda/12"): "slurm, sge, pbs, pcluster",
+        ("mpirun", "--account", "acct"): "slurm, sge, pbs, pcluster",
+        ("torchrun", "--job-name", "foo"): "slurm, sge, pbs, pcluster",
+        ("torchrun", "--container-image", "img"): "slurm, pcluster",
+        ("sge", "--partition", "p"): "slurm, pbs, pcluster",
+        ("sge", "--mode", "agent-per-node"): "slurm, pcluster",
+        ("pbs", "--container-image", "img"): "slurm, pcluster",
+        ("pbs", "--pe", "mpi"): "it is for sge)",
+        ("slurm", "--pe", "mpi"): "it is for sge)",
+    }
+    for (kind, flag, value), takers in unused.items():
+        result = run_cli(["jobscript", kind, *tiny, flag, value], cli_env)
+        assert_user_error(result, f"{flag} {value}: {kind} jobs do not use it", takers, f"leave {flag} out")
+    conflicts = {
+        ("--procs-per-node", "3", "--gpus-per-node", "2"): "--procs-per-node 3 with --gpus-per-node 2",
+        ("--container-mounts", "/fsx:/fsx"): "--container-mounts /fsx:/fsx applies to a container",
+        ("--container-workdir", "/fsx"): "--container-workdir /fsx applies to a container: add --container-image",
+    }
+    for flags, fragment in conflicts.items():
+        assert_user_error(run_cli(["jobscript", "slurm", *tiny, *flags], cli_env), fragment)
+
+
+def test_the_configs_time_limit_is_kept_or_refused(cli_env, tmp_path):
+    """A training.time_limit in the config file is the user's: kept when it fits --time (less the
+    checkpoint lead), refused when the job could never reach it; mpirun and torchrun apply --time."""
+    repo = Path(__file__).parents[1]
+    config = tmp_path / "tl.toml"
+    text = (repo / "configs/tiny.toml").read_text()
+    config.write_text(text.replace("[training]\n", '[training]\ntime_limit = "00:20:00"\n', 1))
+    kept = run_cli(["jobscript", "sge", "--config", str(config), "--time", "02:00:00"], cli_env, cwd=repo)
+    assert kept.returncode == 0, kept.stderr
+    assert "--training.time_limit" not in kept.stdout  # the config's 20 minutes, not 7110 s
+    for kind, time in (("sge", "00:15:00"), ("pbs", "00:15:00"), ("slurm", "00:20:00"), ("mpirun", "00:20:00")):
+        refused = run_cli(["jobscript", kind, "--config", str(config), "--time", time], cli_env, cwd=repo)
+        assert_user_error(refused, "training.time_limit = '00:20:00' does not fit the job", f"--time {time}")
+    launched = run_cli(
+        ["jobscript", "mpirun", "--config", "configs/tiny.toml", "--time", "00:30:00"], cli_env, cwd=repo
+    )
+    assert "--training.time_limit 1710" in launched.stdout, launched.stderr
+    untimed = run_cli(["jobscript", "torchrun", "--config", "configs/tiny.toml"], cli_env, cwd=repo)
+    assert untimed.returncode == 0 and "--training.time_limit" not in untimed.stdout, untimed.stderr
+
+
+def test_pcluster_gpu_nodes_run_one_rank_per_gpu(cli_env, tmp_path):
+    import yaml
+
+    p4d = ["pcluster", "--config", "configs/tiny.toml", "--nodes", "2", "--instance-type", "p4d.24xlarge"]
+    # the preflight runs at the job's world: 2 nodes x 8 GPUs, too many ranks for tiny's batch of 16 x 8
+    assert_user_error(run_cli(["jobscript", *p4d], cli_env), "the job's 16 ranks")
+    out = tmp_path / "cluster.yaml"
+    result = run_cli(["jobscript", *p4d, "--partition", "train", "--out", str(out), "--", *FITS], cli_env)
+    assert result.returncode == 0, result.stderr
+    (queue,) = yaml.safe_load(out.read_text())["Scheduling"]["SlurmQueues"]
+    assert queue["Name"] == "train" and queue["ComputeResources"][0]["InstanceType"] == "p4d.24xlarge"
+    job = Path(f"{out}.sbatch").read_text()
+    for line in ("#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=train"):
+        assert line in job
+    base = ["pcluster", "--config", "configs/tiny.toml"]
+    unknown = run_cli(["jobscript", *base, "--instance-type", "g4dn.12xlarge"], cli_env)
+    assert_user_error(unknown, "--instance-type g4dn.12xlarge", "--gpus-per-node")
+    too_many = run_cli(["jobscript", *base, "--instance-type", "g5.12xlarge", "--gpus-per-node", "8"], cli_env)
+    assert_user_error(too_many, "--gpus-per-node 8", "g5.12xlarge node has 4 GPUs")
 
 
 TRAINIUM = ["pcluster", "--config", "configs/tiny.toml", "--nodes", "2", "--accelerator", "trainium"]

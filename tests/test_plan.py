@@ -375,6 +375,10 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
         (["--model", "tiny", "--gpu", "h100-80gb", "--comm", "missing.json"], "cannot read it"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"], "Llama architecture"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--hidden", "100", "--heads", "3"], "divisible"),
+        (
+            ["--model", "tiny", "--gpu", "h100-80gb", "--network", "ib-hdr", "--inter-node-gbps", "9"],
+            "--network and --inter-node-gbps both set the inter-node bandwidth",
+        ),
     ],
 )
 def test_bad_plan_requests_get_one_line(args, message, cli_env, tmp_path):
@@ -493,3 +497,25 @@ def test_a_written_config_never_replaces_the_config_it_is_made_from(cli_env, tmp
     result = run_cli(["plan", "--config", str(config), "--gpu", "h100-80gb", "--write-config", str(config)], cli_env)
     assert result.returncode == 2 and "is the --config file it is made from" in result.stderr
     assert config.read_text() == "# my notes\n[training]\nseq_len = 512\n"
+
+
+def test_each_bandwidth_comes_from_one_source(tmp_path):
+    """--comm's measurement, --network and the GB/s flags each set a bandwidth: two for one link
+    would leave one silently unused, so they are refused."""
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.plan.hardware import device
+
+    one_node = tmp_path / "intra.json"
+    one_node.write_text(json.dumps([{"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0}]))
+    two_nodes = tmp_path / "inter.json"
+    two_nodes.write_text(json.dumps([{"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 20.0, "nodes": 2}]))
+    dev, inter = device("h100-80gb", comm_files=[str(one_node), str(two_nodes)])
+    assert (dev.intra_node_gbps, inter) == (150.0, 20.0)
+    for kwargs, sources in [
+        ({"comm_files": [str(one_node)], "intra_node_gbps": 100.0}, f"--intra-node-gbps and --comm {one_node}"),
+        ({"comm_files": [str(two_nodes)], "network": "ib-hdr"}, f"--network and --comm {two_nodes}"),
+        ({"comm_files": [str(two_nodes), str(two_nodes)]}, f"--comm {two_nodes} and --comm {two_nodes}"),
+    ]:
+        with pytest.raises(MeshtrainError) as e:
+            device("h100-80gb", **kwargs)
+        assert str(e.value).startswith(f"{sources} both set the")

@@ -27,12 +27,16 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace, train_args: list[str]) -> int:
     from meshtrain.config import load_config
-    from meshtrain.launch.jobscript import render
-    from meshtrain.launch.pcluster import pcluster_files
+    from meshtrain.launch.jobscript import prepare, render
 
-    spec: JobSpec = options_of(args, JobSpec, train_args=train_args)
-    files = pcluster_files(spec) if args.kind == "pcluster" else render(args.kind, spec)
+    spec: JobSpec = prepare(args.kind, options_of(args, JobSpec, train_args=train_args))
+    files = render(args.kind, spec)
     _check_job(load_config(spec.config, train_args), spec.world)
+    if args.out:
+        from meshtrain.files import check_output
+
+        for suffix in files:
+            check_output(args.out + suffix, "--out", {"--config": spec.config})
     for suffix, text in files.items():
         if args.out:
             from meshtrain.files import write_text

@@ -4,7 +4,7 @@ torchrun, and an AWS ParallelCluster config (GPU or Trainium nodes). Each line s
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from meshtrain.config import option
@@ -43,8 +43,9 @@ class JobSpec:
     """GPUs per node (0: CPU nodes, see --procs-per-node)."""
     procs_per_node: int = option(1, ge=1)
     """Ranks per node on CPU nodes."""
-    time: str = option("01:00:00", check=_check_time)
-    """Wall-clock limit, HH:MM:SS (also D-HH:MM:SS or seconds)."""
+    time: str = option("", check=_check_time)
+    """Wall-clock limit, HH:MM:SS (also D-HH:MM:SS or seconds); default 01:00:00 for the schedulers
+    (slurm, sge, pbs, pcluster), none for mpirun and torchrun, where training stops itself at it."""
     partition: str = ""
     """Slurm partition / PBS queue."""
     account: str = ""
@@ -99,18 +100,29 @@ class JobSpec:
 
         return int(min(90, max(5, parse_duration(self.time, "--time") // 4)))
 
-    def train_command(self, nproc: int | None = None, time_limited: bool = False) -> str:
-        """`meshtrain train` for the job; time_limited (schedulers that send no signal before the
-        limit): training.time_limit = the job's limit less the lead, unless the arguments set one."""
+    def time_limit(self) -> str:
+        """training.time_limit of the job's config with the overrides after -- ("": none): the user's
+        own limit, which the scripts keep (prepare refuses one that cannot fit --time)."""
+        from meshtrain.config import load_config
+
+        return load_config(self.config, self.train_args).training.time_limit
+
+    def train_budget_s(self) -> int:
+        """Seconds the job can train: --time less the checkpoint lead (0: no --time)."""
         from meshtrain.config import parse_duration
 
+        return int(parse_duration(self.time, "--time")) - self.signal_lead_s if self.time else 0
+
+    def train_command(self, nproc: int | None = None, time_limited: bool = False) -> str:
+        """`meshtrain train` for the job; time_limited (launchers that send no signal before the
+        limit): training.time_limit = the job's limit less the lead, unless the config sets one."""
         args = [f"{self.venv}/bin/meshtrain", "train", "--config", self.config]
         if self.accelerator == "trainium":
             args += ["--launch.device", "neuron"]
         if nproc:
             args += ["--nproc", str(nproc)]
-        if time_limited and not any(a.startswith("--training.time_limit") for a in self.train_args):
-            args += ["--training.time_limit", str(int(parse_duration(self.time, "--time")) - self.signal_lead_s)]
+        if time_limited and self.time and not self.time_limit():
+            args += ["--training.time_limit", str(self.train_budget_s())]
         return shlex.join(args + self.train_args)
 
 
@@ -303,7 +315,7 @@ def mpirun(spec: JobSpec) -> str:
                 'MASTER_ADDR="$(awk \'NR==1{print $1}\' "$HOSTFILE")"',
                 "export MASTER_ADDR",
                 f'mpirun -np {spec.world} -npernode {spec.per_node} --hostfile "$HOSTFILE" -x MASTER_ADDR '
-                f"{spec.train_command()}",
+                f"{spec.train_command(time_limited=True)}",
             ]
         )
         + "\n"
@@ -321,10 +333,10 @@ def torchrun(spec: JobSpec) -> str:
         NCCL_KNOBS,
     ]
     if spec.nodes == 1:
-        lines.append(spec.train_command(spec.per_node))
+        lines.append(spec.train_command(spec.per_node, time_limited=True))
     else:
         lines.append(
-            f'{spec.train_command(spec.per_node)} --nnodes {spec.nodes} --node-rank "$NODE_RANK" '
+            f'{spec.train_command(spec.per_node, time_limited=True)} --nnodes {spec.nodes} --node-rank "$NODE_RANK" '
             '--master-addr "$HEAD" --master-port 29500'
         )
     return "\n".join(lines) + "\n"
@@ -333,16 +345,80 @@ def torchrun(spec: JobSpec) -> str:
 GENERATORS = {"slurm": slurm, "sge": sge, "pbs": pbs, "mpirun": mpirun, "torchrun": torchrun}
 KINDS = (*GENERATORS, "pcluster")  # pcluster: launch/pcluster.py, a cluster config and its job
 
+_RANKS = {"config", "nodes", "gpus_per_node", "procs_per_node", "venv", "train_args"}
+_SCHEDULED = _RANKS | {"time", "account", "job_name", "modules"}
+_SLURM = _SCHEDULED | {"partition", "container_image", "container_mounts", "container_workdir", "mode"}
+USES = {
+    "slurm": _SLURM,
+    "sge": _SCHEDULED | {"sge_pe"},
+    "pbs": _SCHEDULED | {"partition"},
+    "mpirun": _RANKS | {"time"},  # --time: training.time_limit (nothing else stops the job)
+    "torchrun": _RANKS | {"time"},
+    # the instance sets the ranks per node (--gpus-per-node at most its GPUs)
+    "pcluster": (_SLURM - {"procs_per_node"}) | {"accelerator", "instance_type"},
+}
+"""The JobSpec fields each kind's files use. A flag given to a kind that does not use it would be
+silently dropped, so it is refused instead, naming the kinds that take it."""
+HINTS = {
+    "accelerator": " (on Trainium nodes pass -- --launch.device neuron)",
+    "procs_per_node": " (a pcluster node runs one rank per GPU, or per NeuronCore)",
+}
+
+
+def check_flags(kind: str, spec: JobSpec) -> None:
+    """Every flag takes effect or is refused in one line: one a kind does not use (USES), CPU ranks
+    beside GPUs, and pyxis's container options without the image they apply to."""
+    from meshtrain.config import declared
+
+    if kind not in KINDS:
+        raise MeshtrainError(f"jobscript kind {kind!r} is unknown: use one of {', '.join(KINDS)}")
+    for name, d in declared(JobSpec).items():
+        value = getattr(spec, name)
+        if name not in USES[kind] and value != d.default:
+            flag = (d.meta.get("flags") or ("--" + name.replace("_", "-"),))[0]
+            shown = value[0] if isinstance(value, list) else value
+            takers = ", ".join(k for k in KINDS if name in USES[k])
+            raise MeshtrainError(
+                f"{flag} {shown}: {kind} jobs do not use it (it is for {takers}): leave {flag} out{HINTS.get(name, '')}"
+            )
+    if spec.gpus_per_node and spec.procs_per_node != 1:
+        raise MeshtrainError(
+            f"--procs-per-node {spec.procs_per_node} with --gpus-per-node {spec.gpus_per_node}: GPU nodes run one "
+            "rank per GPU; leave --procs-per-node out (it is for CPU nodes)"
+        )
+    for flag, value in (("--container-mounts", spec.container_mounts), ("--container-workdir", spec.container_workdir)):
+        if value and not spec.container_image:
+            raise MeshtrainError(f"{flag} {value} applies to a container: add --container-image IMAGE or leave it out")
+
+
+def prepare(kind: str, spec: JobSpec) -> JobSpec:
+    """The spec the kind's files are written from (the CLI takes the world size from it): its flags
+    checked, what the kind implies filled in (the schedulers' default --time; pcluster: the instance's
+    ranks), and the config's own training.time_limit checked against --time."""
+    from meshtrain.config import parse_duration
+
+    check_flags(kind, spec)
+    if kind == "pcluster":
+        from meshtrain.launch.pcluster import pcluster_spec
+
+        spec = pcluster_spec(spec)
+    if not spec.time and kind not in ("mpirun", "torchrun"):
+        spec = replace(spec, time="01:00:00")
+    limit = spec.time_limit()
+    if spec.time and parse_duration(limit, "training.time_limit") > spec.train_budget_s():
+        raise MeshtrainError(
+            f"training.time_limit = {limit!r} does not fit the job: --time {spec.time} leaves "
+            f"{spec.train_budget_s()} s to train ({spec.signal_lead_s} s go to the checkpoint before it): "
+            "shorten training.time_limit or raise --time"
+        )
+    return spec
+
 
 def render(kind: str, spec: JobSpec) -> dict[str, str]:
-    """{file suffix: text} of a job script ("" is the only file)."""
-    if kind not in GENERATORS:
-        raise MeshtrainError(f"jobscript kind {kind!r} is unknown: use one of {', '.join(KINDS)}")
-    given = [f"--accelerator {spec.accelerator}"] if spec.accelerator != "gpu" else []
-    given += [f"--instance-type {spec.instance_type}"] if spec.instance_type else []
-    if given:
-        raise MeshtrainError(
-            f"{' and '.join(given)} choose the compute nodes of a pcluster config; a {kind} script runs on the "
-            "nodes it is given: leave them out (on Trainium nodes pass -- --launch.device neuron)"
-        )
+    """{file suffix: text} of a job ("": the script, or pcluster's cluster config, beside its other
+    files), from the spec that prepare(kind, ...) made."""
+    if kind == "pcluster":
+        from meshtrain.launch.pcluster import pcluster_files
+
+        return pcluster_files(spec)
     return {"": GENERATORS[kind](spec)}

@@ -12,6 +12,14 @@ from meshtrain.launch.jobscript import TRAINIUM, JobSpec, _srun, slurm
 
 FSX = "/fsx"  # the cluster's shared FSx for Lustre
 
+GPUS = {
+    **dict.fromkeys(("p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge"), 8),
+    **dict.fromkeys(("g5.48xlarge", "g6e.48xlarge"), 8),
+    **dict.fromkeys(("g5.12xlarge", "g5.24xlarge", "g6e.12xlarge", "g6e.24xlarge"), 4),
+}
+"""NVIDIA GPUs of an EC2 instance type: the job's ranks (and --gpus-per-node) per node, unless
+--gpus-per-node says fewer. Another GPU type needs --gpus-per-node: the job cannot guess its ranks."""
+
 NEURON_ENV = """\
 # Neuron and EFA settings for training across nodes:
 export FI_PROVIDER=efa                 # Neuron collectives between nodes go over EFA (libfabric)
@@ -85,14 +93,15 @@ HeadNode:
 
 
 def _queue(spec: JobSpec) -> str:
-    return "trainium" if spec.accelerator == "trainium" else "gpu"
+    """The Slurm queue of the cluster, which its job is submitted to: --partition, or by accelerator."""
+    return spec.partition or ("trainium" if spec.accelerator == "trainium" else "gpu")
 
 
 def _pcluster_job(spec: JobSpec) -> str:
     """The sbatch for the cluster's queue. On Trainium it first compiles ahead of time, as the Neuron
     docs describe: neuron_parallel_compile runs a short trial of the same job (same nodes, ranks and
     layout) to collect its graphs, and compiles them in parallel into the shared cache."""
-    job = replace(spec, partition=spec.partition or _queue(spec))
+    job = replace(spec, partition=_queue(spec))
     if spec.accelerator != "trainium":
         return slurm(job)
     trial = f"{FSX}/meshtrain/neuron-compile.$SLURM_JOB_ID"
@@ -161,11 +170,18 @@ fi
 """
 
 
-def pcluster_files(spec: JobSpec) -> dict[str, str]:
-    """The cluster config (""), its job (".sbatch") and on Trainium the nodes' setup (".neuron-setup.sh")."""
+def pcluster_spec(spec: JobSpec) -> JobSpec:
+    """The job as the cluster runs it: its nodes checked, a GPU node's ranks its GPUs (unless
+    --gpus-per-node says fewer), and on Trainium the venv on the FSx (every node sees it there)."""
     check_nodes(spec)
-    if spec.accelerator == "trainium" and not spec.venv.startswith("/"):
-        spec = replace(spec, venv=f"{FSX}/meshtrain/{spec.venv}")  # every node sees it there
+    if spec.accelerator == "gpu":
+        return replace(spec, gpus_per_node=spec.gpus_per_node or GPUS[spec.instance])
+    return replace(spec, venv=spec.venv if spec.venv.startswith("/") else f"{FSX}/meshtrain/{spec.venv}")
+
+
+def pcluster_files(spec: JobSpec) -> dict[str, str]:
+    """The cluster config (""), its job (".sbatch") and on Trainium the nodes' setup (".neuron-setup.sh"),
+    from a spec that pcluster_spec made."""
     files = {"": pcluster(spec), ".sbatch": _pcluster_job(spec)}
     if spec.accelerator == "trainium":
         files[".neuron-setup.sh"] = neuron_setup(spec)
@@ -173,27 +189,32 @@ def pcluster_files(spec: JobSpec) -> dict[str, str]:
 
 
 def check_nodes(spec: JobSpec) -> None:
-    """The compute-node options take effect or are refused: on Trainium the node sets the ranks (one
-    per logical NeuronCore) and the device (neuron)."""
+    """The compute-node options take effect or are refused: a GPU node runs one rank per GPU (GPUS, or
+    --gpus-per-node for an instance type not in it); on Trainium the node sets the ranks (one per
+    logical NeuronCore) and the device (neuron)."""
     if spec.accelerator == "gpu":
         if spec.instance.startswith("trn"):
             raise MeshtrainError(f"--instance-type {spec.instance} is a Trainium instance: add --accelerator trainium")
+        gpus = GPUS.get(spec.instance)
+        if gpus is None and not spec.gpus_per_node:
+            raise MeshtrainError(
+                f"--instance-type {spec.instance}: how many GPUs it has is not known here: give --gpus-per-node G"
+            )
+        if gpus is not None and spec.gpus_per_node > gpus:
+            raise MeshtrainError(
+                f"--gpus-per-node {spec.gpus_per_node}: a {spec.instance} node has {gpus} GPUs: give at most {gpus}"
+            )
         return
     if spec.instance not in TRAINIUM:
         raise MeshtrainError(
             f"--accelerator trainium trains on torch-neuronx's native device, which runs on Trainium2: "
             f"--instance-type {spec.instance} is not one of {', '.join(TRAINIUM)}"
         )
-    node = TRAINIUM[spec.instance]
-    for flag, value, default in (
-        ("--gpus-per-node", spec.gpus_per_node, 0),
-        ("--procs-per-node", spec.procs_per_node, 1),
-    ):
-        if value != default:
-            raise MeshtrainError(
-                f"{flag} {value}: a {spec.instance} node runs one rank per logical NeuronCore ({node.cores}) by "
-                f"itself: leave {flag} out"
-            )
+    if spec.gpus_per_node:  # --procs-per-node: refused for every pcluster job (jobscript.USES)
+        raise MeshtrainError(
+            f"--gpus-per-node {spec.gpus_per_node}: a {spec.instance} node runs one rank per logical NeuronCore "
+            f"({TRAINIUM[spec.instance].cores}) by itself: leave --gpus-per-node out"
+        )
     given = [
         arg.split("=", 1)[1] if "=" in arg else value
         for arg, value in zip(spec.train_args, [*spec.train_args[1:], ""])

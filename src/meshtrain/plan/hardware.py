@@ -173,10 +173,18 @@ def device(
         raise MeshtrainError(f"--network {net!r} unknown: use one of {', '.join(NETWORKS)}")
     inter = NETWORKS[net].gbps_per_gpu
     changes: dict = {"network": net}
+    # Each bandwidth from one source: a second one would silently replace the first.
+    given = {"intra": ["--intra-node-gbps"] if intra_node_gbps is not None else []}
+    given["inter"] = [flag for flag, v in (("--network", network), ("--inter-node-gbps", inter_node_gbps)) if v]
     for path in comm_files:
         measured = read_comm(path)
         changes.update({"intra_node_gbps": measured["intra"]} if "intra" in measured else {})
         inter = measured.get("inter", inter)
+        for scope in measured:
+            given[scope].append(f"--comm {path}")
+    for scope, sources in given.items():
+        if len(sources) > 1:
+            raise MeshtrainError(f"{' and '.join(sources)} both set the {scope}-node bandwidth: give one of them")
     for key, value in (
         ("gpus_per_node", gpus_per_node),
         ("intra_node_gbps", intra_node_gbps),
