@@ -415,3 +415,27 @@ def test_a_skipped_checkpoint_leaves_the_lineage_so_no_logged_step_is_lost(corpu
     train(corpus, cli_env, tmp_path, *run)
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
     assert (tmp_path / "checkpoints" / "damaged_step_00000004").is_dir()  # kept to inspect
+
+
+def test_a_resume_keeps_the_schedules_position_and_takes_the_configs_peak_lr():
+    """After a divergence the advice is to lower training.lr and resume: the schedule goes on from
+    the checkpoint's step at this run's peak, not the checkpoint's."""
+    from meshtrain.config import load_config
+    from meshtrain.optim import build_optimizer, lr_factor
+    from meshtrain.train.loop import restore_schedule
+
+    def schedule(lr):
+        t = load_config(None, {"training.lr": lr, "training.warmup_steps": 2}).training
+        return build_optimizer([torch.nn.Parameter(torch.ones(2, 2))], t), t
+
+    (optimizer, scheduler), _ = schedule(1e-3)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    (optimizer, resumed), t = schedule(5e-4)
+    restore_schedule(resumed, scheduler.state_dict())
+    assert resumed.last_epoch == 5 and resumed.base_lrs == [5e-4, 5e-4]
+    assert resumed.get_last_lr() == [5e-4 * lr_factor(5, t)] * 2
+    assert [g["lr"] for g in optimizer.param_groups] == [5e-4 * lr_factor(5, t)] * 2
+    resumed.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * lr_factor(6, t))

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from meshtrain.config import check_model_args, config_keys, load_config, parse_overrides, resolved, to_toml
@@ -132,3 +134,31 @@ def test_a_pretrained_directory_is_the_shape_and_a_preset_beside_it_is_refused(t
         cfg = load_config(None, {"model.init_from": f"hf:{tmp_path}", "model.preset": preset})
         with pytest.raises(ConfigError, match=rf"model.preset = '{preset}' but model.init_from's config.json"):
             model_args(cfg)
+
+
+PIPELINE = {"parallel.pp": 2, "model.n_layers": 4, "training.global_batch_size": 8, "training.micro_batch_size": 1}
+
+
+@pytest.mark.parametrize(
+    "given, fragment, with_the_other",
+    [
+        ({"parallel.pp_schedule": "gpipe"}, "parallel.pp_schedule = 'gpipe' shapes the pipeline", PIPELINE),
+        (
+            {"parallel.pp_virtual_stages": 2},
+            "parallel.pp_virtual_stages = 2 shapes the pipeline",
+            {**PIPELINE, "parallel.pp_schedule": "interleaved_1f1b"},
+        ),
+        (
+            {"training.ac_every": 3},
+            "training.ac_every = 3 picks the blocks",
+            {"training.activation_checkpointing": "selective"},
+        ),
+        ({"checkpoint.async": True}, "checkpoint.async overlaps the periodic checkpoints", {"checkpoint.every": 5}),
+    ],
+)
+def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fragment, with_the_other):
+    cfg = load_config(None, given)  # read as given: `meshtrain plan` may search the other key
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        preflight(cfg, 1)
+    cfg = load_config(None, {**given, **with_the_other})
+    preflight(cfg, cfg.parallel.pp)

@@ -234,9 +234,11 @@ def test_resume_continues_exactly_even_on_another_dp_degree(tmp_path):
     for _ in range(7):
         first.next_batch()
     state = first.state_dict()
-    resumed = [DistributedLoader(w, 8, r, 2, seed=0) for r in range(2)]
+    resumed = [DistributedLoader(w, 8, r, 2, seed=5) for r in range(2)]
     for loader in resumed:
         loader.load_state_dict(state)
+    with pytest.raises(DataError, match=r"drawn with training.seed = 5, now 0: resume with the same seed"):
+        DistributedLoader(w, 8, 0, 2, seed=0).load_state_dict(state)  # it would repeat and skip samples
     for step in range(7, 20):
         torch.testing.assert_close(torch.cat([loader.next_batch()[0] for loader in resumed]), batches[step])
     other = DistributedLoader(_windows(tmp_path / "..", 2000), 8, 0, 1, seed=5)
@@ -397,7 +399,7 @@ def test_a_blend_keeps_its_weights_resumes_exactly_and_ignores_the_dp_degree(tmp
     (first,) = _blend_loaders(tmp_path, 1)
     for _ in range(17):
         first.next_batch()
-    resumed = _blend_loaders(tmp_path, 2, seed=0)
+    resumed = _blend_loaders(tmp_path, 2)
     for loader in resumed:
         loader.load_state_dict(first.state_dict())
     for step in range(17, 40):

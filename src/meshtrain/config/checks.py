@@ -123,3 +123,28 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
             f"the model's vocabulary ({args.vocab_size}) is smaller than the data's ({data_vocab_size}); "
             "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from"
         )
+
+
+def check_keys_in_force(cfg: Config) -> None:
+    """Keys that act only beside another one, refused at the start of a job where they would do
+    nothing (not when the config is read: `meshtrain plan` searches those other keys, so there a
+    pipeline schedule or ac_every may come before the pipeline or checkpointing it is for)."""
+    from meshtrain.config.schema import ParallelConfig, TrainingConfig
+
+    p, t = cfg.parallel, cfg.training
+    for key in ("pp_schedule", "pp_virtual_stages"):
+        if p.pp == 1 and getattr(p, key) != getattr(ParallelConfig, key):
+            raise ConfigError(
+                f"parallel.{key} = {getattr(p, key)!r} shapes the pipeline, but parallel.pp is 1: set parallel.pp > 1, "
+                "or drop it"
+            )
+    if t.activation_checkpointing != "selective" and t.ac_every != TrainingConfig.ac_every:
+        raise ConfigError(
+            f"training.ac_every = {t.ac_every} picks the blocks selective checkpointing recomputes, but training."
+            f"activation_checkpointing is {t.activation_checkpointing!r}: set it to selective, or drop ac_every"
+        )
+    if cfg.checkpoint.async_ and not cfg.checkpoint.every:
+        raise ConfigError(
+            "checkpoint.async overlaps the periodic checkpoints with training, but checkpoint.every is 0 (the saves "
+            "at a stop or preemption always block): set checkpoint.every, or drop checkpoint.async"
+        )

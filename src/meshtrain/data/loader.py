@@ -107,7 +107,12 @@ class DistributedLoader:
                 f"the checkpoint was trained with data.path weights {weights}, now {self.weights.tolist()}: "
                 "resume with the same blend, or start a new run"
             )
-        self.consumed, self.seed = state["consumed"], state["seed"]
+        if state["seed"] != self.seed:
+            raise DataError(
+                f"the checkpoint's data order was drawn with training.seed = {state['seed']}, now {self.seed}: "
+                "resume with the same seed (another would repeat and skip samples), or start a new run"
+            )
+        self.consumed = state["consumed"]
         self.taken = np.asarray(state.get("taken", [state["consumed"]]), dtype=np.int64)
         self._perms = {}
 

@@ -189,7 +189,7 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fi
                             global_batch_size=global_batch,
                             micro_batch_size=mb,
                             activation_checkpointing=ac,
-                            ac_every=fixed.get("ac_every") or 2,
+                            ac_every=(fixed.get("ac_every") or 2) if ac == "selective" else 2,  # else unused
                         )
                     )
     return out

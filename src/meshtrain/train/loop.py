@@ -88,6 +88,20 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
     return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
 
 
+def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict) -> None:
+    """The schedule's position from the checkpoint, its peak from this run's config: a resume with
+    another training.lr (as after a divergence) continues the same schedule at the new peak."""
+    configured = list(scheduler.base_lrs)
+    scheduler.load_state_dict(saved)
+    if configured != scheduler.base_lrs:
+        log.info(f"training.lr: the checkpoint's peak {scheduler.base_lrs} -> {configured} (this run's config)")
+    scheduler.base_lrs = configured
+    step = scheduler.last_epoch
+    scheduler._last_lr = [base * f(step) for base, f in zip(configured, scheduler.lr_lambdas, strict=True)]
+    for group, base, lr in zip(scheduler.optimizer.param_groups, configured, scheduler._last_lr, strict=True):
+        group["initial_lr"], group["lr"] = base, lr
+
+
 def announce(s: TrainState) -> None:
     t, run_dir = s.cfg.training, Path(s.cfg.run.dir)
     write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
@@ -184,9 +198,7 @@ def resume(s: TrainState) -> tuple[int, int]:
         return 0, 0
     state = ckpt.load(path, dataclasses.asdict(s.args))
     s.loader.load_state_dict(state["loader"])
-    s.scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
-        group["lr"] = lr
+    restore_schedule(s.scheduler, state["scheduler"])
     if s.scaler is not None and "loss_scale" in state:
         s.scaler.load_state_dict(state["loss_scale"])
     elif s.scaler is not None or "loss_scale" in state:  # the precision changed between runs: a fresh scale

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.config import Config, check_model_args, parse_data_path
+from meshtrain.config import Config, check_keys_in_force, check_model_args, parse_data_path
 from meshtrain.data import Blend, read_manifest
 from meshtrain.data.format import MANIFEST
 from meshtrain.layout import Layout
@@ -53,6 +53,7 @@ def preflight(cfg: Config, world: int, dataset: Blend | None = None) -> tuple[Mo
     """The model and the layout of `cfg` on `world` ranks, or the one-line reason it cannot train.
     `dataset`: the prepared data (None where it is not here yet, as for the default corpus)."""
     vocab = dataset.vocab_size if dataset is not None else None
+    check_keys_in_force(cfg)
     args = model_args(cfg, vocab)
     check_model_args(args, cfg, vocab)
     layout = Layout.from_config(cfg, world)
