@@ -264,6 +264,20 @@ REFUSALS = [
 ]
 
 
+def test_a_mistral_config_without_sliding_window_has_transformers_default_window(models, tmp_path):
+    """transformers reads a Mistral config.json without the key as a 4096-token window: longer
+    contexts would attend differently there, so it is refused like a written window."""
+    config = json.loads((models["mistral"] / "config.json").read_text())
+    config.pop("sliding_window", None)
+    for positions, refused in ((4096, False), (32768, True)):
+        (tmp_path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": positions}))
+        if refused:
+            with pytest.raises(MeshtrainError, match="sliding_window 4096 is shorter than max_position_embeddings"):
+                hf_model_args(tmp_path)
+        else:
+            assert hf_model_args(tmp_path).max_seq_len == 4096
+
+
 @pytest.mark.parametrize("variant, change, named", REFUSALS, ids=[r[2].split()[0] for r in REFUSALS])
 def test_fields_meshtrain_cannot_compute_are_refused_by_name(variant, change, named, models, tmp_path):
     config = json.loads((models[variant] / "config.json").read_text()) | change

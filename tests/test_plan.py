@@ -374,6 +374,8 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
         (["--model", "llama3-8b", "--config", "configs/tiny.toml", "--gpu", "h100-80gb"], "not allowed with"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--comm", "missing.json"], "cannot read it"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"], "Llama architecture"),
+        (["--model", "gpt2-124m", "--gpu", "h100-80gb", "--arch", "gpt", "--ffn", "1024"], "--ffn 1024: --arch gpt"),
+        (["--model", "gpt2-124m", "--gpu", "h100-80gb", "--arch", "gpt", "--kv-heads", "4"], "--kv-heads 4: --arch"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--hidden", "100", "--heads", "3"], "divisible"),
         (
             ["--model", "tiny", "--gpu", "h100-80gb", "--network", "ib-hdr", "--inter-node-gbps", "9"],

@@ -75,4 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     except MeshtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except BrokenPipeError:  # `meshtrain plan --json | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        code = 0
     _finish(code)

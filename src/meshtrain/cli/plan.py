@@ -145,6 +145,23 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
     return load_config(o.config, overrides), given
 
 
+def check_gpt_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> None:
+    """--arch gpt plans GPT's block (an MLP of 4 x hidden, one key/value head per query head): a
+    Llama shape key that says otherwise would be dropped, so it is refused."""
+    if o.config:
+        raise MeshtrainError(f"--config {o.config} is a meshtrain training config (Llama): plan it with --arch llama")
+    if "model.ffn_dim" in given and model.ffn_dim != 4 * model.dim:
+        raise MeshtrainError(
+            f"--ffn {model.ffn_dim}: --arch gpt plans GPT's MLP of 4 x --hidden = {4 * model.dim}; drop --ffn "
+            "(or plan a Llama with --arch llama)"
+        )
+    if "model.n_kv_heads" in given and model.n_kv_heads != model.n_heads:
+        raise MeshtrainError(
+            f"--kv-heads {model.n_kv_heads}: --arch gpt plans multi-head attention ({model.n_heads} key/value "
+            "heads); drop --kv-heads (or plan a Llama with --arch llama)"
+        )
+
+
 def planned_model(cfg: Config) -> ModelArgs:
     """The shape `meshtrain train` would build from `cfg`: model.init_from's config.json where it
     names one (not the preset it replaces), checked against the sequence length as the trainer does."""
@@ -168,6 +185,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if llama:
         shape = Shape.from_args(model)
     else:
+        check_gpt_shape(o, model, given)
         shape = Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, model.max_seq_len)
     gpus = o.gpus or (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp if explain else 8)
     global_batch = t.global_batch_size if explain or "training.global_batch_size" in given else 4 * gpus

@@ -138,6 +138,9 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
     )
 
 
+MISTRAL_DEFAULT_WINDOW = 4096
+
+
 def _check_sliding_window(c: dict, family: str, max_positions: int, where: str) -> None:
     """meshtrain attends over the whole sequence: a window shorter than the model's context is refused."""
     if family in ("qwen2", "qwen3"):
@@ -149,7 +152,8 @@ def _check_sliding_window(c: dict, family: str, max_positions: int, where: str) 
         if any(kind != "full_attention" for kind in layer_types):
             raise refuse(where, "layer_types has sliding_attention layers: meshtrain attends over the whole sequence")
         return
-    window = c.get("sliding_window")
+    # transformers' MistralConfig reads a missing sliding_window as 4096 (Mistral 7B v0.1's window)
+    window = c.get("sliding_window", MISTRAL_DEFAULT_WINDOW if family == "mistral" else None)
     if window is not None and window < max_positions:
         raise refuse(
             where,
