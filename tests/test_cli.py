@@ -32,6 +32,23 @@ def subparser(path: str) -> argparse.ArgumentParser:
     return parser
 
 
+def test_every_command_prints_its_help():
+    """--help of every command and subcommand (argparse refuses to print a usage line with an empty
+    mutually exclusive group, so a flag table that made one would break it)."""
+
+    def commands(parser, path=()):
+        yield path, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from commands(sub, (*path, name))
+
+    found = dict(commands(build_parser()))
+    assert {("data", "prepare"), ("bench", "comm"), ("train",), ("serve",), ("jobscript",)} <= set(found)
+    for path, parser in found.items():
+        assert parser.format_help().startswith("usage: "), path
+
+
 def one_line_error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exit_:
         main(argv)

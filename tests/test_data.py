@@ -81,6 +81,20 @@ def test_text_field_names_the_json_key_or_column(tmp_path):
     assert documents(tmp_path / "out") == ["from jsonl " + TEXT, "from parquet " + TEXT]
 
 
+def test_hidden_files_are_no_input_and_a_named_python_file_is_text(tmp_path):
+    """A directory's files of other names are refused (test_bad_data_gets_one_clear_line), but not
+    its hidden ones (.DS_Store, a .git directory); Python source named as input is one text document
+    (the default corpus)."""
+    d = tmp_path / "d"
+    (d / ".git").mkdir(parents=True)
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (d / ".DS_Store").write_bytes(b"\x00\x01\x02")
+    (d / "a.jsonl").write_text(json.dumps({"text": "from jsonl " + TEXT}) + "\n")
+    (tmp_path / "b.py").write_text("from python " + TEXT)
+    prepare([d, tmp_path / "b.py"], tmp_path / "out", vocab_size=300, val_fraction=0, progress=False)
+    assert documents(tmp_path / "out") == ["from jsonl " + TEXT, "from python " + TEXT]
+
+
 def test_split_is_by_document_and_deterministic(tmp_path):
     for i in range(40):
         (tmp_path / f"{i}.txt").write_text(f"document {i}\n" + TEXT[: 50 + i])
@@ -131,6 +145,9 @@ def test_replacing_a_dataset_keeps_the_old_one_until_the_new_one_is_complete(tmp
         ("gzip", ["bad.jsonl.gz", "corrupt"]),
         ("zstd", ["bad.jsonl.zst", "corrupt"]),
         ("unreadable", ["cannot read"]),
+        ("suffix", ["train.json is not a format meshtrain reads", ".jsonl.zst", "rename it .jsonl"]),
+        ("directory", ["holds files meshtrain does not read (2, first", "b.csv", "move them out", "--input"]),
+        ("text field", ["--text-field body", "every input is plain text", "leave --text-field out"]),
     ],
 )
 def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
@@ -161,11 +178,23 @@ def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
         args += ["--input", str(tmp_path / "bad.jsonl.zst")]
     elif case == "unreadable":
         if os.geteuid() == 0:  # root reads any file: take one whose read fails for everyone
-            args += ["--input", "/proc/self/mem"]
+            (tmp_path / "mem.txt").symlink_to("/proc/self/mem")
+            args += ["--input", str(tmp_path / "mem.txt")]
         else:
             (tmp_path / "secret.txt").write_text("text")
             (tmp_path / "secret.txt").chmod(0)
             args += ["--input", str(tmp_path / "secret.txt")]
+    elif case == "suffix":  # JSON lines under another name: not guessed to be one text document
+        (tmp_path / "train.json").write_text('{"text": "a document"}\n')
+        args += ["--input", str(tmp_path / "train.json")]
+    elif case == "directory":  # not silently left out of the directory
+        for name in ("a.jsonl", "b.csv", "c.ndjson"):
+            (tmp_path / "d" / name).parent.mkdir(exist_ok=True)
+            (tmp_path / "d" / name).write_text('{"text": "a document"}\n')
+        args += ["--input", str(tmp_path / "d")]
+    elif case == "text field":  # plain text has no fields
+        (tmp_path / "a.txt").write_text("a document")
+        args += ["--input", str(tmp_path / "a.txt"), "--text-field", "body"]
     else:
         from tokenizers import Tokenizer as T
         from tokenizers.models import WordLevel

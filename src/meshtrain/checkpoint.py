@@ -164,21 +164,18 @@ def refuse_another_lineage(resume: str, root: Path) -> None:
         )
 
 
-RESULTS = ("model.safetensors", "metrics.jsonl")  # what a run leaves in its run.dir besides checkpoints
-
-
 def refuse_overwriting_results(resume: str, root: Path, run_dir: Path) -> None:
     """A start that continues nothing (no committed checkpoint to resume from here) in a run.dir
-    holding an earlier run's weights or metrics would replace them as it goes: refused before
-    anything is written. Not called for the same job coming back (its launcher or scheduler job holds
+    holding an earlier run's trained weights would replace them: refused before anything is written.
+    (A run that crashed before its first checkpoint left only its metrics: starting it again is the
+    way to recover it.) Not called for the same job coming back (its launcher or scheduler job holds
     the run directory's lock): that is the run itself, restarted."""
     if resume == "auto" and committed_checkpoints(root):
         return
-    found = [name for name in RESULTS if (run_dir / name).is_file() and (run_dir / name).stat().st_size]
-    if found:
+    if (run_dir / "model.safetensors").is_file():
         raise CheckpointError(
-            f"run.dir {run_dir} holds an earlier run's {' and '.join(found)} and no checkpoint of it to continue: "
-            "use a new run.dir, or move them away (runs with checkpoint.every > 0 can be continued)"
+            f"run.dir {run_dir} holds an earlier run's trained weights (model.safetensors) and no checkpoint of it "
+            "to continue: use a new run.dir, or move them away (runs with checkpoint.every > 0 can be continued)"
         )
 
 

@@ -16,12 +16,13 @@ from meshtrain.errors import MeshtrainError
 @dataclass
 class PrepareOptions:
     input: list[str] = option(nargs="+")
-    """Files, directories or globs (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet) or a Hugging Face datasets
-    save_to_disk directory."""
+    """Files, directories or globs (.txt, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet; other names are refused)
+    or a Hugging Face datasets save_to_disk directory."""
     out: str = option()
     """Output directory."""
     text_field: str | None = None
-    """The JSON field or column holding text (default "text"; not with --format chat or preference)."""
+    """The JSON field or column holding text (default "text"; not for plain text alone, nor with --format chat or
+    preference)."""
     format: Literal["text", "chat", "preference"] = "text"
     """chat: rows of "messages" (or "prompt"/"completion"), rendered with the chat template, with a loss mask;
     preference: TRL's preference rows ("prompt", "chosen", "rejected"; the prompt may be implicit in
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         o.val_fraction,
         o.token_dtype,
         progress=sys.stderr.isatty() and env.rank == 0,
-        text_field=o.text_field or "text",
+        text_field="text" if o.text_field is None else o.text_field,  # an empty name too is taken as given
         workers=o.workers,
         sample_bytes=o.tokenizer_sample or 64 << 20,
         distributed=env.distributed,

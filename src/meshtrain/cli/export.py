@@ -13,7 +13,7 @@ from meshtrain.config import option, parse_size
 @dataclass
 class ExportOptions:
     source: str = option(positional=True)
-    """A run directory (its latest checkpoint, else model.safetensors) or a checkpoint."""
+    """A run directory (the later training step of its newest checkpoint and model.safetensors) or a checkpoint."""
     out: str = option()
     """Output directory."""
     max_shard_size: int | None = option(None, parse=parse_size)

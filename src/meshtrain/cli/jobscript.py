@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace, train_args: list[str]) -> int:
     from meshtrain.config import load_config
-    from meshtrain.launch.jobscript import prepare, render
+    from meshtrain.launch.jobs import prepare, render
 
     spec: JobSpec = prepare(args.kind, options_of(args, JobSpec, train_args=train_args))
     files = render(args.kind, spec)

@@ -70,7 +70,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
         doc = d.doc + (f" (default: {default})" if shown else "")
         where = parser
         if "exclusive" in meta:
-            where = groups.setdefault(meta["exclusive"], parser.add_mutually_exclusive_group())
+            if meta["exclusive"] not in groups:  # one group each: an empty one breaks argparse's usage line
+                groups[meta["exclusive"]] = parser.add_mutually_exclusive_group()
+            where = groups[meta["exclusive"]]
         if meta.get("positional"):
             where.add_argument(name, type=text_parser(d, name), help=doc.replace("%", "%%")).declared = d
             continue

@@ -4,6 +4,7 @@ declarations (config/options.py); layout checks live with the layout (`Layout.va
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,16 +130,15 @@ def check_keys_in_force(cfg: Config) -> None:
     """Keys that act only beside another one, refused at the start of a job where they would do
     nothing (not when the config is read: `meshtrain plan` searches those other keys, so there a
     pipeline schedule or ac_every may come before the pipeline or checkpointing it is for)."""
-    from meshtrain.config.schema import ParallelConfig, TrainingConfig
-
     p, t = cfg.parallel, cfg.training
+    default = {f.name: f.default for section in (p, t) for f in dataclasses.fields(section)}
     for key in ("pp_schedule", "pp_virtual_stages"):
-        if p.pp == 1 and getattr(p, key) != getattr(ParallelConfig, key):
+        if p.pp == 1 and getattr(p, key) != default[key]:
             raise ConfigError(
                 f"parallel.{key} = {getattr(p, key)!r} shapes the pipeline, but parallel.pp is 1: set parallel.pp > 1, "
                 "or drop it"
             )
-    if t.activation_checkpointing != "selective" and t.ac_every != TrainingConfig.ac_every:
+    if t.activation_checkpointing != "selective" and t.ac_every != default["ac_every"]:
         raise ConfigError(
             f"training.ac_every = {t.ac_every} picks the blocks selective checkpointing recomputes, but training."
             f"activation_checkpointing is {t.activation_checkpointing!r}: set it to selective, or drop ac_every"

@@ -73,9 +73,9 @@ class Unit:
         return sum(p.size for p in self.pieces)
 
 
-def plan_units(inputs: list[str | Path]) -> list[Unit]:
+def plan_units(inputs: list[str | Path], text_field: str = "text") -> list[Unit]:
     """The inputs' pieces grouped, in order, into units of about 1/64 of the input (1-256 MiB)."""
-    files = expand_inputs(inputs)
+    files = expand_inputs(inputs, text_field)
     target = min(UNIT_BYTES[1], max(UNIT_BYTES[0], sum(f.size for f in files) // 64))
     units: list[Unit] = []
     current: list[Piece] = []
@@ -469,7 +469,7 @@ def prepare(
     def start() -> tuple[list[Unit], UnitJob]:
         if tokenizer:
             load_tokenizer(tokenizer)  # a clear error if it is missing or not one
-        units = plan_units(inputs)
+        units = plan_units(inputs, "text" if chat else text_field)  # chat rows have no text field
         spec = _spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes, chat)
         locks.append(_open_partial(work, spec))
         tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes, chat)

@@ -1,9 +1,12 @@
 """Where documents come from: input files, cut into pieces that can be read independently.
 
 Inputs are files, directories, globs and directories written by Hugging Face `datasets`
-(`save_to_disk`). Formats, by name: `.txt` (one document per file), `.jsonl`, `.jsonl.gz`,
+(`save_to_disk`). Formats, by name: `.txt` and `.py` (one document per file), `.jsonl`, `.jsonl.gz`,
 `.jsonl.zst` (one document per line, its `text_field`), `.parquet` (the `text_field` column) and the
-Arrow files of a `datasets` directory.
+Arrow files of a `datasets` directory. A file of any other name is refused, never guessed at: a
+`.json` of JSON lines read as text would train on the raw JSON, and a directory that silently left
+out its `.csv` files would train on less than the user gave. Hidden files (and those in hidden
+directories) of other names are left out of a directory: `.DS_Store`, `.git`, a prepare's partial.
 
 A document longer than LONG_BYTES (a big `.txt`, a long JSON line) is read as a `LongDocument`:
 its text in chunks, never whole, so that memory stays bounded whatever one document holds.
@@ -32,7 +35,16 @@ from pathlib import Path
 
 from meshtrain.errors import DataError
 
-SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+KINDS = {  # the suffixes meshtrain reads -> their kind
+    ".txt": "txt",
+    ".py": "txt",  # the default corpus (stdlib_sources) is Python source
+    ".jsonl": "jsonl",
+    ".jsonl.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst",
+    ".parquet": "parquet",
+}
+SUFFIXES = tuple(KINDS)
+READABLE = f"{', '.join(SUFFIXES)} files or a Hugging Face datasets directory"  # for the errors
 LONG_BYTES = 1 << 20  # a document longer than this is read in chunks of about this size
 
 
@@ -63,8 +75,7 @@ def stdlib_sources() -> list[Path]:
 
 
 def _kind(path: Path) -> str | None:
-    name = path.name
-    return next((s.lstrip(".") for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
+    return next((KINDS[s] for s in sorted(SUFFIXES, key=len, reverse=True) if path.name.endswith(s)), None)
 
 
 def _is_hf_dataset(path: Path) -> bool:
@@ -96,18 +107,31 @@ def _expand_one(item: str) -> list[tuple[Path, str]]:
             )
         if _is_hf_dataset(path):
             return [(p, "arrow") for p in _hf_dataset_files(path)]
-        found = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p))
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        unread = [p for p in files if not _kind(p) and not any(n.startswith(".") for n in p.relative_to(path).parts)]
+        if unread:
+            raise DataError(
+                f"input directory {path} holds files meshtrain does not read ({len(unread)}, first {unread[0]}; "
+                f"it reads {READABLE}): move them out, or name the files to read as --input (e.g. '{path}/**/*.jsonl')"
+            )
+        found = [p for p in files if _kind(p)]
         if not found:
             raise DataError(f"input directory {path} holds no {', '.join(SUFFIXES)} files")
         return [(p, _kind(p)) for p in found]
     if path.is_file():
-        kind = _kind(path) or "txt"  # any other single file given by name: one text document
+        if not (kind := _kind(path)):
+            raise DataError(
+                f"input {path} is not a format meshtrain reads ({READABLE}): rename or convert it "
+                "(JSON lines in a .json or .ndjson file: rename it .jsonl)"
+            )
         return [(path, kind)]
     raise DataError(f"input {path} does not exist")
 
 
-def expand_inputs(inputs: list[str | Path]) -> list[InputFile]:
-    """The input files, in the documented order, each checked to be readable (one line if not)."""
+def expand_inputs(inputs: list[str | Path], text_field: str = "text") -> list[InputFile]:
+    """The input files, in the documented order, each checked to be readable (one line if not).
+    `text_field` names a JSON field or a Parquet column: given where every input is plain text (one
+    document per file) it would do nothing, so it is refused."""
     files = []
     for item in inputs:
         for path, kind in _expand_one(str(item)):
@@ -117,6 +141,11 @@ def expand_inputs(inputs: list[str | Path]) -> list[InputFile]:
             files.append(InputFile(str(path), kind, stat.st_size, stat.st_mtime_ns))
     if not files:
         raise DataError("no input files given: pass --input FILE_OR_DIR")
+    if text_field != "text" and all(f.kind == "txt" for f in files):
+        raise DataError(
+            f"--text-field {text_field} names a JSON field or Parquet column, but every input is plain text "
+            "(one document per file): leave --text-field out"
+        )
     return files
 
 

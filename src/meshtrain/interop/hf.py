@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, verify
+from meshtrain.checkpoint import TRAIN_STATE, verify
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir
 from meshtrain.interop.families import config_to_args, export_config
+from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, run_weights
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
 from meshtrain.model.lora import ADAPTER_NAMES, LoraSpec, apply_lora, merge_state_dict, quantize_base
 from meshtrain.model.shapes import Shape
@@ -115,34 +116,23 @@ def from_hf_name(name: str) -> str:
 # Export
 
 
-def _resolve_source(source: Path) -> tuple[Path | None, Path]:
-    """(checkpoint dir or None for the run's model.safetensors, run dir)."""
-    if (source / MARKER).is_file() or (source / ".metadata").is_file():
-        return source, source.parent.parent
-    ckpts = committed_checkpoints(source / "checkpoints")
-    if ckpts:
-        return ckpts[-1], source
-    if (source / "model.safetensors").is_file():
-        return None, source
-    raise MeshtrainError(
-        f"{source} holds neither a committed checkpoint nor model.safetensors: pass a run "
-        "directory or a checkpoints/step_N directory"
-    )
-
-
 def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
     """The full model on the CPU, from a run directory or any checkpoint, whatever layout and world
     size saved it (DCP reads the shards it needs without a process group). A LoRA checkpoint's
     adapters are merged into its base, read from where the run started."""
+    ckpt, run_dir = run_weights(Path(source))
+    return *_load_model(ckpt, run_dir), run_dir
+
+
+def _load_model(ckpt: Path | None, run_dir: Path) -> tuple[Llama, ModelArgs]:
     from safetensors.torch import load_file
 
-    ckpt, run_dir = _resolve_source(Path(source))
     if ckpt is not None:
         verify(ckpt)
         train_state = json.loads((ckpt / TRAIN_STATE).read_text())
         args = ModelArgs(**train_state["model"])
         if train_state.get("peft"):
-            return _merged_lora_checkpoint(ckpt, args, train_state["peft"]), args, run_dir
+            return _merged_lora_checkpoint(ckpt, args, train_state["peft"]), args
     else:
         args = ModelArgs(**json.loads((run_dir / "model.json").read_text()))
     model = Llama(args)
@@ -155,7 +145,7 @@ def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
         model.load_state_dict(load_file(run_dir / "model.safetensors"), strict=not args.tie_embeddings)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    return model, args, run_dir
+    return model, args
 
 
 def _dcp_load(state: dict, ckpt: Path) -> None:
@@ -169,26 +159,40 @@ def _dcp_load(state: dict, ckpt: Path) -> None:
 def base_identity(cfg) -> dict:
     """The model a LoRA run's adapters belong to: model.init_from's directory and its config.json's
     SHA-256, or the seed of a random initialisation."""
-    import hashlib
-
     if not cfg.model.init_from:
         return {"seed": cfg.training.seed}
     directory = Path(cfg.model.init_from.removeprefix("hf:")).resolve()
-    digest = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
-    return {"init_from": str(directory), "config_sha256": digest}
+    return {"init_from": str(directory), "config_sha256": _config_sha256(directory)}
+
+
+def _config_sha256(directory: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
+
+
+def check_base(base: dict) -> None:
+    """Refuse a LoRA run's Hugging Face base that is gone or is no longer the model its adapters were
+    trained on (config.json's checksum differs): adapters on another base are silently wrong weights."""
+    if "init_from" not in base:
+        return
+    directory = Path(base["init_from"])
+    if not (directory / "config.json").is_file():
+        raise MeshtrainError(f"the adapters were trained on {directory}, which is gone: put the base model back there")
+    if base.get("config_sha256") not in (None, _config_sha256(directory)):
+        raise MeshtrainError(
+            f"the base model at {directory} changed since the adapters were trained on it (config.json differs): "
+            "restore the model the run started from there"
+        )
 
 
 def load_base_model(args: ModelArgs, base: dict) -> Llama:
     """A LoRA run's base on the CPU, as the run started from it."""
     model = Llama(args)
     model.init_weights(base.get("seed", 0))
+    check_base(base)
     if "init_from" in base:
-        directory = Path(base["init_from"])
-        if not (directory / "config.json").is_file():
-            raise MeshtrainError(
-                f"the adapters were trained on {directory}, which is gone: put the base model back there"
-            )
-        load_hf_weights([model], directory, args)
+        load_hf_weights([model], Path(base["init_from"]), args)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model
@@ -263,8 +267,10 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    check_output_dir(out, [source], "meshtrain.json", "meshtrain export")
-    model, args, run_dir = load_full_model(Path(source))
+    check_output_dir(out, [source], "meshtrain.json", "meshtrain export")  # before reading the source
+    ckpt, run_dir = run_weights(Path(source))
+    check_output_dir(out, _lora_base(ckpt, run_dir), "meshtrain.json", "meshtrain export")
+    model, args = _load_model(ckpt, run_dir)
     tokenizer_file = run_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise MeshtrainError(f"{tokenizer_file} is missing: the export needs the run's tokenizer")
@@ -304,22 +310,27 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     return out
 
 
+def _lora_base(ckpt: Path | None, run_dir: Path) -> list[Path]:
+    """The Hugging Face directory a LoRA run's adapters belong to, which an export must not replace."""
+    base = (peft_record_of(ckpt, run_dir) or {}).get("base", {})
+    return [Path(base["init_from"])] if "init_from" in base else []
+
+
 def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> Path:
     """A LoRA run's adapters in the peft format (adapter_config.json + adapter_model.safetensors),
     which `peft.PeftModel.from_pretrained` loads onto the Hugging Face model the run started from.
     From the run's adapter.safetensors, or the adapters of any of its checkpoints."""
     from safetensors.torch import load_file, save_file
 
-    from meshtrain.interop.weights import ADAPTER_FILE, ADAPTER_RECORD
     from meshtrain.model.lora import HF_NAMES
 
-    check_output_dir(out, [source], "adapter_config.json", "meshtrain export --adapter")
-    ckpt, run_dir = _resolve_source(Path(source))
+    check_output_dir(out, [source], "adapter_config.json", "meshtrain export --adapter")  # before reading the source
+    ckpt, run_dir = run_weights(Path(source))
+    check_output_dir(out, _lora_base(ckpt, run_dir), "adapter_config.json", "meshtrain export --adapter")
+    record = peft_record_of(ckpt, run_dir)
     if ckpt is not None:
-        train_state = json.loads((ckpt / TRAIN_STATE).read_text())
-        record, args = train_state.get("peft"), ModelArgs(**train_state["model"])
+        args = ModelArgs(**json.loads((ckpt / TRAIN_STATE).read_text())["model"])
     else:
-        record = _read_json(run_dir / ADAPTER_RECORD) or None
         args = ModelArgs(**json.loads((run_dir / "model.json").read_text()))
     if not record:
         raise MeshtrainError(f"{source} was trained without adapters (peft.method none): export it without --adapter")
@@ -328,6 +339,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
             f"the adapters of {source} belong to a randomly initialised base, not a Hugging Face model peft could "
             "load them onto: export the merged model (without --adapter)"
         )
+    check_base(record["base"])  # peft would load the adapters onto whatever is there now
     spec = LoraSpec.from_dict(record)
     if ckpt is not None:
         model = Llama(args)

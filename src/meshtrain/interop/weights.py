@@ -3,7 +3,8 @@
 
 Gathering puts the whole model in one process's memory, so it is done only up to
 run.save_model_max_gb; a larger model's weights are its last checkpoint (sharded, written by every
-rank), which `meshtrain export` turns into a Hugging Face directory."""
+rank), which `meshtrain export` turns into a Hugging Face directory. Which of a run's weights (the
+final ones or its newest checkpoint) export, serve and generate read is decided here too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints
+from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_write, write_text
 from meshtrain.model import ModelArgs
 from meshtrain.parallel import ParallelDims, ParallelModel
@@ -47,11 +50,15 @@ def model_bytes(n_params: int) -> int:
 ADAPTER_FILE, ADAPTER_RECORD = "adapter.safetensors", "adapter.json"
 
 
-def save_model(state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path, peft: dict | None = None) -> Path:
+def save_model(
+    state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path, peft: dict | None = None, step: int | None = None
+) -> Path:
     """model.safetensors + model.json (the shape), each written atomically. A LoRA run (`peft`: its
     settings and base) writes its adapters merged into the base there, so everything that reads a
     run reads it as any other, and the adapters alone beside them (adapter.safetensors + adapter.json,
-    what `meshtrain export --adapter` writes out in the peft format)."""
+    what `meshtrain export --adapter` writes out in the peft format). The training `step` goes in the
+    safetensors metadata: export, serve and generate take these weights or the run's newest
+    checkpoint by it (model.json is read back as ModelArgs, which has no room for it)."""
     from safetensors.torch import save_file
 
     if peft is not None:
@@ -62,8 +69,53 @@ def save_model(state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path, p
         atomic_write(run_dir / ADAPTER_FILE, lambda tmp: save_file(adapters, str(tmp), metadata={"format": "pt"}))
         write_text(run_dir / ADAPTER_RECORD, json.dumps(peft, indent=2))
     tensors = {k: v.contiguous() for k, v in state.items() if not (args.tie_embeddings and k == "output.weight")}
-    path = atomic_write(
-        run_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
-    )
+    metadata = {"format": "pt"} | ({"step": str(step)} if step is not None else {})
+    path = atomic_write(run_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     write_text(run_dir / "model.json", json.dumps(dataclasses.asdict(args), indent=2))
     return path
+
+
+def run_weights(source: Path) -> tuple[Path | None, Path]:
+    """(checkpoint dir or None for the run's model.safetensors, run dir). Of a run's newest committed
+    checkpoint and its model.safetensors, the later training step wins: with checkpoint.every = 0 a
+    run stopped at step N (preempted, training.time_limit, training.stop_at_step) and resumed to the
+    end keeps the checkpoint of step N beside the final weights."""
+    if (source / MARKER).is_file() or (source / ".metadata").is_file():
+        return source, source.parent.parent
+    ckpts = committed_checkpoints(source / "checkpoints")
+    final = source / "model.safetensors"
+    if ckpts and final.is_file():
+        return (None if _final_is_newer(final, ckpts[-1]) else ckpts[-1]), source
+    if ckpts:
+        return ckpts[-1], source
+    if final.is_file():
+        return None, source
+    raise MeshtrainError(
+        f"{source} holds neither a committed checkpoint nor model.safetensors: pass a run "
+        "directory or a checkpoints/step_N directory"
+    )
+
+
+def _final_is_newer(final: Path, ckpt: Path) -> bool:
+    """Whether model.safetensors holds a later step than the checkpoint (a tie: the same weights, the
+    checkpoint as before). Its step is in its metadata; a file written before meshtrain recorded it
+    is compared by modification time with the checkpoint's commit, and the choice is logged."""
+    from safetensors import safe_open
+
+    from meshtrain.logs import log
+
+    with safe_open(final, "pt") as f:
+        step = (f.metadata() or {}).get("step")
+    if step is not None:
+        return int(step) > json.loads((ckpt / MARKER).read_text())["step"]
+    newer = final.stat().st_mtime > (ckpt / MARKER).stat().st_mtime
+    chosen, other = (final, ckpt) if newer else (ckpt, final)
+    log.warning(f"{final} records no training step: using {chosen}, written after {other}")
+    return newer
+
+
+def peft_record_of(ckpt: Path | None, run_dir: Path) -> dict | None:
+    """A LoRA run's adapter settings and base (None: trained without adapters)."""
+    if ckpt is not None:
+        return json.loads((ckpt / TRAIN_STATE).read_text()).get("peft")
+    return json.loads(record.read_text()) if (record := run_dir / ADAPTER_RECORD).is_file() else None

@@ -4,7 +4,7 @@ torchrun, and an AWS ParallelCluster config (GPU or Trainium nodes). Each line s
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from meshtrain.config import option
@@ -389,36 +389,3 @@ def check_flags(kind: str, spec: JobSpec) -> None:
     for flag, value in (("--container-mounts", spec.container_mounts), ("--container-workdir", spec.container_workdir)):
         if value and not spec.container_image:
             raise MeshtrainError(f"{flag} {value} applies to a container: add --container-image IMAGE or leave it out")
-
-
-def prepare(kind: str, spec: JobSpec) -> JobSpec:
-    """The spec the kind's files are written from (the CLI takes the world size from it): its flags
-    checked, what the kind implies filled in (the schedulers' default --time; pcluster: the instance's
-    ranks), and the config's own training.time_limit checked against --time."""
-    from meshtrain.config import parse_duration
-
-    check_flags(kind, spec)
-    if kind == "pcluster":
-        from meshtrain.launch.pcluster import pcluster_spec
-
-        spec = pcluster_spec(spec)
-    if not spec.time and kind not in ("mpirun", "torchrun"):
-        spec = replace(spec, time="01:00:00")
-    limit = spec.time_limit()
-    if spec.time and parse_duration(limit, "training.time_limit") > spec.train_budget_s():
-        raise MeshtrainError(
-            f"training.time_limit = {limit!r} does not fit the job: --time {spec.time} leaves "
-            f"{spec.train_budget_s()} s to train ({spec.signal_lead_s} s go to the checkpoint before it): "
-            "shorten training.time_limit or raise --time"
-        )
-    return spec
-
-
-def render(kind: str, spec: JobSpec) -> dict[str, str]:
-    """{file suffix: text} of a job ("": the script, or pcluster's cluster config, beside its other
-    files), from the spec that prepare(kind, ...) made."""
-    if kind == "pcluster":
-        from meshtrain.launch.pcluster import pcluster_files
-
-        return pcluster_files(spec)
-    return {"": GENERATORS[kind](spec)}

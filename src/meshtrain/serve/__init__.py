@@ -35,11 +35,7 @@ def load_engine(
 ) -> tuple[ServedModel, Engine]:
     if max_batch < 1:
         raise MeshtrainError(f"--max-batch {max_batch} must be at least 1")
-    dev = _device(device)
-    if dtype not in ("auto", "fp32", "bf16"):
-        raise MeshtrainError(f"--dtype {dtype} is unknown: use auto, fp32 or bf16")
-    torch_dtype = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and dev.type == "cuda") else torch.float32
-    served = load_served_model(source, dev, torch_dtype)
+    served = _load(source, device, dtype)
     limit = served.model.args.max_seq_len
     if max_context is not None and not 2 <= max_context <= limit:
         raise MeshtrainError(f"--max-context {max_context} must be between 2 and the model's max_seq_len ({limit})")
@@ -47,6 +43,14 @@ def load_engine(
     # take hundreds of GiB at 16 slots, so the default stops at DEFAULT_CONTEXT
     context = max_context or min(limit, DEFAULT_CONTEXT)
     return served, Engine(served.model, served.tokenizer, served.eos_ids, max_batch, context)
+
+
+def _load(source: str, device: str, dtype: str) -> ServedModel:
+    dev = _device(device)
+    if dtype not in ("auto", "fp32", "bf16"):
+        raise MeshtrainError(f"--dtype {dtype} is unknown: use auto, fp32 or bf16")
+    torch_dtype = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and dev.type == "cuda") else torch.float32
+    return load_served_model(source, dev, torch_dtype)
 
 
 def _device(device: str) -> torch.device:
@@ -117,7 +121,23 @@ def _check_can_listen(host: str, port: int) -> None:
 
 
 def generate_to_terminal(source: str, prompt: str, params: SamplingParams, device: str = "auto") -> int:
-    served, engine = load_engine(source, max_batch=1, device=device)
+    """The prompt and its continuation of --max-tokens tokens, on a cache sized for exactly them (one
+    sequence: no DEFAULT_CONTEXT cap); above the model's max_seq_len it is refused, as serve refuses
+    it, rather than cut short."""
+    served = _load(source, device, "auto")
+    ids = served.tokenizer.encode(prompt).ids
+    limit = served.model.args.max_seq_len
+    if not ids:
+        raise MeshtrainError("the prompt has no tokens: give a non-empty --prompt")
+    if len(ids) + params.max_tokens > limit:
+        raise MeshtrainError(
+            f"the prompt has {len(ids)} tokens and --max-tokens asks for {params.max_tokens}: together above the "
+            f"model's context of {limit} tokens (max_seq_len); lower --max-tokens to {limit - len(ids)} or shorten "
+            "the prompt"
+            if len(ids) < limit
+            else f"the prompt has {len(ids)} tokens: the model's context holds {limit}; shorten the prompt"
+        )
+    engine = Engine(served.model, served.tokenizer, served.eos_ids, 1, len(ids) + params.max_tokens)
     done, failed = threading.Event(), []
 
     def emit(event: tuple) -> None:
@@ -130,10 +150,6 @@ def generate_to_terminal(source: str, prompt: str, params: SamplingParams, devic
                 failed.append(event[1])
             done.set()
 
-    ids = served.tokenizer.encode(prompt).ids
-    if not ids or len(ids) >= engine.max_context:
-        raise MeshtrainError(f"the prompt has {len(ids)} tokens: it must have 1 to {engine.max_context - 1}")
-    params.max_tokens = min(params.max_tokens, engine.max_context - len(ids))
     sys.stdout.write(prompt)
     engine.submit(Request(ids, params, emit))
     done.wait()

@@ -329,7 +329,8 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
         committed = committed_checkpoints(s.checkpointer.root)
         try:
             ensure_room(run.dir, model_bytes(s.n_params), "the trained weights")
-            log.info(f"saved the trained weights to {save_model(state, s.args, Path(run.dir), peft_record(s))}")
+            saved = save_model(state, s.args, Path(run.dir), peft_record(s), step=step)
+            log.info(f"saved the trained weights to {saved}")
         except MeshtrainError as e:
             kept = (
                 f"; the checkpoint {committed[-1]} holds them: `meshtrain export` writes them out" if committed else ""
