@@ -106,6 +106,23 @@ def test_a_fresh_start_never_replaces_an_earlier_runs_results(run, corpus, cli_e
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 
+def test_resuming_an_older_checkpoint_never_replaces_newer_ones(run, corpus, cli_env, tmp_path):
+    """From step 5 with step 10 committed beside it, the run would save over step 10 when it gets
+    there: refused before anything is written. Naming the newest explicitly continues the run."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run, run_dir)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    older = run_dir / "checkpoints" / "step_00000005"
+    result = run_cli([*train_args(corpus, run_dir, "--checkpoint.resume", str(older)), "--nproc", "2"], cli_env)
+    assert_user_error(result, "continues from step 5", "newer checkpoints (step_00000010)")
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    newest = run_dir / "checkpoints" / "step_00000010"
+    result = run_cli(train_args(corpus, run_dir, "--checkpoint.resume", str(newest)), cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 @pytest.mark.multiproc
 def test_one_job_per_run_directory(corpus, cli_env, tmp_path):
     args = [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path, "--nproc", "2", "--checkpoint.every", "5")]

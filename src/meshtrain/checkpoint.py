@@ -165,14 +165,27 @@ def refuse_another_lineage(resume: str, root: Path) -> None:
 
 
 def refuse_overwriting_results(resume: str, root: Path, run_dir: Path) -> None:
-    """A start that continues nothing (no committed checkpoint to resume from here) in a run.dir
-    holding an earlier run's trained weights would replace them: refused before anything is written.
-    (A run that crashed before its first checkpoint left only its metrics: starting it again is the
-    way to recover it.) Not called for the same job coming back (its launcher or scheduler job holds
-    the run directory's lock): that is the run itself, restarted."""
-    if resume == "auto" and committed_checkpoints(root):
-        return
-    if (run_dir / "model.safetensors").is_file():
+    """Refused before anything is written: a start from an explicit checkpoint older than the newest
+    in `root` (its saves would replace the newer ones as it passes their steps, and pruning would mix
+    the two lineages); and a start that continues none of `root`'s checkpoints in a run.dir holding an
+    earlier run's trained weights (it would replace them). A run that crashed before its first
+    checkpoint left only metrics: starting it again is how it is recovered. Not called for the same
+    job coming back (it holds the run directory's lock): that is the run itself, restarted."""
+    committed = committed_checkpoints(root)
+    start = None if resume in ("auto", "none") else Path(resume)
+    if start is not None and not (start / MARKER).is_file() and committed_checkpoints(start):
+        start = committed_checkpoints(start)[-1]  # a checkpoint root or run dir: its newest
+    if start is not None and (m := STEP_DIR.match(start.name)):
+        newer = [p for p in committed if int(STEP_DIR.match(p.name).group(1)) > int(m.group(1))]
+        if newer:
+            raise CheckpointError(
+                f"checkpoint.resume = {resume} continues from step {int(m.group(1))}, but {root} holds newer "
+                f"checkpoints ({', '.join(p.name for p in newer)}) this run would replace: move them away, resume "
+                "the newest (checkpoint.resume = auto), or save elsewhere (checkpoint.dir)"
+            )
+    own = [p.resolve() for p in committed]
+    continuing = (resume == "auto" and committed) or (start is not None and start.resolve() in own)
+    if not continuing and (run_dir / "model.safetensors").is_file():
         raise CheckpointError(
             f"run.dir {run_dir} holds an earlier run's trained weights (model.safetensors) and no checkpoint of it "
             "to continue: use a new run.dir, or move them away (runs with checkpoint.every > 0 can be continued)"
