@@ -439,3 +439,33 @@ def test_a_resume_keeps_the_schedules_position_and_takes_the_configs_peak_lr():
     assert [g["lr"] for g in optimizer.param_groups] == [5e-4 * lr_factor(5, t)] * 2
     resumed.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * lr_factor(6, t))
+
+
+def test_a_resume_with_nothing_left_to_train_is_refused_unless_it_is_the_finished_run():
+    """Resuming step 12 with training.steps = 10, or step 6 with stop_at_step still 6, would exit 0
+    having done nothing; the finished run itself (step 10 of 10) comes to its end again."""
+    from types import SimpleNamespace
+
+    from meshtrain.errors import ConfigError
+    from meshtrain.train.loop import check_steps_ahead
+
+    for start, steps, stop in [(10, 10, 0), (10, 10, 10), (4, 10, 6), (0, 10, 0)]:
+        check_steps_ahead(start, SimpleNamespace(steps=steps, stop_at_step=stop))
+    for start, steps, stop, key in [(12, 10, 0, "steps = 10"), (6, 10, 6, "stop_at_step = 6"), (8, 10, 6, "stop")]:
+        with pytest.raises(ConfigError, match=f"checkpoint is at step {start}, but training.{key}"):
+            check_steps_ahead(start, SimpleNamespace(steps=steps, stop_at_step=stop))
+
+
+def test_moving_checkpoint_dir_never_starts_the_run_afresh_over_its_checkpoints(tmp_path):
+    """The run saved to <run.dir>/checkpoints; a start with another checkpoint.dir (empty) would
+    begin at step 0 and rewrite the run's metrics: refused, naming how to continue."""
+    from meshtrain.checkpoint import MARKER, refuse_overwriting_results
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000400").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000400" / MARKER).write_text('{"step": 400}')
+    moved = tmp_path / "scratch"
+    with pytest.raises(CheckpointError, match=r"holds this run.dir's checkpoints \(newest step_00000400\)"):
+        refuse_overwriting_results("auto", moved, run_dir)
+    refuse_overwriting_results(str(run_dir / "checkpoints" / "step_00000400"), moved, run_dir)  # continued
+    refuse_overwriting_results("auto", run_dir / "checkpoints", run_dir)

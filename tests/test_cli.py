@@ -57,6 +57,15 @@ def one_line_error(argv, capsys) -> str:
     return err
 
 
+def test_nproc_inside_another_launcher_is_refused(capsys, monkeypatch):
+    """Under torchrun (RANK set) --nproc and its options would be dropped: meshtrain's own workers
+    never get --nproc, so a process that has both was started by someone else's launcher."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for argv in (["train", "--nproc", "4", "--max-restarts", "3"], ["bench", "comm", "--nproc", "2"]):
+        assert "this process was started by one (RANK=0)" in one_line_error(argv, capsys)
+
+
 @pytest.mark.parametrize("name", list(SUBCOMMANDS))
 def test_every_abbreviated_flag_is_refused(name, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

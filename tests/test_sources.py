@@ -135,3 +135,18 @@ def test_generate_refuses_more_tokens_than_the_context_holds(corpus, tmp_path, c
         generate_to_terminal(str(run), prompt, SamplingParams(32 - n + 1, 0.0, 1.0, 0, [], 0), "cpu")
     assert generate_to_terminal(str(run), prompt, SamplingParams(32 - n, 0.0, 1.0, 0, [], 0), "cpu") == 0
     assert capsys.readouterr().out.startswith(prompt)
+
+
+def test_saving_a_step_that_is_already_committed_keeps_that_checkpoint(tmp_path, monkeypatch):
+    """A finished run started again (its last checkpoint is the last step) saves that step again at
+    its end: the committed checkpoint is kept as it is, never deleted first (a failed second write
+    would have lost the only copy of the final weights)."""
+    path = save_checkpoint(tmp_path, seed=0, step=5)
+    marker = (path / MARKER).read_bytes()
+    model = Llama(ARGS)
+    model.load_state_dict(weights(1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpointer = Checkpointer(tmp_path / "checkpoints", [model], optimizer, keep=2, use_async=False, rank=0)
+    monkeypatch.setattr("torch.distributed.checkpoint.save", lambda *a, **k: pytest.fail("saved over step 5"))
+    checkpointer.save(5, {"step": 5, "model": ARGS.__dict__}, blocking=True)
+    assert (path / MARKER).read_bytes() == marker and loaded_is(tmp_path, 0)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from meshtrain.errors import CheckpointError
 from meshtrain.files import FIXES, ensure_room, write_json
 from meshtrain.launch.distributed import agreed
+from meshtrain.logs import log
 from meshtrain.optim import local_optimizer
 
 # One process saves and loads without a process group on purpose; DCP warns about it every time.
@@ -183,6 +184,14 @@ def refuse_overwriting_results(resume: str, root: Path, run_dir: Path) -> None:
                 f"checkpoints ({', '.join(p.name for p in newer)}) this run would replace: move them away, resume "
                 "the newest (checkpoint.resume = auto), or save elsewhere (checkpoint.dir)"
             )
+    default_root = run_dir / "checkpoints"
+    if resume == "auto" and not committed and root.resolve() != default_root.resolve():
+        if elsewhere := committed_checkpoints(default_root):  # checkpoint.dir moved: a fresh start here
+            raise CheckpointError(
+                f"checkpoint.dir is {root}, but {default_root} holds this run.dir's checkpoints (newest "
+                f"{elsewhere[-1].name}), which this start would not continue: set checkpoint.dir back, or "
+                f"continue them with checkpoint.resume = {elsewhere[-1]}"
+            )
     own = [p.resolve() for p in committed]
     continuing = (resume == "auto" and committed) or (start is not None and start.resolve() in own)
     if not continuing and (run_dir / "model.safetensors").is_file():
@@ -251,6 +260,9 @@ class Checkpointer:
     def save(self, step: int, train_state: dict, blocking: bool = False) -> None:
         self.wait()
         path = self.root / f"step_{step:08d}"
+        if agreed((path / MARKER).is_file()):  # this step, committed: a finished run started again
+            log.info(f"{path} already holds step {step}: kept as it is")
+            return
         self._check_space(step)
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # an uncommitted leftover of the same step
@@ -376,8 +388,6 @@ class Checkpointer:
     def _load_rng(self, path: Path, train_state: dict) -> None:
         """This rank's generators as this rank saved them (dropout and sampling differ by rank). On
         another world size ranks are different processes: they keep their fresh seeds."""
-        from meshtrain.logs import log
-
         saved_world = (train_state.get("layout") or {}).get("world_size")
         world = dist.get_world_size() if dist.is_initialized() else 1
         own = path / f"rng-rank{self.rank:05d}.json"

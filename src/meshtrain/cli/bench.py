@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass
 
 from meshtrain.cli.options import add_options, options_of
@@ -56,8 +55,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise MeshtrainError(f"--min-bytes ({o.min_bytes} bytes) must be at most --max-bytes ({o.max_bytes} bytes)")
     if o.out:
         check_output(o.out, "--out", {})  # before the measurement, not after it
-    if o.nproc and "RANK" not in os.environ:
-        from meshtrain.launch.local import launch_workers
+    if o.nproc:
+        from meshtrain.launch.local import launch_workers, refuse_inside_a_launcher
+
+        refuse_inside_a_launcher()
 
         forwarded = [
             a

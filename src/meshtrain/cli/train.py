@@ -79,7 +79,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if o.nproc is not None or given:
             raise MeshtrainError("--dry-run builds the job in this one process: leave out --nproc and its options")
         return _dry_run(cfg, o)
-    if o.nproc is not None and "RANK" not in os.environ:  # not yet a worker of torch elastic
+    if o.nproc is not None:
+        from meshtrain.launch.local import refuse_inside_a_launcher
+
+        refuse_inside_a_launcher()
         return _launch(cfg, o, overrides)
 
     from meshtrain.train import train

@@ -47,6 +47,19 @@ def rendezvous_args(
     return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}", "--rdzv-id", job_id]
 
 
+def refuse_inside_a_launcher() -> None:
+    """--nproc starts meshtrain's own launcher, whose workers never get --nproc: a process that was
+    started by a launcher (RANK set: torchrun, srun with its environment, mpirun) and has --nproc
+    would otherwise drop it and its options without a word."""
+    if "RANK" in os.environ:
+        from meshtrain.errors import MeshtrainError
+
+        raise MeshtrainError(
+            f"--nproc starts meshtrain's own launcher, but this process was started by one (RANK="
+            f"{os.environ['RANK']}): leave out --nproc and its options, or start meshtrain outside torchrun/srun/mpirun"
+        )
+
+
 def launch_workers(
     nproc: int,
     worker_argv: list[str],

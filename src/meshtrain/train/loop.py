@@ -26,7 +26,7 @@ from meshtrain.checkpoint import (
 )
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.data.chat import TEMPLATE_FILE
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.interop.hf import base_identity, keep_source_files
@@ -86,6 +86,18 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
+
+
+def check_steps_ahead(start_step: int, t) -> None:
+    """A resumed run with nothing left to do would exit 0 without a word: refused instead, unless it
+    is the finished run itself (its end, weights and sample, comes again)."""
+    done = start_step > t.steps or (t.stop_at_step and t.stop_at_step <= start_step != t.steps)
+    if done:
+        key, end = ("steps", t.steps) if start_step > t.steps else ("stop_at_step", t.stop_at_step)
+        raise ConfigError(
+            f"the checkpoint is at step {start_step}, but training.{key} = {end}: raise training.{key} "
+            "to train on, or start a new run (checkpoint.resume = none in a new run.dir)"
+        )
 
 
 def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict) -> None:
@@ -321,6 +333,11 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
                 f"the model is above run.save_model_max_gb = {run.save_model_max_gb}: its weights are the "
                 f"checkpoint in {s.checkpointer.root}; `meshtrain export {run.dir} --out DIR` writes them out"
             )
+        if run.sample_prompt:  # sampling needs the whole model in one process, as saving it does
+            log.info(
+                f"run.sample_prompt: no sample, the model is above run.save_model_max_gb = {run.save_model_max_gb}; "
+                f"`meshtrain generate {run.dir} --prompt ...` samples from its checkpoint"
+            )
         return
     state = full_state_dict(s.model, s.dims)
     if s.env.rank != 0:
@@ -417,6 +434,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
     if env.rank == 0:
         announce(s)
     start_step, skipped = resume(s)
+    check_steps_ahead(start_step, t)
     metrics = MetricsLogger(
         Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress, start_step
     )
