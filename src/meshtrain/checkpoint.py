@@ -260,7 +260,9 @@ class Checkpointer:
     def save(self, step: int, train_state: dict, blocking: bool = False) -> None:
         self.wait()
         path = self.root / f"step_{step:08d}"
-        if agreed((path / MARKER).is_file()):  # this step, committed: a finished run started again
+        # This step, committed: a finished run started again. Every rank reads the same marker on the
+        # shared checkpoint directory (no collective: the first one of a save stays DCP's own).
+        if (path / MARKER).is_file():
             log.info(f"{path} already holds step {step}: kept as it is")
             return
         self._check_space(step)
