@@ -421,8 +421,7 @@ def test_a_resume_keeps_the_schedules_position_and_takes_the_configs_peak_lr():
     """After a divergence the advice is to lower training.lr and resume: the schedule goes on from
     the checkpoint's step at this run's peak, not the checkpoint's."""
     from meshtrain.config import load_config
-    from meshtrain.optim import build_optimizer, lr_factor
-    from meshtrain.train.loop import restore_schedule
+    from meshtrain.optim import build_optimizer, lr_factor, restore_schedule
 
     def schedule(lr):
         t = load_config(None, {"training.lr": lr, "training.warmup_steps": 2}).training
@@ -446,8 +445,8 @@ def test_a_resume_with_nothing_left_to_train_is_refused_unless_it_is_the_finishe
     having done nothing; the finished run itself (step 10 of 10) comes to its end again."""
     from types import SimpleNamespace
 
+    from meshtrain.config.checks import check_steps_ahead
     from meshtrain.errors import ConfigError
-    from meshtrain.train.loop import check_steps_ahead
 
     for start, steps, stop in [(10, 10, 0), (10, 10, 10), (4, 10, 6), (0, 10, 0)]:
         check_steps_ahead(start, SimpleNamespace(steps=steps, stop_at_step=stop))

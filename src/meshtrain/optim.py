@@ -7,6 +7,7 @@ import math
 import torch
 
 from meshtrain.config import TrainingConfig
+from meshtrain.logs import log
 
 
 def build_optimizer(
@@ -46,3 +47,17 @@ def lr_factor(step: int, t: TrainingConfig) -> float:
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The AdamW that holds this rank's states (ZeroRedundancyOptimizer wraps one)."""
     return getattr(optimizer, "optim", optimizer)
+
+
+def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict) -> None:
+    """The schedule's position from the checkpoint, its peak from this run's config: a resume with
+    another training.lr (as after a divergence) continues the same schedule at the new peak."""
+    configured = list(scheduler.base_lrs)
+    scheduler.load_state_dict(saved)
+    if configured != scheduler.base_lrs:
+        log.info(f"training.lr: the checkpoint's peak {scheduler.base_lrs} -> {configured} (this run's config)")
+    scheduler.base_lrs = configured
+    step = scheduler.last_epoch
+    scheduler._last_lr = [base * f(step) for base, f in zip(configured, scheduler.lr_lambdas, strict=True)]
+    for group, base, lr in zip(scheduler.optimizer.param_groups, configured, scheduler._last_lr, strict=True):
+        group["initial_lr"], group["lr"] = base, lr

@@ -105,8 +105,8 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     setup_logging(0, cfg.run.log_level)
     require_device(cfg.launch.device)
     refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
-    lock = RunLock(cfg.run.dir)
-    if not lock.held_by_this_job():  # else this is the job itself, requeued
+    lock = RunLock(cfg.run.dir)  # node 0's launcher holds it for the job; it alone checks the run dir
+    if not o.node_rank and not lock.held_by_this_job():  # else this is the job itself, requeued
         refuse_overwriting_results(cfg.checkpoint.resume, checkpoint_root(cfg), Path(cfg.run.dir))
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
     nodes = o.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from meshtrain.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema calls these checks
-    from meshtrain.config.schema import Config, ModelArgs
+    from meshtrain.config.schema import Config, ModelArgs, TrainingConfig
 
 
 def check_across_keys(cfg: Config) -> None:
@@ -147,4 +147,16 @@ def check_keys_in_force(cfg: Config) -> None:
         raise ConfigError(
             "checkpoint.async overlaps the periodic checkpoints with training, but checkpoint.every is 0 (the saves "
             "at a stop or preemption always block): set checkpoint.every, or drop checkpoint.async"
+        )
+
+
+def check_steps_ahead(start_step: int, t: TrainingConfig) -> None:
+    """A resumed run with nothing left to do would exit 0 without a word: refused instead, unless it
+    is the finished run itself (its end, weights and sample, comes again)."""
+    done = start_step > t.steps or (t.stop_at_step and t.stop_at_step <= start_step != t.steps)
+    if done:
+        key, end = ("steps", t.steps) if start_step > t.steps else ("stop_at_step", t.stop_at_step)
+        raise ConfigError(
+            f"the checkpoint is at step {start_step}, but training.{key} = {end}: raise training.{key} "
+            "to train on, or start a new run (checkpoint.resume = none in a new run.dir)"
         )

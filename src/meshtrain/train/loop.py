@@ -25,8 +25,9 @@ from meshtrain.checkpoint import (
     refuse_overwriting_results,
 )
 from meshtrain.config import Config, parse_duration, resolved, to_toml
+from meshtrain.config.checks import check_steps_ahead
 from meshtrain.data.chat import TEMPLATE_FILE
-from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.errors import MeshtrainError
 from meshtrain.files import copy_file, ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.interop.hf import base_identity, keep_source_files
@@ -38,6 +39,7 @@ from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.model.lora import quantize_base
 from meshtrain.model.shapes import Shape
+from meshtrain.optim import restore_schedule
 from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
 from meshtrain.train.build import TrainState, build
@@ -86,32 +88,6 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
-
-
-def check_steps_ahead(start_step: int, t) -> None:
-    """A resumed run with nothing left to do would exit 0 without a word: refused instead, unless it
-    is the finished run itself (its end, weights and sample, comes again)."""
-    done = start_step > t.steps or (t.stop_at_step and t.stop_at_step <= start_step != t.steps)
-    if done:
-        key, end = ("steps", t.steps) if start_step > t.steps else ("stop_at_step", t.stop_at_step)
-        raise ConfigError(
-            f"the checkpoint is at step {start_step}, but training.{key} = {end}: raise training.{key} "
-            "to train on, or start a new run (checkpoint.resume = none in a new run.dir)"
-        )
-
-
-def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict) -> None:
-    """The schedule's position from the checkpoint, its peak from this run's config: a resume with
-    another training.lr (as after a divergence) continues the same schedule at the new peak."""
-    configured = list(scheduler.base_lrs)
-    scheduler.load_state_dict(saved)
-    if configured != scheduler.base_lrs:
-        log.info(f"training.lr: the checkpoint's peak {scheduler.base_lrs} -> {configured} (this run's config)")
-    scheduler.base_lrs = configured
-    step = scheduler.last_epoch
-    scheduler._last_lr = [base * f(step) for base, f in zip(configured, scheduler.lr_lambdas, strict=True)]
-    for group, base, lr in zip(scheduler.optimizer.param_groups, configured, scheduler._last_lr, strict=True):
-        group["initial_lr"], group["lr"] = base, lr
 
 
 def announce(s: TrainState) -> None:
