@@ -320,9 +320,8 @@ def test_a_name_the_chat_template_renders_reaches_the_prompt():
         ("cuda", "--device cuda but no CUDA device is visible; use auto or cpu"),
     ],
 )
-def test_a_device_the_engine_cannot_use_is_refused_before_loading(device, message):
-    if device == "cuda" and torch.cuda.is_available():
-        pytest.skip("a GPU is visible")
+def test_a_device_the_engine_cannot_use_is_refused_before_loading(device, message, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the machine without a GPU, anywhere
     with pytest.raises(MeshtrainError) as refused:
         load_engine("/nonexistent/model", device=device)  # refused before the path is even looked at
     assert str(refused.value) == message
