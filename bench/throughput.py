@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
+from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.hardware import cpu_peak_tflops, device_peak_tflops, mfu_peak_tflops
 from meshtrain.interop.families import args_to_config
 from meshtrain.model.shapes import Shape
@@ -123,10 +124,13 @@ class MeshtrainStep:
     def __init__(self, cfg, batch: tuple):
         self.state = build(cfg, with_data=False)
         self.batch = batch
+        # counted once, as the trainer's loader counts each batch on the host: the step itself never
+        # waits for the device (counting the targets there would, and stall a GPU's queue every step)
+        self.n_targets = int((batch[1] != IGNORE_INDEX).sum())
         self.loss = None  # the last step's, a tensor: timing never waits on it
 
     def __call__(self):
-        self.loss = self.state.step(*self.batch)[0]
+        self.loss = self.state.step(*self.batch, self.n_targets)[0]
 
     def loss_scale(self) -> float | None:
         return None if self.state.scaler is None else float(self.state.scaler.factor())

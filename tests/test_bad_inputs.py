@@ -103,6 +103,14 @@ CASES = {
     "max restarts negative": (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts"),
     "nnodes zero": (["--nproc", "2", "--nnodes", "0"], "--nnodes"),
     "batch does not divide over ranks": (["--nproc", "3"], "/nonexistent/meshtrain-data"),
+    "launcher forced under nproc": (
+        ["--nproc", "2", "--launch.env", "single"],
+        "launch.env = single (MESHTRAIN_LAUNCHER or the config), but --nproc",
+    ),
+    "time limit with restarts": (
+        ["--nproc", "2", "--max-restarts", "1", "--training.time_limit", "01:00:00"],
+        "training.time_limit with --nproc's --max-restarts 1",
+    ),
 }
 
 
@@ -185,6 +193,7 @@ OTHER = {
         "--val-fraction",
     ),
     "serve model": (["serve", "/nonexistent/model"], "/nonexistent/model"),
+    "serve empty api key": (["serve", "/nonexistent/model", "--api-key", " "], "leave out --api-key"),
     "generate temperature": (
         ["generate", "/nonexistent/model", "--prompt", "x", "--temperature", "5"],
         "--temperature",

@@ -154,6 +154,21 @@ PIPELINE = {"parallel.pp": 2, "model.n_layers": 4, "training.global_batch_size":
             {"training.activation_checkpointing": "selective"},
         ),
         ({"checkpoint.async": True}, "checkpoint.async overlaps the periodic checkpoints", {"checkpoint.every": 5}),
+        (
+            {"parallel.sequence_parallel": False},
+            "parallel.sequence_parallel = false shapes tensor parallelism",
+            {"parallel.tp": 2},
+        ),
+        (
+            {"parallel.loss_parallel": False},
+            "parallel.loss_parallel = false shapes tensor parallelism",
+            {"parallel.tp": 2},
+        ),
+        (
+            {"run.sample_prompt": "", "run.sample_tokens": 8},
+            "run.sample_tokens = 8 sets the length of the final sample",
+            {"run.sample_prompt": "def"},
+        ),
     ],
 )
 def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fragment, with_the_other):
@@ -161,4 +176,4 @@ def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fra
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         preflight(cfg, 1)
     cfg = load_config(None, {**given, **with_the_other})
-    preflight(cfg, cfg.parallel.pp)
+    preflight(cfg, cfg.parallel.pp * cfg.parallel.tp)

@@ -3,6 +3,7 @@ with fake tensors, against the planner (and, in test_parallel.py, against real r
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from conftest import run_cli
 from meshtrain.config import load_config
+from meshtrain.errors import ConfigError
 from meshtrain.layout import Layout
 from meshtrain.model.presets import PRESETS
 from meshtrain.model.shapes import Shape
@@ -141,6 +143,20 @@ def test_dry_run_peaks_match_real_runs(tmp_path):
             cfg = load_config(None, [*overrides, "--data.path", str(tmp_path / "data")])
             (report,) = dry_run(cfg, 2, [rank])
             assert report.built["total"] == pytest.approx(real[name], rel=0.10), (name, rank, report.built, real[name])
+
+
+@pytest.mark.parametrize(
+    "device, keys, fragment",
+    [
+        ("cpu", ["--parallel.zero", "3", "--parallel.cpu_offload", "true"], "parallel.cpu_offload moves"),
+        ("cuda", ["--training.attention_backward", "recompute"], "training.attention_backward = 'recompute'"),
+    ],
+)
+def test_a_fixed_device_is_held_to_what_train_asks_of_it(device, keys, fragment, tmp_path):
+    """launch.device fixes the kind of device: the dry run refuses what train would refuse on it."""
+    cfg = load_config(None, [*TINY, "--launch.device", device, *keys, "--data.path", str(tmp_path / "data")])
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        dry_run(cfg, 2)
 
 
 def test_llama3_405b_on_16384_ranks_from_the_command_line(tmp_path, cli_env):

@@ -160,6 +160,15 @@ def test_peft_loads_the_exported_adapter_onto_the_base_as_the_merged_export(corp
     assert_user_error(result, "without adapters")
     result = run_cli(["export", str(run), "--out", str(tmp_path / "y"), "--adapter", "--max-shard-size", "1G"], cli_env)
     assert_user_error(result, "--max-shard-size")
+    # a directory peft (or TRL) wrote has an adapter_config.json too: never replaced, its files kept;
+    # meshtrain's own earlier adapter export is replaced
+    peft_dir = tmp_path / "peft-run"
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir).save_pretrained(peft_dir)
+    (peft_dir / "training_args.bin").write_bytes(b"kept")
+    result = run_cli(["export", str(run), "--out", str(peft_dir), "--adapter"], cli_env)
+    assert_user_error(result, "did not write")
+    assert (peft_dir / "training_args.bin").read_bytes() == b"kept"
+    assert run_cli(["export", str(ckpt), "--out", str(adapter_dir), "--adapter"], cli_env).returncode == 0
 
 
 def test_qlora_keeps_its_frozen_base_in_4_bit_and_trains(corpus, tmp_path):

@@ -183,6 +183,11 @@ def test_plan_searches_qlora_on_ddp_only_and_writes_peft(cli_env, tmp_path):
     )
     for a, b in zip(full["layouts"], lora["layouts"], strict=True):
         assert b["memory_gib"]["optimizer"] < 0.01 * a["memory_gib"]["optimizer"]
+    dpo = ["--gpus", "8", "--objective", "dpo", "--peft", "lora"]  # DPO does not run in pipelines
+    layouts = plan_json(cli_env, *common, *dpo)["layouts"]
+    assert layouts and all(lay["pp"] == 1 for lay in layouts)
+    pinned = plan_json(cli_env, *common, *dpo, "--pp", "2")
+    assert not pinned["layouts"] and any("not implemented for pipelines" in why for why in pinned["not_possible"])
     refused = run_cli(["plan", *common, "--gpus", "4", "--peft", "qlora", "--tp", "2"], cli_env, cwd=tmp_path)
     assert refused.returncode == 2 and "plain DDP" in refused.stderr and refused.stderr.count("\n") == 1
     out = tmp_path / "qlora.toml"

@@ -138,9 +138,20 @@ def test_kv_cache_decoding_equals_full_recomputation():
         engine.submit(r)
     for _ in prompts:
         assert done.acquire(timeout=60)
+    # a special token given as a stop string ends the answer at that token, which is left out
+    ends = []
+    stop_at = expected[0].index(expected[0][2])  # its first occurrence
+    stopped = Request(
+        prompts[0],
+        SamplingParams(max_tokens=20, temperature=0, stop_ids=frozenset({expected[0][2]})),
+        lambda e: e[0] != "text" and (ends.append(e), done.release()),
+    )
+    engine.submit(stopped)
+    assert done.acquire(timeout=60)
     engine.close()
     got = [r.generated for r in requests]
     assert got == expected
+    assert stopped.generated == expected[0][:stop_at] and ends[-1] == ("done", "stop")
 
 
 def test_completions_and_chat_equal_transformers_greedy(client, exported, hf_greedy):
@@ -464,6 +475,36 @@ def test_logprobs_echo_penalties_and_content_parts(server, client, exported):
         model="hf-served", messages=[{"role": "user", "content": "def "}], temperature=0
     )  # no max_tokens: to the end of the context, not OpenAI completions' 16
     assert unbounded.choices[0].finish_reason == "stop" or unbounded.usage.completion_tokens > 16
+
+
+def test_openai_fields_take_effect_or_are_refused(server, client):
+    """A developer message is a system message; a special token as a stop string is matched as a
+    token, one inside a longer stop string is refused; completions' logprobs is a count (true/false
+    refused); echo alone returns the prompt's text without scores (OpenAI)."""
+    user = {"role": "user", "content": "def f():"}
+
+    def answer(role: str) -> str:
+        messages = [{"role": role, "content": "be brief"}, user]
+        reply = client.chat.completions.create(model="hf-served", messages=messages, max_tokens=12, temperature=0)
+        return reply.choices[0].message.content
+
+    assert answer("developer") == answer("system")
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(**fields) -> httpx.Response:
+        body = {"model": "hf-served", "prompt": "def ", "max_tokens": 4, **fields}
+        return httpx.post(server + "/v1/completions", json=body, headers=auth, timeout=60)
+
+    assert (
+        post(stop=["<|endoftext|>"], temperature=0).json()["choices"][0]["text"]
+        == post(temperature=0).json()["choices"][0]["text"]
+    )
+    refused = post(stop=["\n<|endoftext|>"])
+    assert refused.status_code == 400 and "special token '<|endoftext|>'" in refused.text
+    for flag in (True, False):
+        assert post(logprobs=flag).status_code in (400, 422)
+    echoed = post(echo=True, temperature=0).json()["choices"][0]
+    assert echoed["text"].startswith("def ") and echoed["logprobs"] is None
 
 
 def hostile_requests(rng) -> list[tuple[str, bytes]]:

@@ -9,6 +9,7 @@ from typing import Literal
 
 from meshtrain.cli.options import add_options, options_of
 from meshtrain.config import DEVICES, option
+from meshtrain.errors import MeshtrainError
 
 DEVICE_FLAGS = ("--launch.device", "--device")
 
@@ -22,7 +23,7 @@ class ServeOptions:
     port: int = option(8000, ge=1, le=65535)
     """Port to listen on."""
     api_key: str | None = None
-    """Require Authorization: Bearer KEY."""
+    """Require Authorization: Bearer KEY (an empty KEY is refused)."""
     max_batch: int = option(16, ge=1)
     """Requests decoded together (KV-cache slots)."""
     max_context: int | None = option(None, ge=1)
@@ -67,6 +68,8 @@ def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtrain.serve import serve
 
     o: ServeOptions = options_of(args, ServeOptions)
+    if o.api_key is not None and not o.api_key.strip():  # as from an unset variable in --api-key "$KEY"
+        raise MeshtrainError("--api-key is empty: give a key, or leave out --api-key to serve without one")
     return serve(o.model, o.host, o.port, o.api_key, o.max_batch, o.max_context, o.device, o.dtype)
 
 

@@ -103,6 +103,19 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     from meshtrain.train.preflight import check_device, workers_device
 
     setup_logging(0, cfg.run.log_level)
+    launcher = os.environ.get("MESHTRAIN_LAUNCHER", "auto") if cfg.launch.env == "auto" else cfg.launch.env
+    if launcher not in ("auto", "torchrun"):
+        raise MeshtrainError(
+            f"launch.env = {launcher} (MESHTRAIN_LAUNCHER or the config), but --nproc starts torch elastic's "
+            "workers (torchrun's variables): set launch.env to auto or torchrun, or leave out --nproc and start the "
+            "job with that launcher"
+        )
+    if o.max_restarts and cfg.training.time_limit:
+        raise MeshtrainError(
+            f"training.time_limit with --nproc's --max-restarts {o.max_restarts}: each restart would start the "
+            "limit's clock again, and the stop at the limit (exit 75) would count as a failure to restart; leave "
+            "restarts to the scheduler's requeue (docs/launching.md), or drop one of them"
+        )
     require_device(cfg.launch.device)
     refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
     lock = RunLock(cfg.run.dir)  # node 0's launcher holds it for the job; it alone checks the run dir

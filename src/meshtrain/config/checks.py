@@ -138,10 +138,23 @@ def check_keys_in_force(cfg: Config) -> None:
                 f"parallel.{key} = {getattr(p, key)!r} shapes the pipeline, but parallel.pp is 1: set parallel.pp > 1, "
                 "or drop it"
             )
+    for key in ("sequence_parallel", "loss_parallel"):
+        if p.tp == 1 and getattr(p, key) != default[key]:
+            raise ConfigError(
+                f"parallel.{key} = {str(getattr(p, key)).lower()} shapes tensor parallelism, but parallel.tp is 1: "
+                "set parallel.tp > 1, or drop it"
+            )
     if t.activation_checkpointing != "selective" and t.ac_every != default["ac_every"]:
         raise ConfigError(
             f"training.ac_every = {t.ac_every} picks the blocks selective checkpointing recomputes, but training."
             f"activation_checkpointing is {t.activation_checkpointing!r}: set it to selective, or drop ac_every"
+        )
+    r = cfg.run
+    run_default = {f.name: f.default for f in dataclasses.fields(r)}
+    if not r.sample_prompt and r.sample_tokens != run_default["sample_tokens"]:
+        raise ConfigError(
+            f"run.sample_tokens = {r.sample_tokens} sets the length of the final sample, but run.sample_prompt is "
+            "empty (no sample): give a run.sample_prompt, or drop run.sample_tokens"
         )
     if cfg.checkpoint.async_ and not cfg.checkpoint.every:
         raise ConfigError(

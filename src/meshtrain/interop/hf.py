@@ -60,6 +60,9 @@ SOURCE_FILES = (
     TEMPLATE_FILE,
 )
 SOURCE_DIR = "hf_source"
+# written into every directory `meshtrain export` writes (merged or adapters): what marks a directory as
+# its own earlier output, which a new export may replace (peft's adapter_config.json is not: any peft run has one)
+EXPORT_MARKER = "meshtrain.json"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # meshtrain's names -> config.json's
 
@@ -267,9 +270,9 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    check_output_dir(out, [source], "meshtrain.json", "meshtrain export")  # before reading the source
+    check_output_dir(out, [source], EXPORT_MARKER, "meshtrain export")  # before reading the source
     ckpt, run_dir = run_weights(Path(source))
-    check_output_dir(out, _lora_base(ckpt, run_dir), "meshtrain.json", "meshtrain export")
+    check_output_dir(out, _lora_base(ckpt, run_dir), EXPORT_MARKER, "meshtrain export")
     model, args = _load_model(ckpt, run_dir)
     tokenizer_file = run_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -306,7 +309,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
                 bos_token=eos,
                 chat_template=template.read_text() if template.is_file() else DEFAULT_CHAT_TEMPLATE,
             ).save_pretrained(tmp)
-        (tmp / "meshtrain.json").write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
     return out
 
 
@@ -324,9 +327,9 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
 
     from meshtrain.model.lora import HF_NAMES
 
-    check_output_dir(out, [source], "adapter_config.json", "meshtrain export --adapter")  # before reading the source
+    check_output_dir(out, [source], EXPORT_MARKER, "meshtrain export --adapter")  # before reading the source
     ckpt, run_dir = run_weights(Path(source))
-    check_output_dir(out, _lora_base(ckpt, run_dir), "adapter_config.json", "meshtrain export --adapter")
+    check_output_dir(out, _lora_base(ckpt, run_dir), EXPORT_MARKER, "meshtrain export --adapter")
     record = peft_record_of(ckpt, run_dir)
     if ckpt is not None:
         args = ModelArgs(**json.loads((ckpt / TRAIN_STATE).read_text())["model"])
@@ -377,6 +380,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
     with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"adapter_of": record["base"]}, indent=2))
     return out
 
 

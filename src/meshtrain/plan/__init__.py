@@ -18,7 +18,7 @@ from meshtrain.plan.memory import activation_bytes, estimate_memory
 from meshtrain.plan.search import Estimate, evaluate, search
 from meshtrain.plan.speed import step_time
 from meshtrain.plan.states import host_state_bytes, model_state_bytes, nf4_bytes
-from meshtrain.plan.workload import Workload, peft_refusal, workload_of_config
+from meshtrain.plan.workload import Workload, workload_of_config, workload_refusal
 
 __all__ = [
     "CATALOG",
@@ -32,8 +32,8 @@ __all__ = [
     "host_state_bytes",
     "model_state_bytes",
     "nf4_bytes",
-    "peft_refusal",
     "search",
     "step_time",
     "workload_of_config",
+    "workload_refusal",
 ]

@@ -12,7 +12,7 @@ from meshtrain.plan.hardware import Device
 from meshtrain.plan.memory import estimate_memory
 from meshtrain.plan.speed import step_time
 from meshtrain.plan.states import host_state_bytes
-from meshtrain.plan.workload import Workload, peft_refusal
+from meshtrain.plan.workload import Workload, workload_refusal
 
 GIB = 2**30
 
@@ -69,7 +69,7 @@ def evaluate(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> Est
 def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
     """Why meshtrain would refuse this layout ("" if it would not): the trainer's own checks for
     the Llama it trains; the divisibility rules of Megatron for a GPT shape; QLoRA's layouts."""
-    refusal = peft_refusal(w, layout)
+    refusal = workload_refusal(w, layout)
     if refusal:
         return refusal
     if base is not None:
@@ -181,8 +181,9 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fi
                             dp_replicate=r,
                             dp_shard=dp // r,
                             zero=zero,
-                            sequence_parallel=fixed.get("sequence_parallel", True) is not False,
-                            loss_parallel=fixed.get("loss_parallel", True) is not False,
+                            # both shape tensor parallelism: without it the default (train refuses another)
+                            sequence_parallel=tp == 1 or fixed.get("sequence_parallel", True) is not False,
+                            loss_parallel=tp == 1 or fixed.get("loss_parallel", True) is not False,
                             cpu_offload=fixed.get("cpu_offload") is True,
                             pp_schedule=schedule,
                             pp_virtual_stages=v,

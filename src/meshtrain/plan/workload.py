@@ -44,9 +44,12 @@ class Workload:
         return self.peft is not None and self.peft.quantized
 
 
-def peft_refusal(w: Workload, layout) -> str:
-    """Why meshtrain cannot train this workload on this layout ("" if it can): QLoRA's NF4 weights
-    run on one process or plain DDP (ZeRO-0/1), not under FSDP, TP or PP."""
+def workload_refusal(w: Workload, layout) -> str:
+    """Why meshtrain cannot train this workload on this layout ("" if it can), as its preflight
+    says: DPO does not run in pipelines; QLoRA's NF4 weights run on one process or plain DDP
+    (ZeRO-0/1), not under FSDP, TP or PP."""
+    if w.objective == "dpo" and layout.pp > 1:
+        return "training.objective dpo is not implemented for pipelines (pp > 1)"
     if not w.quantized:
         return ""
     used = [

@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshtrain.serve.engine import Engine, SamplingParams
@@ -65,7 +65,7 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (what lm-evaluation-harness sends)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # a count: true/false refused
     echo: bool = False
     best_of: int = Field(1, ge=1, le=1)
     suffix: str | None = None
@@ -223,10 +223,11 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
 
 
 def _chat_prompt(served: ServedModel, messages: list[Message]) -> str:
-    """The rendered conversation. A message's `name` goes to the chat template; where the template
-    does not render it (the prompt is the same without it) the request is refused, since the name
-    would otherwise be dropped without a word."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    """The rendered conversation. A `developer` message is a system message (OpenAI's newer name for
+    it; chat templates know only `system`). A message's `name` goes to the chat template; where the
+    template does not render it (the prompt is the same without it) the request is refused, since the
+    name would otherwise be dropped without a word."""
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     turns = [turn | {"name": m.name} if m.name else turn for turn, m in zip(plain, messages, strict=True)]
     prompt = served.render_chat(turns)
     for i, m in enumerate(messages):
@@ -289,6 +290,7 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
+    stop, stop_ids = _special_stops(served, stop)
     return SamplingParams(
         max_tokens,
         body.temperature,
@@ -300,7 +302,26 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         body.frequency_penalty,
         logprobs,
         echo,
+        stop_ids,
     )
+
+
+def _special_stops(served: ServedModel, stop: list[str]) -> tuple[list[str], frozenset[int]]:
+    """Stop strings that are special tokens (`<|im_end|>`) stop at that token: the decoded text
+    leaves special tokens out, so as text they would never match. One inside a longer string could
+    never match either: refused."""
+    special = {t.content: i for i, t in served.tokenizer.get_added_tokens_decoder().items() if t.special}
+    ids = frozenset(special[s] for s in stop if s in special)
+    for s in stop:
+        inside = next((token for token in special if token in s and token != s), None)
+        if inside is not None:
+            raise APIError(
+                400,
+                f"stop: {s!r} holds the special token {inside!r}, which never appears in the generated text: "
+                f"give {inside!r} as a stop of its own",
+                "stop",
+            )
+    return [s for s in stop if s not in special], ids
 
 
 def _encode(served: ServedModel, text: str) -> list[int]:
@@ -384,7 +405,7 @@ async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt:
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
         }
     answer = (prompt if params.echo else "") + "".join(text)
-    scored = params.echo or params.logprobs is not None
+    scored = params.logprobs is not None  # echo alone returns the prompt's text, not its scores (OpenAI)
     logprobs = _completion_logprobs(served, generation, prompt, params.echo) if scored else None
     return {
         **meta,

@@ -34,6 +34,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # ... times the number of times it was generated
     logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k likeliest
     echo: bool = False  # also the prompt tokens' log-probabilities (what log-likelihood scoring reads)
+    stop_ids: frozenset[int] = frozenset()  # special tokens given as stop strings (never in the decoded text)
 
 
 @dataclass
@@ -245,7 +246,7 @@ class Engine:
 
     def _accept(self, request: Request, token: int) -> None:
         """Add a sampled token, stream the new text, and finish on EOS, a stop string or a limit."""
-        if token in self.eos_ids:
+        if token in self.eos_ids or token in request.params.stop_ids:
             if request.params.logprobs is not None:
                 request.logprobs.pop()  # the end of text is not part of the answer
             return self._finish(request, ("done", "stop"))

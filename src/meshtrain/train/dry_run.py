@@ -38,7 +38,7 @@ from meshtrain.config import Config
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.layout import Layout
 from meshtrain.train.arithmetic import resolve as resolve_arithmetic
-from meshtrain.train.preflight import model_args, preflight, prepared_dataset, workload_of
+from meshtrain.train.preflight import check_device, model_args, preflight, prepared_dataset, workload_of
 
 KEYS = ("params", "grads", "optimizer", "activations", "other", "total")
 
@@ -76,6 +76,8 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[Ran
     args, layout = preflight(cfg, world, dataset)
     # "auto" arithmetic as the job's devices would resolve it: a GPU job (launch.device auto or cuda)
     # runs bf16 where its GPUs have bf16 units; a CPU job measures this host's CPU.
+    if cfg.launch.device in ("cpu", "cuda"):  # the device is fixed: what it must offer, as train checks it
+        check_device(cfg, torch.device(cfg.launch.device), launcher=True)
     cfg, _ = resolve_arithmetic(cfg, args, torch.device("cpu" if cfg.launch.device == "cpu" else "cuda"))
     for rank in ranks or []:
         if not 0 <= rank < world:
