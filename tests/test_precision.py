@@ -255,7 +255,7 @@ def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_r
 
     # A busy first look: the probe again on one thread, the choice taken from it, not cached.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(arithmetic.OtherLoad, "share", 0.7)
+    pretend_other_load(monkeypatch, 0.7)
     threads = []
 
     def probe(args, sequences, seq_len, names, compiled=None):
@@ -272,11 +272,17 @@ def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_r
             assert (choice.name, choice.how, choice.busy) == ("bf16/bf16-gemm", "busy", 0.7)
             assert threads[-3:] == [2, 1, 1] and len(threads) == 3 * (start + 1)  # measured again at the next start
         assert "other processes used 70% of the CPUs" in choice.describe()
-        monkeypatch.setattr(arithmetic.OtherLoad, "share", 0.01)  # a quiet start: kept
+        pretend_other_load(monkeypatch, 0.01)  # a quiet start: kept
         assert arithmetic.resolve(config(), config().model_args(), CPU)[1].how == "measured"
         assert arithmetic.resolve(config(), config().model_args(), CPU)[1].how == "cached"
     finally:
         torch.set_num_threads(original)
+
+
+def pretend_other_load(monkeypatch, share: float) -> None:
+    """Every look reads `share`, whatever /proc/stat says (a clock tick inside a look would otherwise
+    replace a patched class default with the machine's real, idle reading)."""
+    monkeypatch.setattr(arithmetic.OtherLoad, "__exit__", lambda self, *exc: setattr(self, "share", share))
 
 
 def test_a_contender_near_its_margin_is_timed_again():
