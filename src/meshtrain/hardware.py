@@ -74,14 +74,16 @@ def _cache_file() -> Path:
 
 def measure_cpu_peak_tflops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
     """Best-of-repeats square matmul throughput at this process's thread count, at size n, or at
-    the smallest size whose matmul takes over 0.2 s (a CPU without bf16 instructions emulates
-    bf16 about 100x slower than fp32: the probe stays within a second or two there too)."""
+    the smallest size whose matmul takes over 10 ms (already at the peak: on a 2-core Zen 4, fp32
+    and bf16 read the same at 1024 as at 2048). Every run probes, so it must stay short where a
+    dtype is emulated: fp16 there is about 80x slower than fp32, and a 0.2 s threshold once let a
+    1024 fp16 probe take 2 s a matmul and 8 s a run, per rank."""
     size = 256
     while True:
         a, b = (torch.randn(size, size, dtype=dtype, generator=_probe_generator()) for _ in range(2))
         start = time.perf_counter()
         torch.matmul(a, b)  # warm up, and see how long one takes
-        if size >= n or time.perf_counter() - start > 0.2:
+        if size >= n or time.perf_counter() - start > 0.01:
             break
         size *= 2
     best = math.inf
