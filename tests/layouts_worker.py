@@ -9,6 +9,7 @@ that fails ends the launch (its error on stderr): the runs after it are not star
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ def main() -> int:
             print(f"layouts_worker: {run_dir} ended with exit code {result['exit_code']}", file=sys.stderr)
             return result["exit_code"]
         Path(run_dir, f".done-rank{rank}").write_text("")
+    gc.freeze()  # as the meshtrain command does: no exit-time collection over torch's objects
     return 0
 
 
