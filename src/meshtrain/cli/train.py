@@ -96,6 +96,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     launcher); start the workers."""
     from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage, refuse_overwriting_results
     from meshtrain.launch.distributed import require_device
+    from meshtrain.launch.env import chosen_launcher
     from meshtrain.launch.local import launch_workers
     from meshtrain.lock import TOKEN_VARIABLE, RunLock
     from meshtrain.logs import setup_logging
@@ -103,7 +104,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     from meshtrain.train.preflight import check_device, workers_device
 
     setup_logging(0, cfg.run.log_level)
-    launcher = os.environ.get("MESHTRAIN_LAUNCHER", "auto") if cfg.launch.env == "auto" else cfg.launch.env
+    launcher = chosen_launcher(cfg.launch.env)
     if launcher not in ("auto", "torchrun"):
         raise MeshtrainError(
             f"launch.env = {launcher} (MESHTRAIN_LAUNCHER or the config), but --nproc starts torch elastic's "

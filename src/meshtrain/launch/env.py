@@ -310,9 +310,16 @@ def check_consistent(launch: LaunchEnv) -> None:
         )
 
 
+def chosen_launcher(configured: str, env: dict[str, str] | None = None) -> str:
+    """The launcher a job names: launch.env, or where that is "auto" MESHTRAIN_LAUNCHER ("auto": found
+    from the environment)."""
+    env = os.environ if env is None else env
+    return env.get("MESHTRAIN_LAUNCHER", configured) if configured == "auto" else configured
+
+
 def detect(env: dict[str, str] | None = None, launcher: str = "auto") -> LaunchEnv:
     env = dict(os.environ) if env is None else env
-    launcher = env.get("MESHTRAIN_LAUNCHER", launcher) if launcher == "auto" else launcher
+    launcher = chosen_launcher(launcher, env)
     if launcher not in LAUNCHERS:
         raise MeshtrainError(f"launch.env = {launcher!r} is unknown: use one of {', '.join(LAUNCHERS)}")
     if launcher != "auto":

@@ -310,7 +310,7 @@ def _special_stops(served: ServedModel, stop: list[str]) -> tuple[list[str], fro
     """Stop strings that are special tokens (`<|im_end|>`) stop at that token: the decoded text
     leaves special tokens out, so as text they would never match. One inside a longer string could
     never match either: refused."""
-    special = {t.content: i for i, t in served.tokenizer.get_added_tokens_decoder().items() if t.special}
+    special = served.special_tokens
     ids = frozenset(special[s] for s in stop if s in special)
     for s in stop:
         inside = next((token for token in special if token in s and token != s), None)

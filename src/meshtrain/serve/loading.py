@@ -4,6 +4,7 @@ export` writes, or a published Llama, Mistral or Qwen), with its tokenizer, end-
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,11 @@ class ServedModel:
     eos_ids: list[int]  # every token that ends a generation
     eos_token: str | None
     chat_template: str
+
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens by text (read once: every request's stops look them up)."""
+        return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt of a chat request: the template the model was trained with, up to the answer."""

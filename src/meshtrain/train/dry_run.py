@@ -74,10 +74,10 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[Ran
     error for a job it would refuse (the same preflight, word for word)."""
     dataset = prepared_dataset(cfg)
     args, layout = preflight(cfg, world, dataset)
-    # "auto" arithmetic as the job's devices would resolve it: a GPU job (launch.device auto or cuda)
-    # runs bf16 where its GPUs have bf16 units; a CPU job measures this host's CPU.
     if cfg.launch.device in ("cpu", "cuda"):  # the device is fixed: what it must offer, as train checks it
         check_device(cfg, torch.device(cfg.launch.device), launcher=True)
+    # "auto" arithmetic as the job's devices would resolve it: a GPU job (launch.device auto or cuda)
+    # runs bf16 where its GPUs have bf16 units; a CPU job measures this host's CPU.
     cfg, _ = resolve_arithmetic(cfg, args, torch.device("cpu" if cfg.launch.device == "cpu" else "cuda"))
     for rank in ranks or []:
         if not 0 <= rank < world:
