@@ -106,3 +106,37 @@ def test_one_process_compiles_the_whole_model_into_one_graph():
         step(tokens[:, :-1], tokens[:, 1:])
     regions = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
     assert len(regions) == 2 * 2, [e.name for e in regions]  # 2 micro-batches x (model, loss)
+
+
+def test_a_mask_built_before_the_whole_model_graph_keeps_one_graph_and_the_eager_loss(monkeypatch):
+    """On CUDA FlexAttention's block mask is built eagerly in `Llama.forward` and handed to the
+    compiled trunk, so document masking does not split the model into per-block graphs (on an H200
+    that had made the compiled step host-bound at 0.79x HF's). Built the same way here (the forward
+    told FlexAttention is available; the mask dense): still two graphs a micro-batch (model, loss),
+    and the loss and gradient norm of the eager step on the same packed batch."""
+    from torch.profiler import profile
+
+    import meshtrain.model.llama as llama
+    import meshtrain.model.masks as masks
+
+    monkeypatch.setattr(llama, "flex_available", lambda device: True)
+    monkeypatch.setattr(masks, "KERNEL", "dense")
+    built = []
+    monkeypatch.setattr(
+        llama, "DocumentMask", lambda positions: built.append(positions) or masks.DocumentMask(positions)
+    )
+    (tokens,) = batches(1)
+    positions = torch.cat([torch.arange(5), torch.arange(11)]).expand(4, 16)  # two documents a row
+    results = {}
+    for compiled in ("false", "true"):
+        step = build_state(load_config(None, [*MODEL, "--training.compile", compiled]), with_data=False).step
+        step(tokens[:, :-1], tokens[:, 1:], positions=positions)  # compiles; both runs take this step
+        built.clear()
+        with profile() as prof:
+            results[compiled] = step(tokens[:, :-1], tokens[:, 1:], positions=positions)
+        assert len(built) == 2  # one mask a micro-batch, built outside any graph
+    regions = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+    assert len(regions) == 2 * 2, [e.name for e in regions]
+    (loss, norm, _), (ref_loss, ref_norm, _) = results["true"], results["false"]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0)

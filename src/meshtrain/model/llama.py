@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.model.masks import DocumentMask
+from meshtrain.model.masks import DocumentMask, flex_available
 from meshtrain.model.recompute_attention import applies, recomputed_attention
 
 
@@ -199,14 +199,25 @@ class Llama(nn.Module):
         Under context parallelism (parallel/context_parallel.py sets `sequence_slice` to (this
         rank's slice, slices)) `tokens` and `positions` are of the whole sequence: the rank embeds
         its contiguous slice and returns that slice's logits; attention gathers the rest."""
+        mask = None
+        if positions is not None and flex_available(positions.device):
+            # FlexAttention's block mask is built here, eagerly, outside a compiled `trunk`
+            # (built inside one whole-model graph it failed on a GPU: parallel/compile.py)
+            mask = DocumentMask(positions)
+        return self.trunk(tokens, positions, mask)
+
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None, mask: DocumentMask | None) -> torch.Tensor:
+        """The forward once the attention mask is known (`mask`: a prebuilt one, or None to build it
+        from `positions` here): what a whole-model compile compiles (parallel/compile.py)."""
         rank, ranks = self.sequence_slice
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens if ranks == 1 else tokens.chunk(ranks, dim=1)[rank])
         else:
             h = tokens  # a later pipeline stage: hidden states (of this rank's slice)
-        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:  # once per forward, for every layer, over the whole sequence
-            cos, sin, mask = cos[positions], sin[positions], DocumentMask(positions)
+            cos, sin = cos[positions], sin[positions]
+            mask = mask if mask is not None else DocumentMask(positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:

@@ -13,7 +13,6 @@ from torch import nn
 
 from meshtrain.model.llama import Attention
 from meshtrain.model.lora import LoraSpec, apply_lora, freeze_base
-from meshtrain.model.masks import flex_available
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.context_parallel import apply_cp, shard_targets
@@ -135,9 +134,7 @@ def parallelize(
             apply_cp(part, dims.mesh("cp"))
         apply_ac(part, layout.activation_checkpointing, layout.ac_every, random=bool(lora and lora.dropout))
         if training.compile:
-            # document masks on CUDA: per block, so the FlexAttention block mask is built eagerly (compile.py)
-            flex_masks = training.document_masking and flex_available(device)
-            whole_model = layout.dp_cp == 1 and layout.pp == 1 and not flex_masks
+            whole_model = layout.dp_cp == 1 and layout.pp == 1
             apply_compile(part, whole_model, exact_casts=fp32_gemm)
         if layout.fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)
