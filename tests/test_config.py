@@ -169,6 +169,11 @@ PIPELINE = {"parallel.pp": 2, "model.n_layers": 4, "training.global_batch_size":
             "run.sample_tokens = 8 sets the length of the final sample",
             {"run.sample_prompt": "def"},
         ),
+        (
+            {"run.save_model": False, "run.sample_prompt": "", "run.save_model_max_gb": 2},
+            "run.save_model_max_gb = 2.0 bounds the model gathered at the end",
+            {"run.save_model": True},
+        ),
     ],
 )
 def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fragment, with_the_other):

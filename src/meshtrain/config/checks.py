@@ -156,6 +156,11 @@ def check_keys_in_force(cfg: Config) -> None:
             f"run.sample_tokens = {r.sample_tokens} sets the length of the final sample, but run.sample_prompt is "
             "empty (no sample): give a run.sample_prompt, or drop run.sample_tokens"
         )
+    if not (r.save_model or r.sample_prompt) and r.save_model_max_gb != run_default["save_model_max_gb"]:
+        raise ConfigError(
+            f"run.save_model_max_gb = {r.save_model_max_gb} bounds the model gathered at the end to be saved or "
+            "sampled, but run.save_model is false and run.sample_prompt is empty: turn either on, or drop it"
+        )
     if cfg.checkpoint.async_ and not cfg.checkpoint.every:
         raise ConfigError(
             "checkpoint.async overlaps the periodic checkpoints with training, but checkpoint.every is 0 (the saves "
