@@ -148,7 +148,20 @@ def test_kv_cache_decoding_equals_full_recomputation():
     )
     engine.submit(stopped)
     assert done.acquire(timeout=60)
+    # ended by a stop token, the text held back for a longer stop string that never came is sent
+    # the prompt and token whose first occurrence comes latest
+    at, i, last = max((seq.index(t), i, t) for i, seq in enumerate(expected) for t in seq)
+    texts = []
+    held = Request(
+        prompts[i],
+        SamplingParams(max_tokens=20, temperature=0, stop=["zzzz"], stop_ids=frozenset({last})),
+        lambda e: texts.append(e[1]) if e[0] == "text" else done.release(),
+    )
+    engine.submit(held)
+    assert done.acquire(timeout=60)
     engine.close()
+    assert at > 3, expected  # more text than the 3 characters held back
+    assert "".join(texts) == Chars().decode(expected[i][:at])
     got = [r.generated for r in requests]
     assert got == expected
     assert stopped.generated == expected[0][:stop_at] and ends[-1] == ("done", "stop")

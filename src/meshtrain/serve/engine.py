@@ -249,6 +249,8 @@ class Engine:
         if token in self.eos_ids or token in request.params.stop_ids:
             if request.params.logprobs is not None:
                 request.logprobs.pop()  # the end of text is not part of the answer
+            # what was held back for a stop string that never came (or a character left incomplete)
+            self._emit_text(request, self.tokenizer.decode(request.generated))
             return self._finish(request, ("done", "stop"))
         request.generated.append(token)
         request.counts[token] = request.counts.get(token, 0) + 1
