@@ -167,6 +167,27 @@ def test_kv_cache_decoding_equals_full_recomputation():
     assert stopped.generated == expected[0][:stop_at] and ends[-1] == ("done", "stop")
 
 
+def test_echo_scores_the_prompt_only_where_logprobs_are_asked():
+    """echo alone returns the prompt's text (OpenAI): its vocabulary-wide logits over every prompt
+    position are not computed; echo with logprobs scores each prompt token after the first. Both
+    requests are max_tokens 0 on an engine of one slot: a scored-only request gives its slot back
+    (it used to keep it, and the second request waited forever)."""
+    model = Llama(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=50, max_seq_len=32))
+    model.init_weights(0)
+    engine = Engine(model.eval(), None, eos_ids=None, max_batch=1, max_context=32)
+    done, prompt = threading.Semaphore(0), list(range(1, 9))
+    scored = {}
+    for logprobs in (None, 0):
+        request = Request(prompt, SamplingParams(max_tokens=0, echo=True, logprobs=logprobs), lambda e: done.release())
+        engine.submit(request)
+        assert done.acquire(timeout=60)
+        scored[logprobs] = request.prompt_logprobs
+    engine.close()
+    assert scored[None] == []
+    assert [e.token for e in scored[0]] == prompt and scored[0][0].logprob is None
+    assert all(e.logprob is not None and e.logprob < 0 for e in scored[0][1:])
+
+
 def test_completions_and_chat_equal_transformers_greedy(client, exported, hf_greedy):
     for prompt in PROMPTS[:3]:
         expected = hf_greedy(prompt, 24)

@@ -61,7 +61,7 @@ class Request:
     slot: int = -1
     submitted: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with echo
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with echo and logprobs
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with logprobs, one per generated token
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (penalties)
 
@@ -177,25 +177,29 @@ class Engine:
                 self._finished_or_cancelled(request)
 
     def _prefill(self, request: Request) -> None:
-        """One forward over the prompt: fills its cache slot, scores the prompt (echo), samples the
-        first token."""
+        """One forward over the prompt: fills its cache slot, scores the prompt (echo with logprobs:
+        echo alone returns the prompt's text, so its vocabulary-wide logits are not computed),
+        samples the first token."""
         p = request.params
+        scored = p.echo and p.logprobs is not None
         logits = forward_cached(
             self.model,
             self.cache,
             torch.tensor([request.prompt], device=self.device),
             torch.tensor([request.slot], device=self.device),
             torch.arange(len(request.prompt), device=self.device)[None],
-            every_position=p.echo,
+            every_position=scored,
         )
-        if p.echo:  # position i predicts prompt token i + 1
+        if scored:  # position i predicts prompt token i + 1
             request.prompt_logprobs = [TokenLogprob(request.prompt[0], None)] + [
                 self._logprob(logits[0, i], token, p.logprobs or 0) for i, token in enumerate(request.prompt[1:])
             ]
             logits = logits[:, -1]
         self.on_first_token(time.perf_counter() - request.submitted)
-        if p.max_tokens == 0:
-            return self._finish(request, ("done", "length"))
+        if p.max_tokens == 0:  # scored only: it never joins the running batch, so its slot goes back here
+            self._finish(request, ("done", "length"))
+            self._finished_or_cancelled(request)
+            return
         self.running.append(request)
         self._accept(request, self._choose(logits[0], request))
 
