@@ -734,3 +734,33 @@ def test_lm_evaluation_harness_scores_a_task_through_the_server(server, exported
             assert abs(logprob - expected) <= 1e-3, (context, continuation, logprob, expected)
             scored += 1
     assert scored == sum(len(row["choices"]) for row in MC_ROWS)
+
+
+def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
+    """generation_config.json's temperature, top_p and top_k are the defaults of a request that
+    leaves them out (what the model's authors sample with, as vLLM takes them); a request's own
+    values win; a sampling value the server does not apply is named at load; a bad one is refused."""
+    from types import SimpleNamespace
+
+    from meshtrain.interop.hf import sampling_defaults
+    from meshtrain.serve.app import CompletionRequest, _check
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": 2})
+    )
+    defaults, ignored = sampling_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9} and ignored == ["repetition_penalty = 1.05"]
+    tokenizer = SimpleNamespace(get_added_tokens_decoder=dict)  # no special tokens
+    served = ServedModel("m", None, tokenizer, [], None, "", defaults)
+    engine = SimpleNamespace(max_context=64)
+    left_out = _check(served, engine, CompletionRequest(model="m", prompt="x"), [1, 2], chat=False)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 0)
+    given = CompletionRequest(model="m", prompt="x", temperature=0, top_p=1, top_k=3)
+    assert (lambda p: (p.temperature, p.top_p, p.top_k))(_check(served, engine, given, [1, 2], chat=False)) == (0, 1, 3)
+    plain = _check(
+        ServedModel("m", None, tokenizer, [], None, ""), engine, CompletionRequest(model="m", prompt="x"), [1], False
+    )
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)  # OpenAI's defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(MeshtrainError, match="temperature = -1 is not a number between 0.0 and 2.0"):
+        sampling_defaults(tmp_path)

@@ -250,6 +250,33 @@ def end_tokens(directory: Path, tokenizer) -> tuple[str | None, list[int]]:
     return token, list(dict.fromkeys(ids))
 
 
+SAMPLING_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None)}  # key -> bounds
+NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "no_repeat_ngram_size": 0}  # not applied
+
+
+def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
+    """generation_config.json's temperature, top_p and top_k: what the model's authors sample it with,
+    the server's defaults where a request leaves them out (as vLLM and transformers take them; Llama
+    3 instruct: 0.6 and 0.9). Returns them and a note for each sampling value the server does not
+    apply (repetition_penalty, min_p, ...). A value out of range is refused in one line."""
+    config = _read_json(directory / "generation_config.json")
+    defaults = {}
+    for key, (low, high) in SAMPLING_DEFAULTS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < low or (high and value > high):
+            raise MeshtrainError(
+                f"{directory / 'generation_config.json'}: {key} = {value!r} is not a number between {low} and "
+                f"{high or 'any'}: correct or remove it"
+            )
+        defaults[key] = value
+    if defaults.get("top_p") == 0:
+        raise MeshtrainError(f"{directory / 'generation_config.json'}: top_p = 0 keeps no token: correct or remove it")
+    ignored = [f"{key} = {config[key]}" for key, neutral in NEUTRAL.items() if config.get(key) not in (None, neutral)]
+    return defaults, ignored
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}

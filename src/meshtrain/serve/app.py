@@ -49,9 +49,10 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    # left out: the model's generation_config.json value, else OpenAI's default (1, 1, no top-k)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = 1
@@ -293,9 +294,9 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     stop, stop_ids = _special_stops(served, stop)
     return SamplingParams(
         max_tokens,
-        body.temperature,
-        body.top_p,
-        max(0, body.top_k),
+        _or_default(body.temperature, served, "temperature", 1.0),
+        _or_default(body.top_p, served, "top_p", 1.0),
+        max(0, _or_default(body.top_k, served, "top_k", 0)),
         stop,
         body.seed,
         body.presence_penalty,
@@ -304,6 +305,11 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         echo,
         stop_ids,
     )
+
+
+def _or_default(value, served: ServedModel, key: str, openai_default: float):
+    """A request's sampling value; left out, the model's (generation_config.json), else OpenAI's."""
+    return value if value is not None else served.sampling_defaults.get(key, openai_default)
 
 
 def _special_stops(served: ServedModel, stop: list[str]) -> tuple[list[str], frozenset[int]]:

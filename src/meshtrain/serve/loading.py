@@ -5,7 +5,8 @@ export` writes, or a published Llama, Mistral or Qwen), with its tokenizer, end-
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ class ServedModel:
     eos_ids: list[int]  # every token that ends a generation
     eos_token: str | None
     chat_template: str
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's
 
     @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
@@ -37,7 +39,14 @@ class ServedModel:
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
     from tokenizers import Tokenizer
 
-    from meshtrain.interop.hf import SOURCE_DIR, end_tokens, hf_model_args, load_full_model, load_hf_weights
+    from meshtrain.interop.hf import (
+        SOURCE_DIR,
+        end_tokens,
+        hf_model_args,
+        load_full_model,
+        load_hf_weights,
+        sampling_defaults,
+    )
 
     path = Path(source)
     if not path.exists():
@@ -64,6 +73,9 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
     # a run that started from a Hugging Face model stops where that model stops
     origin = tokenizer_dir / SOURCE_DIR if (tokenizer_dir / SOURCE_DIR).is_dir() else tokenizer_dir
     eos, eos_ids = end_tokens(origin, tokenizer)
+    defaults, ignored = sampling_defaults(origin)
+    for note in ignored:
+        print(f"warning: {origin}/generation_config.json sets {note}, which serving does not apply", file=sys.stderr)
     model = model.to(device=device, dtype=dtype)
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     template = (
@@ -71,4 +83,4 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
         if tokenizer_dir == origin or (tokenizer_dir / TEMPLATE_FILE).is_file()
         else template_of(origin)
     )
-    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_ids, eos, template)
+    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_ids, eos, template, defaults)
