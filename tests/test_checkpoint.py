@@ -468,3 +468,40 @@ def test_moving_checkpoint_dir_never_starts_the_run_afresh_over_its_checkpoints(
         refuse_overwriting_results("auto", moved, run_dir)
     refuse_overwriting_results(str(run_dir / "checkpoints" / "step_00000400"), moved, run_dir)  # continued
     refuse_overwriting_results("auto", run_dir / "checkpoints", run_dir)
+
+
+def test_a_resume_under_another_init_from_is_refused(tmp_path):
+    """A full-weight checkpoint's weights are what a resumed run trains on: a model.init_from other
+    than the one the run started from would be ignored without a word, so it is refused (and a
+    checkpoint saved before the record existed is resumed as before)."""
+    import json
+    from types import SimpleNamespace
+
+    from meshtrain.config import load_config
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.train.loop import TRAIN_STATE, check_same_base, init_source
+
+    base, other = tmp_path / "base", tmp_path / "other"
+    for directory in (base, other):  # what model.init_from's check looks for
+        directory.mkdir()
+        (directory / "config.json").write_text("{}")
+        (directory / "model.safetensors").write_bytes(b"")
+
+    def run(init_from: str):
+        return SimpleNamespace(cfg=load_config(None, {"model.init_from": init_from} if init_from else {}), lora=None)
+
+    def checkpoint(**record):
+        (tmp_path / TRAIN_STATE).write_text(json.dumps({"step": 5, "peft": None, **record}))
+        return tmp_path
+
+    started = checkpoint(init_from=init_source(run(f"hf:{base}").cfg))
+    check_same_base(run(f"hf:{base}"), started)
+    check_same_base(run(f"hf:{tmp_path}/other/../base"), started)  # the same directory, another spelling
+    for init_from in (f"hf:{other}", ""):
+        with pytest.raises(
+            MeshtrainError, match=f"continues a run started from {base}, but this run's model.init_from"
+        ):
+            check_same_base(run(init_from), started)
+    with pytest.raises(MeshtrainError, match="started from a random initialisation, but this run's model.init_from"):
+        check_same_base(run(f"hf:{base}"), checkpoint(init_from=None))
+    check_same_base(run(f"hf:{other}"), checkpoint())  # saved before init_from was recorded
