@@ -182,3 +182,14 @@ def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fra
         preflight(cfg, 1)
     cfg = load_config(None, {**given, **with_the_other})
     preflight(cfg, cfg.parallel.pp * cfg.parallel.tp)
+
+
+def test_the_config_tree_reads_without_torch():
+    """config/ and the model's shapes import no torch: reading and checking a config (what every
+    refusal of the CLI does first) does not load the framework."""
+    import subprocess
+    import sys
+
+    code = "import sys, meshtrain.config as c; c.load_config(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.model.lora import LoraSpec, merge_state_dict, parse_targets
+from meshtrain.model.args import LoraSpec, parse_targets
+from meshtrain.model.lora import merge_state_dict
 from meshtrain.parallel.memory import model_state_bytes
 from meshtrain.train import build as build_state
 from meshtrain.train.preflight import preflight

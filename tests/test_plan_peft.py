@@ -12,7 +12,8 @@ import torch
 from meshtrain.config import load_config
 from meshtrain.layout import Layout
 from meshtrain.model import Llama
-from meshtrain.model.lora import LoraSpec, apply_lora
+from meshtrain.model.args import LoraSpec
+from meshtrain.model.lora import apply_lora
 from meshtrain.model.shapes import Shape
 from meshtrain.parallel import apply_ac
 from meshtrain.plan import Workload, activation_bytes, estimate_memory, model_state_bytes, nf4_bytes
@@ -131,7 +132,7 @@ SAVED_CASES = [
 def test_saved_activations_of_adapted_blocks(path, ac, targets, dropout):
     """apply_lora's model (frozen base in bf16 under bf16 training, as the trainer builds it): the
     bytes autograd keeps, against the planner's per-tensor count with the adapters' additions."""
-    from meshtrain.model.lora import parse_targets
+    from meshtrain.model.args import parse_targets
 
     micro, seq = 2, 64
     dim, layers, heads, kv, ffn = SIZE

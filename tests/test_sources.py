@@ -18,7 +18,8 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.interop.hf import export_adapter, export_hf, load_base_model, load_full_model
 from meshtrain.interop.weights import save_model
 from meshtrain.model import Llama, ModelArgs
-from meshtrain.model.lora import LoraSpec, apply_lora
+from meshtrain.model.args import LoraSpec
+from meshtrain.model.lora import apply_lora
 from meshtrain.serve import SamplingParams, generate_to_terminal
 
 ARGS = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=512, max_seq_len=32)

@@ -25,7 +25,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.files import check_output
 from meshtrain.layout import Layout
 from meshtrain.model import PRESETS, ModelArgs
-from meshtrain.model.lora import LoraSpec
+from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import KINDS, Workload, device, search
 

@@ -16,7 +16,7 @@ import tomli_w
 from meshtrain.config.checks import check_across_keys
 from meshtrain.config.grammar import parse_data_path, parse_duration
 from meshtrain.config.options import declared, option
-from meshtrain.model.llama import ModelArgs
+from meshtrain.model.args import ModelArgs
 from meshtrain.model.presets import PRESETS
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -244,7 +244,7 @@ class ParallelConfig:
 
 
 def check_lora_targets(text: str) -> None:
-    from meshtrain.model.lora import parse_targets
+    from meshtrain.model.args import parse_targets
 
     parse_targets(text)
 

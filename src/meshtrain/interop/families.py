@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.model.args import ModelArgs
 from meshtrain.model.family import FAMILIES, inexpressible
-from meshtrain.model.llama import ModelArgs
 from meshtrain.model.rope import ROPE_TYPES
 
 COMMON = frozenset(

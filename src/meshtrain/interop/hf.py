@@ -28,8 +28,9 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir
 from meshtrain.interop.families import config_to_args, export_config
 from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, run_weights
+from meshtrain.model.args import LoraSpec
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
-from meshtrain.model.lora import ADAPTER_NAMES, LoraSpec, apply_lora, merge_state_dict, quantize_base
+from meshtrain.model.lora import ADAPTER_NAMES, apply_lora, merge_state_dict, quantize_base
 from meshtrain.model.shapes import Shape
 
 LAYER_NAMES = {
@@ -352,7 +353,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
     From the run's adapter.safetensors, or the adapters of any of its checkpoints."""
     from safetensors.torch import load_file, save_file
 
-    from meshtrain.model.lora import HF_NAMES
+    from meshtrain.model.args import HF_NAMES
 
     check_output_dir(out, [source], EXPORT_MARKER, "meshtrain export --adapter")  # before reading the source
     ckpt, run_dir = run_weights(Path(source))

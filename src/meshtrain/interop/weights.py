@@ -62,7 +62,8 @@ def save_model(
     from safetensors.torch import save_file
 
     if peft is not None:
-        from meshtrain.model.lora import LoraSpec, merge_state_dict
+        from meshtrain.model.args import LoraSpec
+        from meshtrain.model.lora import merge_state_dict
 
         state, adapters = merge_state_dict(state, LoraSpec.from_dict(peft))
         adapters = {k: v.contiguous() for k, v in adapters.items()}

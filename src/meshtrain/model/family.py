@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.model.llama import ModelArgs
+from meshtrain.model.args import ModelArgs
 
 SLIDING = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
 

@@ -19,47 +19,14 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.model.args import ModelArgs
 from meshtrain.model.masks import DocumentMask, flex_available
 from meshtrain.model.recompute_attention import applies, recomputed_attention
-
-
-@dataclass
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    # Rotary frequency scaling for long contexts, as Hugging Face's rope_parameters without the theta:
-    # {"rope_type": "linear" | "llama3" | "yarn", "factor": ..., ...}; None: plain RoPE.
-    rope_scaling: dict | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    head_dim: int | None = None  # per attention head; None: dim // n_heads (Qwen3 sets it apart)
-    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, Llama's attention_bias)
-    out_bias: bool = False  # a bias on the attention output projection (Llama's attention_bias)
-    mlp_bias: bool = False  # biases on the three MLP projections (Llama's mlp_bias)
-    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
-    family: str = "llama"  # the Hugging Face model_type: llama, mistral, qwen2, qwen3
-    vocab_multiple: int = 64  # embedding rows padded to a multiple of this (tensor-parallel friendly)
-
-    @property
-    def head_size(self) -> int:
-        """The head dimension: head_dim where set, dim / n_heads otherwise."""
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 def precompute_rope(args: ModelArgs, max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

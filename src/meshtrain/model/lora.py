@@ -15,82 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Our linears and their Hugging Face (and peft target_modules) names.
-HF_NAMES = {
-    "wq": "q_proj",
-    "wk": "k_proj",
-    "wv": "v_proj",
-    "wo": "o_proj",
-    "w1": "gate_proj",
-    "w2": "down_proj",
-    "w3": "up_proj",
-}
-GROUPS = {"all": tuple(HF_NAMES), "attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w2", "w3")}
+from meshtrain.model.args import LoraSpec
+
 ADAPTER_NAMES = ("lora_a", "lora_b")
-
-
-def parse_targets(text: str | None) -> tuple[str, ...]:
-    """ "all", "attention", "mlp", or a comma list of our or Hugging Face linear names -> our names."""
-    text = (text or "all").strip()
-    if text in GROUPS:
-        return GROUPS[text]
-    from_hf = {hf: ours for ours, hf in HF_NAMES.items()}
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [n for n in names if n not in HF_NAMES and n not in from_hf]
-    if unknown or not names:
-        raise ValueError(
-            f"{', '.join(unknown) or 'nothing'} is not a linear of the model: use all, attention, mlp, or a comma "
-            f"list of {', '.join(HF_NAMES)} (or {', '.join(HF_NAMES.values())})"
-        )
-    ours = {from_hf.get(n, n) for n in names}
-    return tuple(n for n in HF_NAMES if n in ours)
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """[peft] with its defaults resolved (rank 8, alpha 2 x rank, no dropout, every linear)."""
-
-    method: str  # "lora" or "qlora"
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = GROUPS["all"]
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    @property
-    def quantized(self) -> bool:
-        return self.method == "qlora"
-
-    @classmethod
-    def from_config(cls, peft) -> LoraSpec | None:
-        """None when peft.method is "none"."""
-        if peft.method == "none":
-            return None
-        rank = peft.rank or 8
-        alpha = peft.alpha if peft.alpha is not None else 2.0 * rank
-        return cls(peft.method, rank, alpha, peft.dropout or 0.0, parse_targets(peft.targets))
-
-    def to_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "rank": self.rank,
-            "alpha": self.alpha,
-            "dropout": self.dropout,
-            "targets": list(self.targets),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LoraSpec:
-        return cls(d["method"], d["rank"], d["alpha"], d["dropout"], tuple(d["targets"]))
 
 
 class LoRALinear(nn.Linear):

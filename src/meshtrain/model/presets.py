@@ -4,7 +4,7 @@ published config.json files' (RoPE scaling, biases, q/k norms, head dimension an
 
 from __future__ import annotations
 
-from meshtrain.model.llama import ModelArgs
+from meshtrain.model.args import ModelArgs
 
 PRESETS: dict[str, ModelArgs] = {
     # ~8.9M parameters: the CPU default; trains visibly in a couple of minutes on 2 cores.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from meshtrain.model.llama import ModelArgs
+from meshtrain.model.args import ModelArgs
 
 ARCHS = ("llama", "gpt")
 

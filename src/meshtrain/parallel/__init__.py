@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtrain.model.args import LoraSpec
 from meshtrain.model.llama import Attention
-from meshtrain.model.lora import LoraSpec, apply_lora, freeze_base
+from meshtrain.model.lora import apply_lora, freeze_base
 from meshtrain.parallel.activation_checkpoint import apply_ac
 from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.context_parallel import apply_cp, shard_targets

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.layout import Layout
-from meshtrain.model.lora import LoraSpec
+from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan.workload import Workload
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from meshtrain.layout import Layout, zero1_partition
-from meshtrain.model.lora import LoraSpec
+from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import COLUMN, ROW, Param, Shape
 from meshtrain.plan.workload import Workload
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.model.lora import LoraSpec
+from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 
 

@@ -26,7 +26,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.hardware import cached_measurement, cpu_model
 from meshtrain.launch.distributed import agreed
 from meshtrain.layout import Layout
-from meshtrain.model.llama import ModelArgs
+from meshtrain.model.args import ModelArgs
 from meshtrain.model.recompute_attention import MAX_SCORES, recomputed_attention
 from meshtrain.parallel.precision import fp32_classes
 from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, quiet_record, timed_ms

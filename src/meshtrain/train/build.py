@@ -24,7 +24,7 @@ from meshtrain.launch.distributed import init_distributed
 from meshtrain.layout import Layout
 from meshtrain.logs import log
 from meshtrain.model import Llama, ModelArgs, num_params
-from meshtrain.model.lora import LoraSpec
+from meshtrain.model.args import LoraSpec
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.arithmetic import Choice

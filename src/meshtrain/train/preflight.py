@@ -120,7 +120,8 @@ def check_fp8_shapes(cfg: Config, layout: Layout, args: ModelArgs) -> None:
 def check_peft_layout(cfg: Config, layout: Layout, args: ModelArgs) -> None:
     """What LoRA, QLoRA and DPO run on."""
     from meshtrain.errors import ConfigError
-    from meshtrain.model.lora import NF4_BLOCK, LoraSpec, target_weights
+    from meshtrain.model.args import LoraSpec
+    from meshtrain.model.lora import NF4_BLOCK, target_weights
 
     lora = LoraSpec.from_config(cfg.peft)
     if lora is not None and lora.quantized:

@@ -1,0 +1,110 @@
+"""A model's shape and its LoRA adapters' settings: plain values, importable without torch (the config tree and the CLI
+read and check them before any framework loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    # Rotary frequency scaling for long contexts, as Hugging Face's rope_parameters without the theta:
+    # {"rope_type": "linear" | "llama3" | "yarn", "factor": ..., ...}; None: plain RoPE.
+    rope_scaling: dict | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    head_dim: int | None = None  # per attention head; None: dim // n_heads (Qwen3 sets it apart)
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2, Llama's attention_bias)
+    out_bias: bool = False  # a bias on the attention output projection (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on the three MLP projections (Llama's mlp_bias)
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
+    family: str = "llama"  # the Hugging Face model_type: llama, mistral, qwen2, qwen3
+    vocab_multiple: int = 64  # embedding rows padded to a multiple of this (tensor-parallel friendly)
+
+    @property
+    def head_size(self) -> int:
+        """The head dimension: head_dim where set, dim / n_heads otherwise."""
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+
+# Our linears and their Hugging Face (and peft target_modules) names.
+HF_NAMES = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w1": "gate_proj",
+    "w2": "down_proj",
+    "w3": "up_proj",
+}
+GROUPS = {"all": tuple(HF_NAMES), "attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w2", "w3")}
+
+
+def parse_targets(text: str | None) -> tuple[str, ...]:
+    """ "all", "attention", "mlp", or a comma list of our or Hugging Face linear names -> our names."""
+    text = (text or "all").strip()
+    if text in GROUPS:
+        return GROUPS[text]
+    from_hf = {hf: ours for ours, hf in HF_NAMES.items()}
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [n for n in names if n not in HF_NAMES and n not in from_hf]
+    if unknown or not names:
+        raise ValueError(
+            f"{', '.join(unknown) or 'nothing'} is not a linear of the model: use all, attention, mlp, or a comma "
+            f"list of {', '.join(HF_NAMES)} (or {', '.join(HF_NAMES.values())})"
+        )
+    ours = {from_hf.get(n, n) for n in names}
+    return tuple(n for n in HF_NAMES if n in ours)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """[peft] with its defaults resolved (rank 8, alpha 2 x rank, no dropout, every linear)."""
+
+    method: str  # "lora" or "qlora"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = GROUPS["all"]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def quantized(self) -> bool:
+        return self.method == "qlora"
+
+    @classmethod
+    def from_config(cls, peft) -> LoraSpec | None:
+        """None when peft.method is "none"."""
+        if peft.method == "none":
+            return None
+        rank = peft.rank or 8
+        alpha = peft.alpha if peft.alpha is not None else 2.0 * rank
+        return cls(peft.method, rank, alpha, peft.dropout or 0.0, parse_targets(peft.targets))
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoraSpec:
+        return cls(d["method"], d["rank"], d["alpha"], d["dropout"], tuple(d["targets"]))
