@@ -479,7 +479,8 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
 
     from meshtrain.config import load_config
     from meshtrain.errors import MeshtrainError
-    from meshtrain.train.loop import TRAIN_STATE, check_same_base, init_source
+    from meshtrain.interop.hf import base_identity
+    from meshtrain.train.loop import TRAIN_STATE, check_same_base
 
     base, other = tmp_path / "base", tmp_path / "other"
     for directory in (base, other):  # what model.init_from's check looks for
@@ -494,7 +495,7 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
         (tmp_path / TRAIN_STATE).write_text(json.dumps({"step": 5, "peft": None, **record}))
         return tmp_path
 
-    started = checkpoint(init_from=init_source(run(f"hf:{base}").cfg))
+    started = checkpoint(init_from=base_identity(run(f"hf:{base}").cfg)["init_from"])
     check_same_base(run(f"hf:{base}"), started)
     check_same_base(run(f"hf:{tmp_path}/other/../base"), started)  # the same directory, another spelling
     for init_from in (f"hf:{other}", ""):

@@ -184,12 +184,13 @@ def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fra
     preflight(cfg, cfg.parallel.pp * cfg.parallel.tp)
 
 
-def test_the_config_tree_reads_without_torch():
-    """config/ and the model's shapes import no torch: reading and checking a config (what every
-    refusal of the CLI does first) does not load the framework."""
+def test_the_config_tree_and_the_command_line_read_without_torch():
+    """config/, the model's shapes and the CLI's parsers import no torch: reading and checking a
+    config (what every refusal of the CLI does first) and `meshtrain --help` do not load the
+    framework (2 s of each call)."""
     import subprocess
     import sys
 
-    code = "import sys, meshtrain.config as c; c.load_config(); print('torch' in sys.modules)"
+    code = "import sys, meshtrain.cli, meshtrain.config as c; c.load_config(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

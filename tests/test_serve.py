@@ -742,8 +742,8 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     values win; a sampling value the server does not apply is named at load; a bad one is refused."""
     from types import SimpleNamespace
 
-    from meshtrain.interop.hf import sampling_defaults
     from meshtrain.serve.app import CompletionRequest, _check
+    from meshtrain.serve.loading import sampling_defaults
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": 2})

@@ -180,3 +180,15 @@ def ensure_room(directory: Path | str, need_bytes: float, what: str) -> None:
             f"no room for {what} in {directory}: it needs about {need_bytes / 1e9:.2f} GB and "
             f"{free / 1e9:.2f} GB are free; free some space or choose a directory on another file system"
         )
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object file read from outside (config.json, generation_config.json, ...): {} where the
+    file is missing or holds no object; invalid JSON refused in one line naming the file."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MeshtrainError(f"{path} is not valid JSON ({e})") from None
+    return value if isinstance(value, dict) else {}

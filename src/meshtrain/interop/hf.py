@@ -25,7 +25,7 @@ import torch
 from meshtrain.checkpoint import TRAIN_STATE, verify
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
-from meshtrain.files import atomic_directory, check_output_dir
+from meshtrain.files import atomic_directory, check_output_dir, read_json_object
 from meshtrain.interop.families import config_to_args, export_config
 from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, run_weights
 from meshtrain.model.args import LoraSpec
@@ -243,49 +243,12 @@ def end_tokens(directory: Path, tokenizer) -> tuple[str | None, list[int]]:
 
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
-        value = _read_json(directory / name).get("eos_token_id")
+        value = read_json_object(directory / name).get("eos_token_id")
         ids += [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
     token, token_id = end_of_text(tokenizer, directory)
     if token_id is not None:
         ids.append(token_id)
     return token, list(dict.fromkeys(ids))
-
-
-SAMPLING_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None)}  # key -> bounds
-NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "no_repeat_ngram_size": 0}  # not applied
-
-
-def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
-    """generation_config.json's temperature, top_p and top_k: what the model's authors sample it with,
-    the server's defaults where a request leaves them out (as vLLM and transformers take them; Llama
-    3 instruct: 0.6 and 0.9). Returns them and a note for each sampling value the server does not
-    apply (repetition_penalty, min_p, ...). A value out of range is refused in one line."""
-    config = _read_json(directory / "generation_config.json")
-    defaults = {}
-    for key, (low, high) in SAMPLING_DEFAULTS.items():
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < low or (high and value > high):
-            raise MeshtrainError(
-                f"{directory / 'generation_config.json'}: {key} = {value!r} is not a number between {low} and "
-                f"{high or 'any'}: correct or remove it"
-            )
-        defaults[key] = value
-    if defaults.get("top_p") == 0:
-        raise MeshtrainError(f"{directory / 'generation_config.json'}: top_p = 0 keeps no token: correct or remove it")
-    ignored = [f"{key} = {config[key]}" for key, neutral in NEUTRAL.items() if config.get(key) not in (None, neutral)]
-    return defaults, ignored
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise MeshtrainError(f"{path} is not valid JSON ({e})") from None
-    return value if isinstance(value, dict) else {}
 
 
 def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", dtype: str = "auto") -> Path:
@@ -306,7 +269,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     if not tokenizer_file.is_file():
         raise MeshtrainError(f"{tokenizer_file} is missing: the export needs the run's tokenizer")
     origin = run_dir / SOURCE_DIR
-    source_config = _read_json(origin / "config.json") or None
+    source_config = read_json_object(origin / "config.json") or None
     if dtype == "auto":
         dtype = (source_config or {}).get("torch_dtype") or (source_config or {}).get("dtype") or "float32"
     dtype = SHORT_DTYPES.get(dtype, dtype)
@@ -429,7 +392,7 @@ def hf_model_args(directory: str | Path, vocab_multiple: int = 64) -> ModelArgs:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise MeshtrainError(f"model.init_from: {path} does not exist (expected a Hugging Face model directory)")
-    return config_to_args(_read_json(path), f"model.init_from: {path}", vocab_multiple)
+    return config_to_args(read_json_object(path), f"model.init_from: {path}", vocab_multiple)
 
 
 class HFWeights:
@@ -441,7 +404,7 @@ class HFWeights:
 
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            self.where = dict(_read_json(index).get("weight_map", {}))
+            self.where = dict(read_json_object(index).get("weight_map", {}))
         else:
             single = directory / "model.safetensors"
             if not single.is_file():

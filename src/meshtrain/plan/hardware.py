@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.datasheets import GPU_PEAK_TFLOPS
 from meshtrain.errors import MeshtrainError
 
 GIB = 2**30
@@ -77,10 +78,8 @@ PCIE_GBS = {3: 12.0, 4: 25.0, 5: 50.0}
 
 
 def _gpu(name, part, memory_gib, intra, link, network, hbm, efficiency, attention, pcie, host, bf16=True) -> Device:
-    """Peaks from the one table MFU also reads (hardware.GPU_PEAK_TFLOPS, matched by `part`); `pcie`
+    """Peaks from the one table MFU also reads (datasheets.GPU_PEAK_TFLOPS, matched by `part`); `pcie`
     the host link's PCIe generation, `host` the node's memory in GiB."""
-    from meshtrain.hardware import GPU_PEAK_TFLOPS
-
     half, fp32, fp8 = next((b, f, e) for pattern, b, f, e in GPU_PEAK_TFLOPS if pattern == part)
     return Device(
         name,

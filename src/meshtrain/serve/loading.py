@@ -13,6 +13,7 @@ import torch
 
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, template_of
 from meshtrain.errors import MeshtrainError
+from meshtrain.files import read_json_object
 from meshtrain.model import Llama
 
 
@@ -45,7 +46,6 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
         hf_model_args,
         load_full_model,
         load_hf_weights,
-        sampling_defaults,
     )
 
     path = Path(source)
@@ -84,3 +84,30 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
         else template_of(origin)
     )
     return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_ids, eos, template, defaults)
+
+
+SAMPLING_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None)}  # key -> bounds
+NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "no_repeat_ngram_size": 0}  # not applied
+
+
+def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
+    """generation_config.json's temperature, top_p and top_k: what the model's authors sample it with,
+    the server's defaults where a request leaves them out (as vLLM and transformers take them; Llama
+    3 instruct: 0.6 and 0.9). Returns them and a note for each sampling value the server does not
+    apply (repetition_penalty, min_p, ...). A value out of range is refused in one line."""
+    config = read_json_object(directory / "generation_config.json")
+    defaults = {}
+    for key, (low, high) in SAMPLING_DEFAULTS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < low or (high and value > high):
+            raise MeshtrainError(
+                f"{directory / 'generation_config.json'}: {key} = {value!r} is not a number between {low} and "
+                f"{high or 'any'}: correct or remove it"
+            )
+        defaults[key] = value
+    if defaults.get("top_p") == 0:
+        raise MeshtrainError(f"{directory / 'generation_config.json'}: top_p = 0 keeps no token: correct or remove it")
+    ignored = [f"{key} = {config[key]}" for key, neutral in NEUTRAL.items() if config.get(key) not in (None, neutral)]
+    return defaults, ignored

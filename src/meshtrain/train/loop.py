@@ -224,27 +224,19 @@ def peft_record(s: TrainState) -> dict | None:
     return {**s.lora.to_dict(), "base": base_identity(s.cfg), "base_storage": storage}
 
 
-def init_source(cfg) -> str | None:
-    """The pretrained model a run started from (model.init_from's resolved directory), or None."""
-    return str(Path(cfg.model.init_from.removeprefix("hf:")).resolve()) if cfg.model.init_from else None
-
-
 def check_same_base(s: TrainState, path: Path) -> None:
     """The checkpoint to resume belongs to this run's model: LoRA adapters to the same base and
-    settings; every weight to a run started from the same model.init_from (the weights come from
-    the checkpoint, so another init_from would be ignored without a word)."""
+    settings; every weight to a run started from the same model.init_from (the checkpoint's weights
+    are what trains on, so another init_from would be ignored without a word)."""
     state = json.loads((path / TRAIN_STATE).read_text())
-    saved, mine = state.get("peft"), peft_record(s)
-    if saved is None and mine is None:
-        if "init_from" in state and state["init_from"] != init_source(s.cfg):  # recorded since 2026-11
-            raise MeshtrainError(
-                f"checkpoint {path} continues a run started from {state['init_from'] or 'a random initialisation'}, "
-                f"but this run's model.init_from is {s.cfg.model.init_from or 'unset'}: its weights would be ignored "
-                "(they come from the checkpoint); resume with the same model.init_from, or set checkpoint.resume = "
-                "none to start afresh"
-            )
-        return
-    if saved == mine:
+    saved, mine, init_from = state.get("peft"), peft_record(s), base_identity(s.cfg).get("init_from")
+    if saved is None and mine is None and state.get("init_from", init_from) != init_from:  # recorded since 2026-11
+        raise MeshtrainError(
+            f"checkpoint {path} continues a run started from {state['init_from'] or 'a random initialisation'}, but "
+            f"this run's model.init_from is {s.cfg.model.init_from or 'unset'}: its weights would be ignored (they "
+            "come from the checkpoint); resume with the same model.init_from, or set checkpoint.resume = none"
+        )
+    if saved == mine:  # also both None: every weight
         return
     if saved is None or mine is None:
         held = "LoRA adapters" if saved else "every weight"
@@ -280,7 +272,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
             "layout": layout,
             "model": dataclasses.asdict(s.args),
             "peft": peft_record(s),
-            "init_from": init_source(s.cfg),
+            "init_from": base_identity(s.cfg).get("init_from"),
             **({"loss_scale": s.scaler.state_dict()} if s.scaler is not None else {}),
         },
         blocking=blocking,
