@@ -762,5 +762,8 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     )
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)  # OpenAI's defaults
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
-    with pytest.raises(MeshtrainError, match="temperature = -1 is not a number between 0.0 and 2.0"):
+    with pytest.raises(MeshtrainError, match="temperature = -1: input should be greater than or equal to 0"):
+        sampling_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": True}))
+    with pytest.raises(MeshtrainError, match="top_p = True: input should be a valid number"):
         sampling_defaults(tmp_path)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshtrain.serve.engine import Engine, SamplingParams
 from meshtrain.serve.engine import Request as Generation
-from meshtrain.serve.loading import ServedModel
+from meshtrain.serve.loading import SamplingDefaults, ServedModel
 
 
 class APIError(Exception):
@@ -40,19 +40,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Sampling(BaseModel):
+class Sampling(SamplingDefaults):
     """The generation fields both endpoints take. Unknown fields are refused (400), never ignored
     (unlike OpenAI, which ignores some): a misspelled or unsupported option would otherwise change
     nothing without a word. Every declared field takes effect or is refused in `_check` or its
-    endpoint; `user` is accepted as OpenAI's end-user id and has no effect on the answer."""
+    endpoint; `user` is accepted as OpenAI's end-user id and has no effect on the answer. temperature,
+    top_p and top_k (SamplingDefaults) left out: the model's generation_config.json value, else
+    OpenAI's default (1, 1, no top-k)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(None, ge=0)
-    # left out: the model's generation_config.json value, else OpenAI's default (1, 1, no top-k)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, Field, ValidationError
 
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, template_of
 from meshtrain.errors import MeshtrainError
@@ -86,7 +87,15 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
     return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_ids, eos, template, defaults)
 
 
-SAMPLING_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None)}  # key -> bounds
+class SamplingDefaults(BaseModel):
+    """The sampling a model's generation_config.json may set, with the bounds a request's fields have
+    (app.Sampling takes these fields): left out of a request, the model's value applies."""
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+
+
 NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "no_repeat_ngram_size": 0}  # not applied
 
 
@@ -94,20 +103,17 @@ def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
     """generation_config.json's temperature, top_p and top_k: what the model's authors sample it with,
     the server's defaults where a request leaves them out (as vLLM and transformers take them; Llama
     3 instruct: 0.6 and 0.9). Returns them and a note for each sampling value the server does not
-    apply (repetition_penalty, min_p, ...). A value out of range is refused in one line."""
-    config = read_json_object(directory / "generation_config.json")
-    defaults = {}
-    for key, (low, high) in SAMPLING_DEFAULTS.items():
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < low or (high and value > high):
-            raise MeshtrainError(
-                f"{directory / 'generation_config.json'}: {key} = {value!r} is not a number between {low} and "
-                f"{high or 'any'}: correct or remove it"
-            )
-        defaults[key] = value
-    if defaults.get("top_p") == 0:
-        raise MeshtrainError(f"{directory / 'generation_config.json'}: top_p = 0 keeps no token: correct or remove it")
+    apply (repetition_penalty, min_p, ...). A value a request could not send is refused in one line."""
+    path = directory / "generation_config.json"
+    config = read_json_object(path)
+    defaults = {key: config[key] for key in SamplingDefaults.model_fields if config.get(key) is not None}
+    try:
+        SamplingDefaults.model_validate(defaults, strict=True)
+    except ValidationError as e:
+        error = e.errors()[0]
+        raise MeshtrainError(
+            f"{path}: {error['loc'][0]} = {error['input']!r}: {error['msg'][0].lower()}{error['msg'][1:]}; correct or "
+            "remove it"
+        ) from None
     ignored = [f"{key} = {config[key]}" for key, neutral in NEUTRAL.items() if config.get(key) not in (None, neutral)]
     return defaults, ignored
