@@ -5,6 +5,7 @@ pretrained model to a chat endpoint answering the openai client."""
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,81 @@ def test_conversations_are_packed_whole_and_their_targets_counted(chat_data, cha
     # a shorter sequence leaves the longest conversations out, counted
     short = Dataset(chat_data, 48).train
     assert short.too_long > 0 and short.conversations + short.too_long == train.conversations
+
+
+def prepared_tokens(out) -> list[int]:
+    """A prepared train split as one list of ids, its segments in order."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    return [
+        int(t)
+        for f, a, n in manifest["splits"]["train"]
+        for t in np.fromfile(out / f, dtype=manifest["dtype"])[a : a + n]
+    ]
+
+
+LLAMA3_LIKE = (
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+
+
+def test_a_tokenizer_that_adds_a_bos_gets_it_once_in_training_data_and_served_prompts(corpus, tmp_path):
+    """A Llama-3-like tokenizer (its post-processor adds <|begin_of_text|>, its chat template writes
+    bos_token): each prepared text document and chat row begins with one BOS, and the server's
+    completion and chat prompts are the same ids transformers makes (tokenizer(text) and
+    apply_chat_template): the model is served the start it was fine-tuned on."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from meshtrain.serve.app import _encode
+    from meshtrain.serve.loading import ServedModel
+
+    tok = load_tokenizer(corpus / "tokenizer.json")
+    tok.add_special_tokens(["<|begin_of_text|>", "<|start|>", "<|eot|>"])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    tok.save(str(model_dir / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "chat_template": LLAMA3_LIKE}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = AutoTokenizer.from_pretrained(model_dir)
+
+    texts = ["def f(x):\n    return x\n", "import os\nprint(os.sep)\n"]
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    manifest = prepare(
+        [tmp_path / "docs.jsonl"],
+        tmp_path / "text",
+        tokenizer=model_dir / "tokenizer.json",
+        val_fraction=0,
+        progress=False,
+    )
+    eot = tok.token_to_id("<|eot|>")
+    assert manifest["eos_id"] == eot and manifest["document_prefix"] == [bos]
+    stream = prepared_tokens(tmp_path / "text")
+    assert stream == [i for t in texts for i in [*hf(t)["input_ids"], eot]]
+
+    messages = [{"role": "user", "content": "red cat"}, {"role": "assistant", "content": "cat red"}]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    prepare(
+        [tmp_path / "chat.jsonl"],
+        tmp_path / "chat",
+        tokenizer=model_dir / "tokenizer.json",
+        val_fraction=0,
+        progress=False,
+        chat=ChatOptions(LLAMA3_LIKE),
+    )
+    row = prepared_tokens(tmp_path / "chat")
+    assert row == hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert row.count(bos) == 1 and row[0] == bos
+
+    served = ServedModel("m", None, tok, [eot], "<|eot|>", LLAMA3_LIKE, bos_token="<|begin_of_text|>")
+    prompt = _encode(served, served.render_chat(messages[:1]), chat=True)
+    expected = hf.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert prompt == expected["input_ids"] and prompt.count(bos) == 1
+    assert _encode(served, texts[0], chat=False) == hf(texts[0])["input_ids"]
 
 
 def test_the_loss_is_the_mean_over_target_tokens_of_the_whole_batch():

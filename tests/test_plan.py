@@ -381,6 +381,15 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
             ["--model", "tiny", "--gpu", "h100-80gb", "--network", "ib-hdr", "--inter-node-gbps", "9"],
             "--network and --inter-node-gbps both set the inter-node bandwidth",
         ),
+        # a pinned knob that the other pinned one leaves nothing to do: refused as train refuses it
+        (
+            ["--model", "tiny", "--gpu", "h100-80gb", "--tp", "1", "--no-sequence-parallel"],
+            "parallel.sequence_parallel = false shapes tensor parallelism, but parallel.tp is 1",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "h100-80gb", "--pp", "1", "--pp-schedule", "gpipe"],
+            "parallel.pp_schedule = 'gpipe' shapes the pipeline, but parallel.pp is 1",
+        ),
     ],
 )
 def test_bad_plan_requests_get_one_line(args, message, cli_env, tmp_path):

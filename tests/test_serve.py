@@ -3,6 +3,7 @@ client and raw HTTP; answers compared with Hugging Face transformers' greedy gen
 exported model, KV-cache decoding with full recomputation, concurrent answers with lone ones."""
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -438,12 +439,21 @@ def test_a_disconnected_stream_frees_its_only_slot(exported, cli_env):
         proc.wait(timeout=30)
 
 
-def test_generate_streams_to_the_terminal(exported, cli_env, hf_greedy):
+def test_generate_streams_to_the_terminal(exported, cli_env, hf_greedy, tmp_path):
     result = run_cli(
         ["generate", str(exported), "--prompt", "def ", "--max-tokens", "12", "--temperature", "0"], cli_env
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 12)
+    # left out, the sampling is the model's generation_config.json's, as serve takes it: greedy here
+    greedy = tmp_path / "greedy"
+    shutil.copytree(exported, greedy)
+    config = json.loads((greedy / "generation_config.json").read_text())
+    (greedy / "generation_config.json").write_text(json.dumps({**config, "temperature": 0}))
+    result = run_cli(["generate", str(greedy), "--prompt", "def ", "--max-tokens", "12", "--seed", "1"], cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 12)
+    assert "generation_config.json: temperature 0" in result.stderr
 
 
 def hf_logprobs(exported, ids: list[int]) -> torch.Tensor:

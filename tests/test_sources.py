@@ -20,7 +20,7 @@ from meshtrain.interop.weights import save_model
 from meshtrain.model import Llama, ModelArgs
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.lora import apply_lora
-from meshtrain.serve import SamplingParams, generate_to_terminal
+from meshtrain.serve import generate_to_terminal
 
 ARGS = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=512, max_seq_len=32)
 
@@ -127,13 +127,16 @@ def test_a_changed_lora_base_is_refused(lora_run, tmp_path):
         export_adapter(run, tmp_path / "adapter")
 
 
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
 def test_generate_refuses_more_tokens_than_the_context_holds(corpus, tmp_path, capsys):
     run = make_run(tmp_path, corpus)
     prompt = "def f():"
     n = len(Tokenizer.from_file(str(corpus / "tokenizer.json")).encode(prompt).ids)
     with pytest.raises(MeshtrainError, match=f"lower --max-tokens to {32 - n} or shorten the prompt"):
-        generate_to_terminal(str(run), prompt, SamplingParams(32 - n + 1, 0.0, 1.0, 0, [], 0), "cpu")
-    assert generate_to_terminal(str(run), prompt, SamplingParams(32 - n, 0.0, 1.0, 0, [], 0), "cpu") == 0
+        generate_to_terminal(str(run), prompt, 32 - n + 1, GREEDY, 0, "cpu")
+    assert generate_to_terminal(str(run), prompt, 32 - n, GREEDY, 0, "cpu") == 0
     assert capsys.readouterr().out.startswith(prompt)
 
 

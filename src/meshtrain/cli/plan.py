@@ -20,7 +20,17 @@ from pathlib import Path
 from typing import Literal
 
 from meshtrain.cli.options import add_config_keys, add_options, options_of
-from meshtrain.config import Config, check_model_args, config_keys, load_config, option, section_of, to_toml
+from meshtrain.config import (
+    SHAPED_BY,
+    Config,
+    check_keys_in_force,
+    check_model_args,
+    config_keys,
+    load_config,
+    option,
+    section_of,
+    to_toml,
+)
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import check_output
 from meshtrain.layout import Layout
@@ -202,7 +212,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if compiled and not llama:
         raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
     peft = LoraSpec.from_config(cfg.peft)
-    pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
+    pinned = pinned_knobs(cfg, given, explain)
     if "cp" in pinned:
         check_cp(shape, cfg.parallel.cp, cfg.parallel.tp if "tp" in pinned else 1, gpus, seq_len)
     check_peft(peft, o.arch, dtype, gpus, {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "zero") if k in pinned})
@@ -272,6 +282,22 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         where = f"#{i + 1} {estimates[i].layout.describe()}"
         print(f"built (dry run) {where}: {cells} GiB built/planned on rank {gib['rank']}")
     return 0
+
+
+def pinned_knobs(cfg: Config, given: set[str], explain: bool) -> set[str]:
+    """The layout knobs the search keeps as given: those on the command line, or all of an explained
+    config's. One that only shapes another pinned one which leaves it nothing to do (--no-sequence-
+    parallel with --tp 1, --pp-schedule with --pp 1, --ac-every without selective checkpointing) is
+    refused in one line as `train` refuses it, rather than planned without it; with the other knob
+    searched, the layouts it shapes take it."""
+    pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
+    probe = Config()
+    for key in pinned & set(KNOBS):
+        if SHAPED_BY.get(key, key) in pinned:
+            section = section_of(key)
+            setattr(getattr(probe, section), key, getattr(getattr(cfg, section), key))
+    check_keys_in_force(probe)
+    return pinned
 
 
 def check_precision(dev, fp8: str, cpu_offload: bool, host_memory_gib: float | None = None) -> None:

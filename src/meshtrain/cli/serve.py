@@ -44,12 +44,12 @@ class GenerateOptions:
     """The text to continue."""
     max_tokens: int = option(64, ge=1)
     """Tokens to generate."""
-    temperature: float = option(0.8, ge=0.0, le=2.0)
-    """0 to 2; 0: greedy."""
-    top_p: float = option(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling, (0, 1]."""
-    top_k: int = option(50, ge=0)
-    """0: off."""
+    temperature: float | None = option(None, ge=0.0, le=2.0)
+    """0 to 2; 0: greedy (default: the model's generation_config.json, as `serve` takes it, else 0.8)."""
+    top_p: float | None = option(None, gt=0.0, le=1.0)
+    """Nucleus sampling, (0, 1] (default: the model's generation_config.json, else 1)."""
+    top_k: int | None = option(None, ge=0)
+    """0: off (default: the model's generation_config.json, else 50)."""
     seed: int | None = option(None, ge=0, le=2**63 - 1)
     """Seed of the sampling (0 to 2**63-1)."""
     device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
@@ -74,8 +74,8 @@ def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def run_generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from meshtrain.serve import SamplingParams, generate_to_terminal
+    from meshtrain.serve import generate_to_terminal
 
     o: GenerateOptions = options_of(args, GenerateOptions)
-    params = SamplingParams(o.max_tokens, o.temperature, o.top_p, o.top_k, [], o.seed)
-    return generate_to_terminal(o.model, o.prompt, params, o.device)
+    sampling = {"temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k}
+    return generate_to_terminal(o.model, o.prompt, o.max_tokens, sampling, o.seed, o.device)

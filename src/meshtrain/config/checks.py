@@ -126,6 +126,17 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
         )
 
 
+# The layout keys check_keys_in_force refuses where the key they shape leaves them nothing to do,
+# and that key: `meshtrain plan` refuses such a pair only where both are pinned (it searches the other).
+SHAPED_BY = {
+    "pp_schedule": "pp",
+    "pp_virtual_stages": "pp",
+    "sequence_parallel": "tp",
+    "loss_parallel": "tp",
+    "ac_every": "activation_checkpointing",
+}
+
+
 def check_keys_in_force(cfg: Config) -> None:
     """Keys that act only beside another one, refused at the start of a job where they would do
     nothing (not when the config is read: `meshtrain plan` searches those other keys, so there a

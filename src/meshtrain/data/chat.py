@@ -47,11 +47,11 @@ def template_of(directory: Path) -> str:
 class ChatTemplate:
     """A Jinja chat template, rendered as transformers renders it (sandboxed, trim_blocks)."""
 
-    def __init__(self, source: str, eos_token: str | None):
+    def __init__(self, source: str, eos_token: str | None, bos_token: str | None = None):
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        self.source, self.eos_token = source, eos_token or ""
+        self.source, self.eos_token, self.bos_token = source, eos_token or "", bos_token or ""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
             self._template = env.from_string(source)
@@ -60,7 +60,10 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=self.eos_token
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
         )
 
     def target_spans(

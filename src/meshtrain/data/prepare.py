@@ -41,17 +41,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.data.chat import (
-    PREFERENCE_COLUMNS,
-    TEMPLATE_FILE,
-    ChatTemplate,
-    conversation,
-    preference_pair,
-    tokenize_conversations,
-)
+from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, conversation, preference_pair, tokenize_conversations
 from meshtrain.data.format import FORMAT_VERSION, MANIFEST, ShardWriter, resolve_dtype
-from meshtrain.data.sources import LongDocument, Piece, _records, expand_inputs, pieces, read_piece, read_rows
-from meshtrain.data.tokenizer import encode_long, end_of_text, load_tokenizer, tokenizer_fingerprint, train_bpe
+from meshtrain.data.sources import LongDocument, Piece, expand_inputs, pieces, preference_rows, read_piece, read_rows
+from meshtrain.data.tokenizer import (
+    begin_of_text,
+    document_prefix,
+    encode_long,
+    end_of_text,
+    load_tokenizer,
+    tokenizer_fingerprint,
+    train_bpe,
+)
 from meshtrain.data.workers import Ranks, default_workers, run_units
 from meshtrain.errors import DataError
 from meshtrain.files import atomic_write, check_output_dir, copy_file, replace_directory, write_json, writing
@@ -103,16 +104,6 @@ class ChatOptions:
     @property
     def preference(self) -> bool:
         return self.format == "preference"
-
-
-def preference_rows(piece: Piece) -> Iterator[tuple[object, object]]:
-    """The rows of one piece for preference data, each with its place."""
-    if piece.file.kind == "txt":
-        raise DataError(
-            f'{piece.file.path} is plain text; --format preference reads JSON lines or Parquet rows with "prompt", '
-            '"chosen" and "rejected"'
-        )
-    yield from _records(piece, list(PREFERENCE_COLUMNS), needed=False)
 
 
 def _conversations(piece: Piece, chat: ChatOptions) -> Iterator[tuple[list[tuple[list[dict], str]], int]]:
@@ -177,6 +168,8 @@ class UnitJob:
     eos_id: int | None
     chat: ChatOptions | None = None
     eos_token: str | None = None
+    bos_token: str | None = None  # what a chat template's bos_token renders
+    prefix: tuple[int, ...] = ()  # the special tokens that begin each text document (document_prefix)
 
 
 _TOKENIZERS: dict[str, object] = {}
@@ -209,15 +202,15 @@ def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
 
 
 def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) -> int:
-    """Documents in batches of about BATCH_CHARS characters: ids, then the end-of-text token; a
-    longer document alone, a window at a time (`_long_document`)."""
-    eos = [job.eos_id] if job.eos_id is not None else []
+    """Documents in batches of about BATCH_CHARS characters: the tokenizer's prefix (a BOS), ids,
+    then the end-of-text token; a longer document alone, a window at a time (`_long_document`)."""
+    eos, prefix = [job.eos_id] if job.eos_id is not None else [], list(job.prefix)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: ids without character offsets
     batch: list[str] = []
 
     def flush() -> None:
         for text, enc in zip(batch, encode(batch, add_special_tokens=False)):
-            shards["val" if _is_val(text, job.val_fraction) else "train"].add(enc.ids + eos)
+            shards["val" if _is_val(text, job.val_fraction) else "train"].add(prefix + enc.ids + eos)
         batch.clear()
 
     chars = 0
@@ -246,6 +239,7 @@ def _long_document(job: UnitJob, tok, document: str | LongDocument, shards: dict
     if not first:
         return
     shard = shards["val" if _is_val(first, job.val_fraction) else "train"]
+    shard.add(list(job.prefix), end=False)
     for ids in encode_long(tok, itertools.chain([first], chunks)):
         shard.add(ids, end=False)
     shard.add(eos)
@@ -255,7 +249,7 @@ def _chat_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) ->
     """Conversations rendered with the chat template, tokenized with their loss masks; returns how
     many rows were longer than --max-tokens (skipped). A preference row is two conversations, chosen
     then rejected, written as one document (kept or skipped together, in one split)."""
-    template, skipped = ChatTemplate(job.chat.template, job.eos_token), 0
+    template, skipped = ChatTemplate(job.chat.template, job.eos_token, job.bos_token), 0
     rows: list[list[tuple[list[dict], str]]] = []  # each row's conversations
     firsts: list[int] = []  # each conversation's first message that may be a target
 
@@ -401,6 +395,7 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
         "dtype": job.dtype,
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "eos_id": job.eos_id,
+        "document_prefix": None if job.chat else list(job.prefix),
         "tokenizer": "tokenizer.json",
         "tokenizer_sha256": hashlib.sha256((work / "tokenizer.json").read_bytes()).hexdigest(),
         "tokenizer_fingerprint": tokenizer_fingerprint(work / "tokenizer.json"),
@@ -475,10 +470,13 @@ def prepare(
         tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes, chat)
         tok = load_tokenizer(tok_path)
         resolved = resolve_dtype(dtype, tok.get_vocab_size(with_added_tokens=True))
-        eos_token, eos_id = end_of_text(tok, Path(tokenizer).parent if tokenizer else None)
+        config_dir = Path(tokenizer).parent if tokenizer else None
+        eos_token, eos_id = end_of_text(tok, config_dir)
         if chat:
             atomic_write(work / TEMPLATE_FILE, lambda tmp: tmp.write_text(chat.template))
-        return units, UnitJob(str(work), str(tok_path), text_field, val_fraction, resolved, eos_id, chat, eos_token)
+        bos_token, prefix = begin_of_text(tok, config_dir), tuple(document_prefix(tok))
+        special = {"eos_token": eos_token, "bos_token": bos_token, "prefix": prefix}
+        return units, UnitJob(str(work), str(tok_path), text_field, val_fraction, resolved, eos_id, chat, **special)
 
     try:
         units, job = ranks.from_first(start)

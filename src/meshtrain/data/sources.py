@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.data.chat import PREFERENCE_COLUMNS
 from meshtrain.errors import DataError
 
 KINDS = {  # the suffixes meshtrain reads -> their kind
@@ -443,3 +444,13 @@ def read_rows(piece: Piece) -> Iterator[tuple[object, Where]]:
             '"messages" (or "prompt" and "completion")'
         )
     yield from _records(piece, ["messages", "prompt", "completion"], needed=False)
+
+
+def preference_rows(piece: Piece) -> Iterator[tuple[object, Where]]:
+    """The rows of one piece for preference data, each with its place."""
+    if piece.file.kind == "txt":
+        raise DataError(
+            f'{piece.file.path} is plain text; --format preference reads JSON lines or Parquet rows with "prompt", '
+            '"chosen" and "rejected"'
+        )
+    yield from _records(piece, list(PREFERENCE_COLUMNS), needed=False)

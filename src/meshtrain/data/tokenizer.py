@@ -26,17 +26,40 @@ def end_of_text(tokenizer, directory: Path | None = None) -> tuple[str | None, i
     <|im_end|>, Llama 3 instruct's <|eot_id|>), else meshtrain's, Llama 3's, SentencePiece's or Gemma's.
     The one place that decides it: data prepare separates documents with it and ends chat turns at
     it, training's sample, `generate` and `serve` stop on it, export names it."""
-    config = Path(directory, "tokenizer_config.json") if directory is not None else None
-    if config is not None and config.is_file():
-        try:
-            token = json.loads(config.read_text()).get("eos_token")
-        except (json.JSONDecodeError, AttributeError):
-            raise DataError(f"{config} is not a JSON object: fix or remove it") from None
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
-            return token, tokenizer.token_to_id(token)
-    token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+    token = _configured_token(tokenizer, directory, "eos_token")
+    if token is None:
+        token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
     return token, tokenizer.token_to_id(token) if token else None
+
+
+def begin_of_text(tokenizer, directory: Path | None = None) -> str | None:
+    """The `bos_token` of the tokenizer_config.json beside the tokenizer (Llama 3's <|begin_of_text|>,
+    Mistral's <s>), or None: what a chat template's `bos_token` renders, in `data prepare` as in
+    `serve`, so that a fine-tuned conversation and a served one begin alike (as transformers'
+    apply_chat_template renders them)."""
+    return _configured_token(tokenizer, directory, "bos_token")
+
+
+def _configured_token(tokenizer, directory: Path | None, key: str) -> str | None:
+    config = Path(directory, "tokenizer_config.json") if directory is not None else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        token = json.loads(config.read_text()).get(key)
+    except (json.JSONDecodeError, AttributeError):
+        raise DataError(f"{config} is not a JSON object: fix or remove it") from None
+    token = token.get("content") if isinstance(token, dict) else token
+    return token if isinstance(token, str) and tokenizer.token_to_id(token) is not None else None
+
+
+def document_prefix(tokenizer) -> list[int]:
+    """The special tokens the tokenizer's post-processor puts before a text (Llama 3's
+    <|begin_of_text|>; none for meshtrain's own BPE or Qwen's): `data prepare` begins each document
+    with them, as `serve` and `generate` begin a prompt, so the model meets the start it was trained on."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+    return full[: starts[0]] if starts else []
 
 
 def load_tokenizer(path: str | Path):

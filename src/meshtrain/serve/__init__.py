@@ -26,6 +26,8 @@ __all__ = [
 ]
 
 
+# `generate`'s and the end-of-run sample's sampling where neither a flag nor the model sets it
+TERMINAL_SAMPLING = {"temperature": 0.8, "top_p": 1.0, "top_k": 50}
 DEFAULT_CONTEXT = 8192  # serve/generate without --max-context: the model's max_seq_len up to this
 SERVE_DEVICES = ("auto", "cuda", "cpu")
 
@@ -120,11 +122,24 @@ def _check_can_listen(host: str, port: int) -> None:
         ) from None
 
 
-def generate_to_terminal(source: str, prompt: str, params: SamplingParams, device: str = "auto") -> int:
+def generate_to_terminal(
+    source: str, prompt: str, max_tokens: int, sampling: dict[str, float | None], seed: int | None, device: str = "auto"
+) -> int:
     """The prompt and its continuation of --max-tokens tokens, on a cache sized for exactly them (one
     sequence: no DEFAULT_CONTEXT cap); above the model's max_seq_len it is refused, as serve refuses
-    it, rather than cut short."""
+    it, rather than cut short. `sampling`: temperature, top_p and top_k as given (None: left out,
+    so the model's generation_config.json value, as `serve` takes it, else TERMINAL_SAMPLING's)."""
     served = _load(source, device, "auto")
+    chosen = {
+        key: value if value is not None else served.sampling_defaults.get(key, TERMINAL_SAMPLING[key])
+        for key, value in sampling.items()
+    }
+    from_model = [
+        f"{key} {chosen[key]}" for key, value in sampling.items() if value is None and key in served.sampling_defaults
+    ]
+    if from_model:
+        print(f"sampling with the model's generation_config.json: {', '.join(from_model)}", file=sys.stderr)
+    params = SamplingParams(max_tokens, chosen["temperature"], chosen["top_p"], max(0, chosen["top_k"]), [], seed)
     ids = served.tokenizer.encode(prompt).ids
     limit = served.model.args.max_seq_len
     if not ids:
@@ -173,7 +188,7 @@ def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: st
     context = min(args.max_seq_len, len(ids) + max_tokens)  # a cache for this sample, not the model's longest
     engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, context)
     try:
-        text, _, _ = engine.complete(ids, SamplingParams(context - len(ids), 0.8, 1.0, 50, [], 0))
+        text, _, _ = engine.complete(ids, SamplingParams(context - len(ids), **TERMINAL_SAMPLING, seed=0))
     finally:
         engine.close()
     return prompt + text

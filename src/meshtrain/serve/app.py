@@ -328,12 +328,15 @@ def _special_stops(served: ServedModel, stop: list[str]) -> tuple[list[str], fro
     return [s for s in stop if s not in special], ids
 
 
-def _encode(served: ServedModel, text: str) -> list[int]:
+def _encode(served: ServedModel, text: str, chat: bool) -> list[int]:
+    """A completion's prompt gets the tokenizer's special tokens (a BOS), as training's documents
+    begin with them; a rendered chat prompt holds its own, so none are added (transformers'
+    apply_chat_template, and `data prepare`, tokenize it so)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise APIError(400, f"the text is not valid Unicode ({e.reason} at {e.start}): send UTF-8 text") from None
-    return served.tokenizer.encode(text).ids
+    return served.tokenizer.encode(text, add_special_tokens=not chat).ids
 
 
 def _token_text(served: ServedModel, token: int) -> str:
@@ -372,7 +375,7 @@ def _chat_logprobs(served: ServedModel, generation: Generation) -> dict:
 
 
 async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt: str | list[int], chat: bool):
-    prompt_ids = _encode(served, prompt) if isinstance(prompt, str) else prompt
+    prompt_ids = _encode(served, prompt, chat) if isinstance(prompt, str) else prompt
     prompt = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
     params = _check(served, engine, body, prompt_ids, chat)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()

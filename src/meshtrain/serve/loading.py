@@ -13,6 +13,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, template_of
+from meshtrain.data.tokenizer import begin_of_text
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import read_json_object
 from meshtrain.model import Llama
@@ -27,6 +28,7 @@ class ServedModel:
     eos_token: str | None
     chat_template: str
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's
+    bos_token: str | None = None  # what the chat template's bos_token renders (tokenizer_config.json's)
 
     @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
@@ -34,8 +36,12 @@ class ServedModel:
         return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def render_chat(self, messages: list[dict]) -> str:
-        """The prompt of a chat request: the template the model was trained with, up to the answer."""
-        return ChatTemplate(self.chat_template, self.eos_token).render(messages, add_generation_prompt=True)
+        """The prompt of a chat request: the template the model was trained with, up to the answer.
+        It holds its own special tokens (a BOS where the template writes one), as `data prepare`
+        rendered the fine-tuning conversations: tokenized without adding any (app._encode)."""
+        return ChatTemplate(self.chat_template, self.eos_token, self.bos_token).render(
+            messages, add_generation_prompt=True
+        )
 
 
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
@@ -84,7 +90,8 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
         if tokenizer_dir == origin or (tokenizer_dir / TEMPLATE_FILE).is_file()
         else template_of(origin)
     )
-    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_ids, eos, template, defaults)
+    bos = begin_of_text(tokenizer, origin)
+    return ServedModel(path.resolve().name, model.eval(), tokenizer, eos_ids, eos, template, defaults, bos)
 
 
 class SamplingDefaults(BaseModel):
