@@ -216,3 +216,37 @@ def test_the_plan_covers_every_rank_of_uneven_stages(tmp_path):
         assert plan[key] == pytest.approx(max(r.built[key] for r in reports), rel=0.01), key
     assert reports[0].built["params"] != pytest.approx(reports[1].built["params"], rel=0.05)
     assert plan["total"] == pytest.approx(max(r.built["total"] for r in reports), rel=0.12)
+
+
+def test_a_dpo_job_is_built_with_its_pairs_and_its_reference(corpus, tmp_path):
+    """A DPO step takes each sample as a pair of sequences, after a reference pass (a frozen copy of
+    the base, or with LoRA the adapters off): the dry run builds and steps it so, within 5% of the
+    planner's activations and peak; a DPO job on the default corpus (plain text) is refused before
+    anything is prepared."""
+    from meshtrain.data import prepare
+    from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE
+    from meshtrain.data.prepare import ChatOptions
+
+    pair = {"prompt": "red or blue?", "chosen": "red", "rejected": "blue"}
+    (tmp_path / "pairs.jsonl").write_text(
+        "".join(json.dumps({**pair, "prompt": f"{i}: red or blue?"}) + "\n" for i in range(64))
+    )
+    options = ChatOptions(DEFAULT_CHAT_TEMPLATE, format="preference")
+    data = tmp_path / "pairs"
+    prepare(
+        [tmp_path / "pairs.jsonl"],
+        data,
+        tokenizer=corpus / "tokenizer.json",
+        val_fraction=0,
+        progress=False,
+        chat=options,
+    )
+    for extra in ([], ["--peft.method", "lora"]):
+        cfg = load_config(None, [*TINY, "--training.objective", "dpo", "--data.path", str(data), *extra])
+        (report,) = dry_run(cfg, 2)
+        assert report.built["activations"] == pytest.approx(report.planned["activations"], rel=0.05), extra
+        assert report.built["total"] == pytest.approx(report.planned["total"], rel=0.05), extra
+    fresh = load_config(None, [*TINY, "--training.objective", "dpo", "--data.path", str(tmp_path / "none")])
+    with pytest.raises(ConfigError, match="dpo learns from preference pairs, but .* holds no data yet"):
+        dry_run(fresh, 2)
+    assert not (tmp_path / "none").exists()

@@ -186,24 +186,27 @@ def _grad_bytes(model, optimizer) -> int:
 def _measure_step(model, optimizer, layout: Layout, t, context, report: RankReport, vocab: int) -> None:
     """One micro-batch's saved activations; then two training steps: the first (one micro-batch)
     makes the gradients and AdamW's moments, the second, which starts with them as every later
-    step does, is the one whose peak of live bytes is measured."""
+    step does, is the one whose peak of live bytes is measured. A sample is `rows_per_sample`
+    sequences (DPO: a pair, with its reference pass), as the trainer's step takes it."""
     from meshtrain.train.measure import PeakLiveBytes, SavedActivations
-    from meshtrain.train.step import train_step
+    from meshtrain.train.step import micro_batch_loss, train_step
 
     (part,) = model.parts
-    x, y = _tokens(t.micro_batch_size, t.seq_len, vocab)
+    rows_per_sample = model.rows_per_sample
+    x, y = _tokens(t.micro_batch_size * rows_per_sample, t.seq_len, vocab)
     with SavedActivations(part, fake=True) as saved, context():
-        model.loss_fn(part(x), y)
+        micro_batch_loss(model, part, x, y)
     report.built["activations"] = saved.bytes
     # Three micro-batches hold every state a step's memory passes through: the first makes the
     # gradients, a middle one adds to them without syncing, the last syncs (FSDP reduce-scatters).
     # Later middle ones repeat the second's peak, so a long accumulation is not run out on fake
     # tensors (8 micro-batches of Llama 3 8B took a minute). The loss keeps the job's scale.
-    rows = min(t.global_batch_size // layout.dp, 3 * t.micro_batch_size)
+    rows = min(t.global_batch_size // layout.dp, 3 * t.micro_batch_size) * rows_per_sample
     inputs, targets = _tokens(rows, t.seq_len, vocab)
-    n_targets = t.global_batch_size * t.seq_len
+    n_targets = t.global_batch_size * (1 if model.preference else t.seq_len)  # DPO's loss is a mean over pairs
     step = lambda x, y: train_step(model, optimizer, x, y, layout, t, torch.device("cpu"), context, None, n_targets)  # noqa: E731
-    step(inputs[: t.micro_batch_size], targets[: t.micro_batch_size])  # the gradients' and moments' first step
+    first = t.micro_batch_size * rows_per_sample
+    step(inputs[:first], targets[:first])  # the gradients' and moments' first step
     with PeakLiveBytes(_states(model, optimizer)) as peak:
         step(inputs, targets)
     report.built["total"] = peak.peak

@@ -143,14 +143,16 @@ def check_peft_layout(cfg: Config, layout: Layout, args: ModelArgs) -> None:
         )
 
 
-def check_objective_data(cfg: Config, dataset: Blend) -> None:
-    """DPO learns from preference pairs, and only DPO does."""
+def check_objective_data(cfg: Config, dataset: Blend | None) -> None:
+    """DPO learns from preference pairs, and only DPO does. `dataset` None: not prepared yet, so the
+    default corpus (plain text) would be: refused before it is prepared."""
     from meshtrain.errors import ConfigError
 
     preference = getattr(dataset, "preference", False)
     if cfg.training.objective == "dpo" and not preference:
+        what = "is not" if dataset is not None else f"holds no data yet (data.corpus {cfg.data.corpus!r} is plain text)"
         raise ConfigError(
-            f"training.objective = dpo learns from preference pairs, but {cfg.data.path} is not: prepare them "
+            f"training.objective = dpo learns from preference pairs, but {cfg.data.path} {what}: prepare them "
             "with `meshtrain data prepare --format preference`"
         )
     if preference and cfg.training.objective != "dpo":
@@ -166,6 +168,7 @@ def prepared_dataset(cfg: Config) -> Blend | None:
     corrupt otherwise."""
     paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
     if len(paths) == 1 and not (paths[0] / MANIFEST).is_file() and cfg.data.corpus:
+        check_objective_data(cfg, None)
         return None
     for path in paths:
         read_manifest(path)  # the trainer's one-line error for missing or corrupt data
