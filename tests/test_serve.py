@@ -449,11 +449,11 @@ def test_generate_streams_to_the_terminal(exported, cli_env, hf_greedy, tmp_path
     greedy = tmp_path / "greedy"
     shutil.copytree(exported, greedy)
     config = json.loads((greedy / "generation_config.json").read_text())
-    (greedy / "generation_config.json").write_text(json.dumps({**config, "temperature": 0}))
-    result = run_cli(["generate", str(greedy), "--prompt", "def ", "--max-tokens", "12", "--seed", "1"], cli_env)
+    (greedy / "generation_config.json").write_text(json.dumps({**config, "temperature": 0, "max_new_tokens": 7}))
+    result = run_cli(["generate", str(greedy), "--prompt", "def ", "--seed", "1"], cli_env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 12)
-    assert "generation_config.json: temperature 0" in result.stderr
+    assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 7)
+    assert "generation_config.json: temperature 0" in result.stderr and "max_new_tokens 7" in result.stderr
 
 
 def hf_logprobs(exported, ids: list[int]) -> torch.Tensor:
@@ -770,7 +770,17 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     plain = _check(
         ServedModel("m", None, tokenizer, [], None, ""), engine, CompletionRequest(model="m", prompt="x"), [1], False
     )
-    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)  # OpenAI's defaults
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, 0, 16)  # OpenAI's defaults
+    # max_new_tokens: the default length of a request (vLLM's reading), up to the context's room
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 40}))
+    lengthy = ServedModel("m", None, tokenizer, [], None, "", sampling_defaults(tmp_path)[0])
+    assert _check(lengthy, engine, CompletionRequest(model="m", prompt="x"), [1, 2], chat=False).max_tokens == 40
+    assert _check(lengthy, engine, CompletionRequest(model="m", prompt="x"), [1] * 60, chat=False).max_tokens == 4
+    given = CompletionRequest(model="m", prompt="x", max_tokens=3)
+    assert _check(lengthy, engine, given, [1, 2], chat=False).max_tokens == 3
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+    with pytest.raises(MeshtrainError, match="max_new_tokens = 0: input should be greater than or equal to 1"):
+        sampling_defaults(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(MeshtrainError, match="temperature = -1: input should be greater than or equal to 0"):
         sampling_defaults(tmp_path)

@@ -42,8 +42,8 @@ class GenerateOptions:
     """A run directory, a checkpoint, or a directory `meshtrain export` wrote."""
     prompt: str = option()
     """The text to continue."""
-    max_tokens: int = option(64, ge=1)
-    """Tokens to generate."""
+    max_tokens: int | None = option(None, ge=1)
+    """Tokens to generate (default: the model's generation_config.json max_new_tokens, else 64)."""
     temperature: float | None = option(None, ge=0.0, le=2.0)
     """0 to 2; 0: greedy (default: the model's generation_config.json, as `serve` takes it, else 0.8)."""
     top_p: float | None = option(None, gt=0.0, le=1.0)

@@ -26,8 +26,8 @@ __all__ = [
 ]
 
 
-# `generate`'s and the end-of-run sample's sampling where neither a flag nor the model sets it
-TERMINAL_SAMPLING = {"temperature": 0.8, "top_p": 1.0, "top_k": 50}
+# `generate`'s (and the end-of-run sample's) sampling and length where neither a flag nor the model sets them
+TERMINAL_SAMPLING = {"temperature": 0.8, "top_p": 1.0, "top_k": 50, "max_new_tokens": 64}
 DEFAULT_CONTEXT = 8192  # serve/generate without --max-context: the model's max_seq_len up to this
 SERVE_DEVICES = ("auto", "cuda", "cpu")
 
@@ -123,27 +123,35 @@ def _check_can_listen(host: str, port: int) -> None:
 
 
 def generate_to_terminal(
-    source: str, prompt: str, max_tokens: int, sampling: dict[str, float | None], seed: int | None, device: str = "auto"
+    source: str,
+    prompt: str,
+    max_tokens: int | None,
+    sampling: dict[str, float | None],
+    seed: int | None,
+    device: str = "auto",
 ) -> int:
     """The prompt and its continuation of --max-tokens tokens, on a cache sized for exactly them (one
     sequence: no DEFAULT_CONTEXT cap); above the model's max_seq_len it is refused, as serve refuses
     it, rather than cut short. `sampling`: temperature, top_p and top_k as given (None: left out,
-    so the model's generation_config.json value, as `serve` takes it, else TERMINAL_SAMPLING's)."""
+    so the model's generation_config.json value, as `serve` takes it, else TERMINAL_SAMPLING's);
+    `max_tokens` None: its max_new_tokens (up to the context's room), else 64."""
     served = _load(source, device, "auto")
-    chosen = {
-        key: value if value is not None else served.sampling_defaults.get(key, TERMINAL_SAMPLING[key])
-        for key, value in sampling.items()
-    }
-    from_model = [
-        f"{key} {chosen[key]}" for key, value in sampling.items() if value is None and key in served.sampling_defaults
-    ]
-    if from_model:
-        print(f"sampling with the model's generation_config.json: {', '.join(from_model)}", file=sys.stderr)
-    params = SamplingParams(max_tokens, chosen["temperature"], chosen["top_p"], max(0, chosen["top_k"]), [], seed)
     ids = served.tokenizer.encode(prompt).ids
     limit = served.model.args.max_seq_len
     if not ids:
         raise MeshtrainError("the prompt has no tokens: give a non-empty --prompt")
+    given = {**sampling, "max_new_tokens": max_tokens}
+    chosen = {key: served.sampling_defaults.get(key, TERMINAL_SAMPLING[key]) for key in given} | {
+        key: value for key, value in given.items() if value is not None
+    }
+    if max_tokens is None:  # the model's own length, as serve takes it: up to the context's room
+        chosen["max_new_tokens"] = max(1, min(chosen["max_new_tokens"], limit - len(ids)))
+    from_model = [f"{key} {chosen[key]}" for key in given if given[key] is None and key in served.sampling_defaults]
+    if from_model:
+        print(f"sampling with the model's generation_config.json: {', '.join(from_model)}", file=sys.stderr)
+    params = SamplingParams(
+        chosen["max_new_tokens"], chosen["temperature"], chosen["top_p"], max(0, chosen["top_k"]), [], seed
+    )
     if len(ids) + params.max_tokens > limit:
         raise MeshtrainError(
             f"the prompt has {len(ids)} tokens and --max-tokens asks for {params.max_tokens}: together above the "
@@ -187,8 +195,9 @@ def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: st
     ids = tokenizer.encode(prompt).ids[-(args.max_seq_len - 1) :]
     context = min(args.max_seq_len, len(ids) + max_tokens)  # a cache for this sample, not the model's longest
     engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, context)
+    sampling = {key: TERMINAL_SAMPLING[key] for key in ("temperature", "top_p", "top_k")}
     try:
-        text, _, _ = engine.complete(ids, SamplingParams(context - len(ids), **TERMINAL_SAMPLING, seed=0))
+        text, _, _ = engine.complete(ids, SamplingParams(context - len(ids), **sampling, seed=0))
     finally:
         engine.close()
     return prompt + text

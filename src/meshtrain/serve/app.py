@@ -274,6 +274,7 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         raise APIError(400, "logprobs and echo are returned with stream: false only", "stream")
     room = engine.max_context - len(prompt_ids)
     default = room if chat else min(16, room)  # OpenAI: chat to the end of the context, completions 16
+    default = min(served.sampling_defaults.get("max_new_tokens", default), room)  # the model's own, if set
     max_tokens = body.max_tokens if body.max_tokens is not None else max(1, default)
     if max_tokens == 0 and not echo:
         raise APIError(400, "max_tokens: 0 only with echo (scoring the prompt)", "max_tokens")

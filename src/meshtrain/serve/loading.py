@@ -103,19 +103,26 @@ class SamplingDefaults(BaseModel):
     top_k: int | None = Field(None, ge=-1)
 
 
+class GenerationDefaults(SamplingDefaults):
+    """... and the length: max_new_tokens is the default of a request's max_tokens (vLLM's reading),
+    up to the room its context leaves. Not a request field: OpenAI's is max_tokens."""
+
+    max_new_tokens: int | None = Field(None, ge=1)
+
+
 NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "no_repeat_ngram_size": 0}  # not applied
 
 
 def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
-    """generation_config.json's temperature, top_p and top_k: what the model's authors sample it with,
-    the server's defaults where a request leaves them out (as vLLM and transformers take them; Llama
-    3 instruct: 0.6 and 0.9). Returns them and a note for each sampling value the server does not
+    """generation_config.json's temperature, top_p, top_k and max_new_tokens: what the model's authors
+    sample it with, the server's defaults where a request leaves them out (as vLLM and transformers
+    take them; Llama 3 instruct: 0.6 and 0.9). Returns them and a note for each sampling value the server does not
     apply (repetition_penalty, min_p, ...). A value a request could not send is refused in one line."""
     path = directory / "generation_config.json"
     config = read_json_object(path)
-    defaults = {key: config[key] for key in SamplingDefaults.model_fields if config.get(key) is not None}
+    defaults = {key: config[key] for key in GenerationDefaults.model_fields if config.get(key) is not None}
     try:
-        SamplingDefaults.model_validate(defaults, strict=True)
+        GenerationDefaults.model_validate(defaults, strict=True)
     except ValidationError as e:
         error = e.errors()[0]
         raise MeshtrainError(
