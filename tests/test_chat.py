@@ -196,6 +196,12 @@ def test_a_tokenizer_that_adds_a_bos_gets_it_once_in_training_data_and_served_pr
     expected = hf.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True, return_dict=True)
     assert prompt == expected["input_ids"] and prompt.count(bos) == 1
     assert _encode(served, texts[0], chat=False) == hf(texts[0])["input_ids"]
+    # a post-processor that also ends a text (BERT's [SEP] style): a prompt is a document's start
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A <|eot|>", special_tokens=[("<|begin_of_text|>", bos), ("<|eot|>", eot)]
+    )
+    ended = ServedModel("m", None, tok, [eot], "<|eot|>", LLAMA3_LIKE, bos_token="<|begin_of_text|>")
+    assert _encode(ended, texts[0], chat=False) == [bos, *tok.encode(texts[0], add_special_tokens=False).ids]
 
 
 def test_the_loss_is_the_mean_over_target_tokens_of_the_whole_batch():

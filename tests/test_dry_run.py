@@ -218,7 +218,7 @@ def test_the_plan_covers_every_rank_of_uneven_stages(tmp_path):
     assert plan["total"] == pytest.approx(max(r.built["total"] for r in reports), rel=0.12)
 
 
-def test_a_dpo_job_is_built_with_its_pairs_and_its_reference(corpus, tmp_path):
+def test_a_dpo_job_is_built_with_its_pairs_and_its_reference(corpus, cli_env, tmp_path):
     """A DPO step takes each sample as a pair of sequences, after a reference pass (a frozen copy of
     the base, or with LoRA the adapters off): the dry run builds and steps it so, within 5% of the
     planner's activations and peak; a DPO job on the default corpus (plain text) is refused before
@@ -246,7 +246,7 @@ def test_a_dpo_job_is_built_with_its_pairs_and_its_reference(corpus, tmp_path):
         (report,) = dry_run(cfg, 2)
         assert report.built["activations"] == pytest.approx(report.planned["activations"], rel=0.05), extra
         assert report.built["total"] == pytest.approx(report.planned["total"], rel=0.05), extra
-    fresh = load_config(None, [*TINY, "--training.objective", "dpo", "--data.path", str(tmp_path / "none")])
-    with pytest.raises(ConfigError, match="dpo learns from preference pairs, but .* holds no data yet"):
-        dry_run(fresh, 2)
-    assert not (tmp_path / "none").exists()
+    fresh = ["train", *TINY, "--training.objective", "dpo", "--data.path", str(tmp_path / "none"), "--dry-run", "2"]
+    result = run_cli(fresh, cli_env)
+    assert result.returncode == 2 and "dpo learns from preference pairs, but" in result.stderr, result.stderr
+    assert "holds no data yet" in result.stderr and not (tmp_path / "none").exists()

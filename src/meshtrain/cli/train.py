@@ -140,6 +140,10 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
 
 def _dry_run(cfg, o: TrainOptions) -> int:
     from meshtrain.train.dry_run import KEYS, dry_run
+    from meshtrain.train.preflight import check_objective_data, prepared_dataset
+
+    if prepared_dataset(cfg) is None:  # train would prepare the default corpus here: plain text
+        check_objective_data(cfg, None)
 
     reports = dry_run(cfg, o.dry_run, o.dry_run_rank)
     if o.json:

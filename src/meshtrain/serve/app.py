@@ -330,14 +330,11 @@ def _special_stops(served: ServedModel, stop: list[str]) -> tuple[list[str], fro
 
 
 def _encode(served: ServedModel, text: str, chat: bool) -> list[int]:
-    """A completion's prompt gets the tokenizer's special tokens (a BOS), as training's documents
-    begin with them; a rendered chat prompt holds its own, so none are added (transformers'
-    apply_chat_template, and `data prepare`, tokenize it so)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise APIError(400, f"the text is not valid Unicode ({e.reason} at {e.start}): send UTF-8 text") from None
-    return served.tokenizer.encode(text, add_special_tokens=not chat).ids
+    return served.prompt_ids(text, chat)
 
 
 def _token_text(served: ServedModel, token: int) -> str:

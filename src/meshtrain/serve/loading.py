@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, template_of
-from meshtrain.data.tokenizer import begin_of_text
+from meshtrain.data.tokenizer import begin_of_text, document_prefix
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import read_json_object
 from meshtrain.model import Llama
@@ -35,10 +35,21 @@ class ServedModel:
         """The tokenizer's special tokens by text (read once: every request's stops look them up)."""
         return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
+    @functools.cached_property
+    def document_prefix(self) -> list[int]:
+        return document_prefix(self.tokenizer)
+
+    def prompt_ids(self, text: str, chat: bool) -> list[int]:
+        """A prompt's ids as training's data began: a completion's after the special tokens that begin
+        each prepared document (Llama 3's <|begin_of_text|>); a rendered chat prompt holds its own, so
+        none are added (as transformers' apply_chat_template and `data prepare` tokenize it)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids if chat else self.document_prefix + ids
+
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt of a chat request: the template the model was trained with, up to the answer.
         It holds its own special tokens (a BOS where the template writes one), as `data prepare`
-        rendered the fine-tuning conversations: tokenized without adding any (app._encode)."""
+        rendered the fine-tuning conversations: tokenized without adding any (`prompt_ids`)."""
         return ChatTemplate(self.chat_template, self.eos_token, self.bos_token).render(
             messages, add_generation_prompt=True
         )

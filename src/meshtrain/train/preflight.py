@@ -168,7 +168,6 @@ def prepared_dataset(cfg: Config) -> Blend | None:
     corrupt otherwise."""
     paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
     if len(paths) == 1 and not (paths[0] / MANIFEST).is_file() and cfg.data.corpus:
-        check_objective_data(cfg, None)
         return None
     for path in paths:
         read_manifest(path)  # the trainer's one-line error for missing or corrupt data
