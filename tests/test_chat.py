@@ -139,6 +139,65 @@ LLAMA3_LIKE = (
 )
 
 
+def llama3_like_tokenizer(corpus, directory):
+    """The test corpus's BPE as a Llama 3 tokenizer is made: a post-processor that adds
+    <|begin_of_text|>, and a tokenizer_config.json naming it, the end of a turn and a chat template
+    that writes bos_token."""
+    from tokenizers import processors
+
+    tok = load_tokenizer(corpus / "tokenizer.json")
+    tok.add_special_tokens(["<|begin_of_text|>", "<|start|>", "<|eot|>"])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "chat_template": LLAMA3_LIKE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_run_keeps_its_tokenizers_bos_and_end_of_turn_for_serve_and_export(corpus, cli_env, tmp_path):
+    """A model trained from scratch on chat rows prepared with a Llama-3-like tokenizer: the data and
+    the run keep its tokenizer_config.json, so the served and the exported model (transformers'
+    apply_chat_template) render prompts with its <|begin_of_text|> and stop at its <|eot|>."""
+    from transformers import AutoTokenizer
+
+    from meshtrain.serve.loading import load_served_model
+
+    model_dir = llama3_like_tokenizer(corpus, tmp_path / "model")
+    rows = [
+        {"messages": [{"role": "user", "content": f"word {i}"}, {"role": "assistant", "content": "ok"}]}
+        for i in range(64)
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", rows)
+    data, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "hf"
+    prepare(
+        [tmp_path / "chat.jsonl"],
+        data,
+        tokenizer=model_dir / "tokenizer.json",
+        val_fraction=0,
+        progress=False,
+        chat=ChatOptions(LLAMA3_LIKE),
+    )
+    result = run_cli(train_args(data, run, "--training.steps", "2"), cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (data / "tokenizer_config.json").is_file() and (run / "tokenizer_config.json").is_file()
+    served = load_served_model(run, torch.device("cpu"), torch.float32)
+    eot = served.tokenizer.token_to_id("<|eot|>")
+    assert served.bos_token == "<|begin_of_text|>" and eot in served.eos_ids
+    assert run_cli(["export", str(run), "--out", str(out)], cli_env).returncode == 0
+    messages = rows[0]["messages"][:1]
+    ids = AutoTokenizer.from_pretrained(out).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert ids == served.prompt_ids(served.render_chat(messages), chat=True) and ids[0] == served.tokenizer.token_to_id(
+        "<|begin_of_text|>"
+    )
+    assert ids == prepared_tokens(data)[: len(ids)]  # the training row's start
+
+
 def test_a_tokenizer_that_adds_a_bos_gets_it_once_in_training_data_and_served_prompts(corpus, tmp_path):
     """A Llama-3-like tokenizer (its post-processor adds <|begin_of_text|>, its chat template writes
     bos_token): each prepared text document and chat row begins with one BOS, and the server's
@@ -150,17 +209,9 @@ def test_a_tokenizer_that_adds_a_bos_gets_it_once_in_training_data_and_served_pr
     from meshtrain.serve.app import _encode
     from meshtrain.serve.loading import ServedModel
 
-    tok = load_tokenizer(corpus / "tokenizer.json")
-    tok.add_special_tokens(["<|begin_of_text|>", "<|start|>", "<|eot|>"])
+    model_dir = llama3_like_tokenizer(corpus, tmp_path / "model")
+    tok = load_tokenizer(model_dir / "tokenizer.json")
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
-    )
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    tok.save(str(model_dir / "tokenizer.json"))
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "chat_template": LLAMA3_LIKE}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     hf = AutoTokenizer.from_pretrained(model_dir)
 
     texts = ["def f(x):\n    return x\n", "import os\nprint(os.sep)\n"]

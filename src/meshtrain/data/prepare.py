@@ -46,6 +46,7 @@ from meshtrain.data.format import FORMAT_VERSION, MANIFEST, ShardWriter, resolve
 from meshtrain.data.sources import LongDocument, Piece, expand_inputs, pieces, preference_rows, read_piece, read_rows
 from meshtrain.data.tokenizer import (
     begin_of_text,
+    copy_tokenizer,
     document_prefix,
     encode_long,
     end_of_text,
@@ -55,7 +56,7 @@ from meshtrain.data.tokenizer import (
 )
 from meshtrain.data.workers import Ranks, default_workers, run_units
 from meshtrain.errors import DataError
-from meshtrain.files import atomic_write, check_output_dir, copy_file, replace_directory, write_json, writing
+from meshtrain.files import atomic_write, check_output_dir, replace_directory, write_json, writing
 from meshtrain.lock import LOCK_NAME, RunLock
 from meshtrain.logs import log
 
@@ -338,12 +339,13 @@ def _open_partial(work: Path, spec: dict) -> RunLock:
 def _make_tokenizer(
     work: Path, units: list[Unit], tokenizer, vocab_size: int, text_field: str, sample: int, chat: ChatOptions | None
 ) -> Path:
-    """The tokenizer in the partial directory: the given one, or a BPE trained on a sample."""
+    """The tokenizer in the partial directory: the given one with the tokenizer_config.json beside it
+    (its eos and bos tokens, for training, serve and export), or a BPE trained on a sample."""
     path = work / "tokenizer.json"
     if path.is_file():
         return path
     if tokenizer:
-        return copy_file(tokenizer, path)
+        return copy_tokenizer(tokenizer, work)
     tok = train_bpe(tokenizer_sample(units, text_field, sample, chat), vocab_size)
     return atomic_write(path, lambda tmp: tok.save(str(tmp)))
 

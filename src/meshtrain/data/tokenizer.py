@@ -9,9 +9,12 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from meshtrain.data.chat import TEMPLATE_FILE
 from meshtrain.errors import DataError
+from meshtrain.files import copy_file
 from meshtrain.logs import log
 
+TOKENIZER_CONFIG = "tokenizer_config.json"  # beside a tokenizer.json: its special tokens (kept with it)
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 
@@ -41,7 +44,7 @@ def begin_of_text(tokenizer, directory: Path | None = None) -> str | None:
 
 
 def _configured_token(tokenizer, directory: Path | None, key: str) -> str | None:
-    config = Path(directory, "tokenizer_config.json") if directory is not None else None
+    config = Path(directory, TOKENIZER_CONFIG) if directory is not None else None
     if config is None or not config.is_file():
         return None
     try:
@@ -60,6 +63,17 @@ def document_prefix(tokenizer) -> list[int]:
     full = tokenizer.encode("a", add_special_tokens=True).ids
     starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
     return full[: starts[0]] if starts else []
+
+
+def copy_tokenizer(source: str | Path, directory: Path, template: Path | None = None) -> Path:
+    """A tokenizer.json into `directory` with the tokenizer_config.json beside it (its eos and bos
+    tokens), and `template`, the chat template chat data was rendered with: data prepare keeps them
+    with the data, training with the run, so serve and export render and stop as the model learned."""
+    if (config := Path(source).parent / TOKENIZER_CONFIG).is_file():
+        copy_file(config, directory / TOKENIZER_CONFIG)
+    if template is not None:
+        copy_file(template, directory / TEMPLATE_FILE)
+    return copy_file(source, directory / "tokenizer.json")
 
 
 def load_tokenizer(path: str | Path):

@@ -261,6 +261,8 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    from meshtrain.data.tokenizer import begin_of_text
+
     check_output_dir(out, [source], EXPORT_MARKER, "meshtrain export")  # before reading the source
     ckpt, run_dir = run_weights(Path(source))
     check_output_dir(out, _lora_base(ckpt, run_dir), EXPORT_MARKER, "meshtrain export")
@@ -277,7 +279,8 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
         raise MeshtrainError(f"export dtype {dtype!r}: use auto, {', '.join(SHORT_DTYPES)}")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eos, eos_ids = end_tokens(origin if origin.is_dir() else run_dir, tokenizer)
-    bos_id = (source_config or {}).get("bos_token_id", eos_ids[0] if eos_ids else None)
+    bos = begin_of_text(tokenizer, run_dir) or eos  # a run's own tokenizer: its config's BOS, else GPT-2's use
+    bos_id = (source_config or {}).get("bos_token_id", tokenizer.token_to_id(bos) if bos else None)
 
     out = Path(out)
     with atomic_directory(out) as tmp:
@@ -297,7 +300,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
             PreTrainedTokenizerFast(
                 tokenizer_file=str(tokenizer_file),
                 eos_token=eos,
-                bos_token=eos,
+                bos_token=bos,
                 chat_template=template.read_text() if template.is_file() else DEFAULT_CHAT_TEMPLATE,
             ).save_pretrained(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))

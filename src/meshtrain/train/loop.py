@@ -26,9 +26,9 @@ from meshtrain.checkpoint import (
 )
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.config.checks import check_steps_ahead
-from meshtrain.data.chat import TEMPLATE_FILE
+from meshtrain.data.tokenizer import copy_tokenizer
 from meshtrain.errors import MeshtrainError
-from meshtrain.files import copy_file, ensure_room, write_json, write_text
+from meshtrain.files import ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_tflops
 from meshtrain.interop.hf import base_identity, keep_source_files
 from meshtrain.launch import detect
@@ -97,9 +97,7 @@ def announce(s: TrainState) -> None:
         run_dir / "arithmetic.json",
         dataclasses.asdict(s.arithmetic) | {"attention_backward": dataclasses.asdict(s.attention)},
     )
-    copy_file(s.dataset.tokenizer_path, run_dir / "tokenizer.json")
-    if s.dataset.template_path:  # chat data: serve and export render prompts as the model learned them
-        copy_file(s.dataset.template_path, run_dir / TEMPLATE_FILE)
+    copy_tokenizer(s.dataset.tokenizer_path, run_dir, s.dataset.template_path)
     if s.cfg.model.init_from:  # the pretrained model's config, tokenizer files and end tokens, for export
         keep_source_files(s.cfg.model.init_from.removeprefix("hf:"), run_dir)
     log.info(
