@@ -140,9 +140,9 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
 
 def _dry_run(cfg, o: TrainOptions) -> int:
     from meshtrain.train.dry_run import KEYS, dry_run
-    from meshtrain.train.preflight import check_objective_data, prepared_dataset
+    from meshtrain.train.preflight import check_objective_data, default_corpus_pending
 
-    if prepared_dataset(cfg) is None:  # train would prepare the default corpus here: plain text
+    if default_corpus_pending(cfg):  # train would prepare the default corpus here: plain text
         check_objective_data(cfg, None)
 
     reports = dry_run(cfg, o.dry_run, o.dry_run_rank)

@@ -65,6 +65,13 @@ def document_prefix(tokenizer) -> list[int]:
     return full[: starts[0]] if starts else []
 
 
+def encode_prompt(tokenizer, text: str, prefix: list[int] | None = None) -> list[int]:
+    """A text to continue, as a prepared document begins: `document_prefix` (or `prefix`, that
+    computed once), then the text's ids (no suffix a post-processor would add)."""
+    prefix = document_prefix(tokenizer) if prefix is None else prefix
+    return prefix + tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def copy_tokenizer(source: str | Path, directory: Path, template: Path | None = None) -> Path:
     """A tokenizer.json into `directory` with the tokenizer_config.json beside it (its eos and bos
     tokens), and `template`, the chat template chat data was rendered with: data prepare keeps them

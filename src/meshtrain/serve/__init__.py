@@ -186,15 +186,13 @@ def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: st
     by the engine that serves: one sampling and stopping implementation)."""
     from tokenizers import Tokenizer
 
-    from meshtrain.data.tokenizer import document_prefix, end_of_text
+    from meshtrain.data.tokenizer import encode_prompt, end_of_text
     from meshtrain.model import Llama
 
     model = Llama(args)
     model.load_state_dict(state, strict=False)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    ids = (document_prefix(tokenizer) + tokenizer.encode(prompt, add_special_tokens=False).ids)[
-        -(args.max_seq_len - 1) :
-    ]
+    ids = encode_prompt(tokenizer, prompt)[-(args.max_seq_len - 1) :]
     context = min(args.max_seq_len, len(ids) + max_tokens)  # a cache for this sample, not the model's longest
     engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, context)
     sampling = {key: TERMINAL_SAMPLING[key] for key in ("temperature", "top_p", "top_k")}

@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, template_of
-from meshtrain.data.tokenizer import begin_of_text, document_prefix
+from meshtrain.data.tokenizer import begin_of_text, document_prefix, encode_prompt
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import read_json_object
 from meshtrain.model import Llama
@@ -43,8 +43,9 @@ class ServedModel:
         """A prompt's ids as training's data began: a completion's after the special tokens that begin
         each prepared document (Llama 3's <|begin_of_text|>); a rendered chat prompt holds its own, so
         none are added (as transformers' apply_chat_template and `data prepare` tokenize it)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ids if chat else self.document_prefix + ids
+        if chat:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_prompt(self.tokenizer, text, self.document_prefix)
 
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt of a chat request: the template the model was trained with, up to the answer.

@@ -33,7 +33,13 @@ from meshtrain.train.attention_backward import AttentionBackward
 from meshtrain.train.attention_backward import resolve as resolve_attention_backward
 from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
-from meshtrain.train.preflight import check_device, check_objective_data, preflight, warn_if_too_big
+from meshtrain.train.preflight import (
+    check_device,
+    check_objective_data,
+    default_corpus_pending,
+    preflight,
+    warn_if_too_big,
+)
 from meshtrain.train.step import cross_entropy, step_context, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
 
@@ -45,7 +51,7 @@ def ensure_dataset(cfg: Config) -> Blend:
     otherwise the data must already be prepared. Called by the launcher before workers start, and
     by rank 0 of a run started by an external launcher."""
     paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
-    if len(paths) == 1 and not (paths[0] / "manifest.json").is_file() and cfg.data.corpus:
+    if default_corpus_pending(cfg):
         check_objective_data(cfg, None)  # not minutes of preparing before the refusal
         log.info(f"preparing the default corpus (Python standard library source) in {paths[0]} ...")
         prepare(stdlib_sources(), paths[0], vocab_size=cfg.data.vocab_size or DEFAULT_VOCAB, progress=True)

@@ -162,14 +162,19 @@ def check_objective_data(cfg: Config, dataset: Blend | None) -> None:
         )
 
 
+def default_corpus_pending(cfg: Config) -> bool:
+    """data.path is one directory with no data yet, where training prepares the default corpus."""
+    paths = parse_data_path(cfg.data.path)
+    return len(paths) == 1 and not (Path(paths[0][0]) / MANIFEST).is_file() and bool(cfg.data.corpus)
+
+
 def prepared_dataset(cfg: Config) -> Blend | None:
     """The data as it is here, for checks that prepare nothing (dry run, jobscript): None when it is
     not prepared yet but the default corpus would be; the trainer's error when it is missing or
     corrupt otherwise."""
-    paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
-    if len(paths) == 1 and not (paths[0] / MANIFEST).is_file() and cfg.data.corpus:
+    if default_corpus_pending(cfg):
         return None
-    for path in paths:
+    for path in (Path(p) for p, _ in parse_data_path(cfg.data.path)):
         read_manifest(path)  # the trainer's one-line error for missing or corrupt data
     return Blend(cfg.data.path, cfg.training.seq_len)
 
