@@ -787,3 +787,15 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": True}))
     with pytest.raises(MeshtrainError, match="top_p = True: input should be a valid number"):
         sampling_defaults(tmp_path)
+    # do_sample false: greedy by default, as transformers decodes it (meshtrain's own export writes it)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 40})
+    )
+    greedy = ServedModel("m", None, tokenizer, [], None, "", sampling_defaults(tmp_path)[0])
+    left_out = _check(greedy, engine, CompletionRequest(model="m", prompt="x"), [1, 2], chat=False)
+    assert (left_out.temperature, left_out.top_p, left_out.max_tokens) == (0.0, 1.0, 40)
+    given = CompletionRequest(model="m", prompt="x", temperature=0.7)
+    assert _check(greedy, engine, given, [1, 2], chat=False).temperature == 0.7
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": "no"}))
+    with pytest.raises(MeshtrainError, match="do_sample = 'no': it should be true or false"):
+        sampling_defaults(tmp_path)

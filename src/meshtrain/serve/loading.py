@@ -128,11 +128,17 @@ NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "no_repeat
 def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
     """generation_config.json's temperature, top_p, top_k and max_new_tokens: what the model's authors
     sample it with, the server's defaults where a request leaves them out (as vLLM and transformers
-    take them; Llama 3 instruct: 0.6 and 0.9). Returns them and a note for each sampling value the server does not
+    take them; Llama 3 instruct: 0.6 and 0.9); `do_sample: false` makes greedy (temperature 0) the
+    default, as transformers decodes such a model (and as meshtrain's export of a fresh run says). Returns them and a note for each sampling value the server does not
     apply (repetition_penalty, min_p, ...). A value a request could not send is refused in one line."""
     path = directory / "generation_config.json"
     config = read_json_object(path)
     defaults = {key: config[key] for key in GenerationDefaults.model_fields if config.get(key) is not None}
+    do_sample = config.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise MeshtrainError(f"{path}: do_sample = {do_sample!r}: it should be true or false; correct or remove it")
+    if do_sample is False:  # greedy, as transformers decodes it (its temperature, top_p and top_k are then unused)
+        defaults = {key: value for key, value in defaults.items() if key == "max_new_tokens"} | {"temperature": 0.0}
     try:
         GenerationDefaults.model_validate(defaults, strict=True)
     except ValidationError as e:
