@@ -129,8 +129,9 @@ def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
     """generation_config.json's temperature, top_p, top_k and max_new_tokens: what the model's authors
     sample it with, the server's defaults where a request leaves them out (as vLLM and transformers
     take them; Llama 3 instruct: 0.6 and 0.9); `do_sample: false` makes greedy (temperature 0) the
-    default, as transformers decodes such a model (and as meshtrain's export of a fresh run says). Returns them and a note for each sampling value the server does not
-    apply (repetition_penalty, min_p, ...). A value a request could not send is refused in one line."""
+    default, as transformers decodes such a model (and as meshtrain's export of a fresh run says).
+    Returns them and a note for each sampling value the server does not apply (repetition_penalty,
+    min_p, ...). A value a request could not send is refused in one line."""
     path = directory / "generation_config.json"
     config = read_json_object(path)
     defaults = {key: config[key] for key in GenerationDefaults.model_fields if config.get(key) is not None}
