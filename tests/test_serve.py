@@ -356,6 +356,34 @@ def test_a_name_the_chat_template_renders_reaches_the_prompt():
         _chat_prompt(served, [Message(role="system", content="x", name="a"), *messages[1:]])
 
 
+def test_a_chat_templates_own_refusal_is_a_400_and_its_date_is_today(tmp_path):
+    """Templates call transformers' raise_exception (Mistral's: roles must alternate) and strftime_now
+    (Llama 3.1's date line); a refusal is the client's error, not the server's."""
+    from datetime import datetime
+
+    from meshtrain.data.chat import template_of
+
+    strict = (
+        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{{ m.content }}\n{% endfor %}"
+        "{{ strftime_now('%d %b %Y') }}"
+    )
+    served = ServedModel("m", None, None, [], None, strict)
+    ok = _chat_prompt(served, [Message(role="user", content="hi")])
+    assert ok == f"hi\n{datetime.now().strftime('%d %b %Y')}"
+    with pytest.raises(APIError, match="refuses this conversation: roles must alternate") as refused:
+        _chat_prompt(served, [Message(role="user", content="a"), Message(role="user", content="b")])
+    assert refused.value.status == 400
+    served.chat_template = "{{ messages[0].content.no_such_method() }}"
+    with pytest.raises(APIError, match="the chat template fails on this conversation"):
+        _chat_prompt(served, [Message(role="user", content="a")])
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "tool_use", "template": "x"}]})
+    )
+    with pytest.raises(MeshtrainError, match="named templates \\(tool_use\\) with none named 'default'"):
+        template_of(tmp_path)
+
+
 @pytest.mark.parametrize(
     "device, message",
     [

@@ -16,6 +16,7 @@ answer's assistant turns only.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from meshtrain.errors import DataError
@@ -39,13 +40,33 @@ def template_of(directory: Path) -> str:
         return (directory / TEMPLATE_FILE).read_text()
     config = directory / "tokenizer_config.json"
     template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...], as transformers reads it
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            raise DataError(
+                f"{config}: chat_template is a list of named templates ({', '.join(map(str, named)) or 'none'}) "
+                f"with none named 'default'; save the one to use as {directory / TEMPLATE_FILE}"
+            )
+        template = named["default"]
     return template or DEFAULT_CHAT_TEMPLATE
 
 
+class TemplateRefusal(DataError):
+    """A chat template's own refusal of a conversation (its `raise_exception(...)`)."""
+
+
+def _raise_exception(message: str):
+    raise TemplateRefusal(f"the chat template refuses this conversation: {message}")
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
 class ChatTemplate:
-    """A Jinja chat template, rendered as transformers renders it (sandboxed, trim_blocks)."""
+    """A Jinja chat template, rendered as transformers renders it (sandboxed, trim_blocks, and the
+    `raise_exception` and `strftime_now` its templates call: Mistral's refuses roles that do not
+    alternate, Llama 3.1's writes today's date)."""
 
     def __init__(self, source: str, eos_token: str | None, bos_token: str | None = None):
         from jinja2 import TemplateError
@@ -53,18 +74,25 @@ class ChatTemplate:
 
         self.source, self.eos_token, self.bos_token = source, eos_token or "", bos_token or ""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self._template = env.from_string(source)
         except TemplateError as e:
             raise DataError(f"the chat template is not valid Jinja ({e}); fix it or use another") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        """The conversation as text; a template that refuses it or fails on it is a DataError."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as e:
+            raise DataError(f"the chat template fails on this conversation ({e}); fix it or the data") from None
 
     def target_spans(
         self, messages: list[dict], targets: str = "assistant", answers_from: int = 0
@@ -215,7 +243,12 @@ def tokenize_conversations(
                     f"{where}: an answer has weight 0 (not learned), but --chat-targets all learns every "
                     "token: drop the weight or the flag"
                 )
-    rendered = [template.target_spans(m, targets, first) for (m, _), first in zip(conversations, firsts)]
+    rendered = []
+    for (messages, where), first in zip(conversations, firsts):
+        try:
+            rendered.append(template.target_spans(messages, targets, first))
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
     encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     out = []
     for (_, spans), encoding, (_, where) in zip(rendered, encodings, conversations):

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshtrain.errors import DataError
 from meshtrain.serve.engine import Engine, SamplingParams
 from meshtrain.serve.engine import Request as Generation
 from meshtrain.serve.loading import SamplingDefaults, ServedModel
@@ -228,7 +229,10 @@ def _chat_prompt(served: ServedModel, messages: list[Message]) -> str:
     name would otherwise be dropped without a word."""
     plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     turns = [turn | {"name": m.name} if m.name else turn for turn, m in zip(plain, messages, strict=True)]
-    prompt = served.render_chat(turns)
+    try:
+        prompt = served.render_chat(turns)
+    except DataError as e:  # the template's own refusal (Mistral's: roles that do not alternate) or failure
+        raise APIError(400, str(e), "messages") from None
     for i, m in enumerate(messages):
         if m.name and served.render_chat([*turns[:i], plain[i], *turns[i + 1 :]]) == prompt:
             raise APIError(
