@@ -46,6 +46,9 @@ def test_export_never_deletes_what_it_did_not_write(run, cli_env, tmp_path):
     for _ in range(2):  # its own earlier output is replaced
         result = run_cli(["export", str(run), "--out", str(out)], cli_env)
         assert result.returncode == 0, result.stderr
+    (out / "README.md").write_text("model card")
+    assert_user_error(run_cli(["export", str(run), "--out", str(out)], cli_env), "holds README.md, which")
+    (out / "README.md").unlink()
     for path in [out / "model.safetensors", out / "config.json", run / "model.safetensors"]:
         assert path.stat().st_mode & 0o777 == 0o666 & ~UMASK, path  # readable by a server of another user
 
@@ -64,11 +67,18 @@ def test_prepare_never_deletes_what_it_did_not_write(cli_env, tmp_path):
     (other / "x.bin").write_bytes(b"1234")
     assert_user_error(run_cli([*args, "--input", str(texts), "--out", str(other)], cli_env), "did not write")
     assert (texts / "a.txt").is_file() and (other / "x.bin").read_bytes() == b"1234"
+    (other / "manifest.json").write_text('{"name": "my web app"}')  # someone else's manifest
+    assert_user_error(run_cli([*args, "--input", str(texts), "--out", str(other)], cli_env), "did not write")
+    assert (other / "x.bin").read_bytes() == b"1234"
     out = tmp_path / "data"
     for _ in range(2):
         result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)
         assert result.returncode == 0, result.stderr
     assert (out / "manifest.json").is_file()
+    (out / "notes.txt").write_text("my notes on this data")  # put beside an earlier output: not replaced with it
+    result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)
+    assert_user_error(result, "holds notes.txt, which `meshtrain data prepare` did not write")
+    assert (out / "notes.txt").read_text() == "my notes on this data"
 
 
 def test_a_fresh_start_never_mixes_with_another_runs_checkpoints(run, corpus, cli_env, tmp_path):

@@ -161,12 +161,42 @@ def check_output_dir(out: Path | str, inputs: list[Path | str], marker: str, com
             )
     if out.exists() and not out.is_dir():
         raise WriteError(f"--out {out} is a file: choose a directory (new, empty, or an earlier output of `{command}`)")
-    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
-        raise WriteError(
-            f"--out {out} holds files that `{command}` did not write (no {marker}): choose a new or "
-            "empty directory; nothing was changed"
-        )
+    if out.is_dir() and any(out.iterdir()):
+        written = _files_written(out / marker)
+        if written is None:
+            raise WriteError(
+                f"--out {out} holds files that `{command}` did not write (no {marker} of its own): choose a new "
+                "or empty directory; nothing was changed"
+            )
+        stranger = next((f for f in sorted(_files_under(out)) if f not in written and f != marker), None)
+        if stranger is not None:
+            raise WriteError(
+                f"--out {out} holds {stranger}, which `{command}` did not write and replacing the directory would "
+                "delete: move it away or choose another directory; nothing was changed"
+            )
     return out
+
+
+def _files_under(directory: Path) -> set[str]:
+    """Every file under `directory`, as a path relative to it."""
+    return {f.relative_to(directory).as_posix() for f in directory.rglob("*") if not f.is_dir()}
+
+
+def _files_written(marker: Path) -> set[str] | None:
+    """The files an earlier output lists in its marker (mark_output), or None where the marker is
+    missing, unreadable or not one of meshtrain's (a manifest.json of someone else's)."""
+    try:
+        files = json.loads(marker.read_text()).get("files") if marker.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return set(files) if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
+
+
+def mark_output(directory: Path, marker: str, record: dict) -> None:
+    """Write the JSON marker of a finished output directory: `record` and the list of every file in
+    it, so that a later run replaces the directory only if nothing else has been put there."""
+    files = sorted(f for f in _files_under(directory) if f != marker and not f.startswith("."))
+    write_json(directory / marker, record | {"files": files})
 
 
 def ensure_room(directory: Path | str, need_bytes: float, what: str) -> None:

@@ -56,7 +56,7 @@ from meshtrain.data.tokenizer import (
 )
 from meshtrain.data.workers import Ranks, default_workers, run_units
 from meshtrain.errors import DataError
-from meshtrain.files import atomic_write, check_output_dir, replace_directory, write_json, writing
+from meshtrain.files import atomic_write, check_output_dir, mark_output, replace_directory, write_json, writing
 from meshtrain.lock import LOCK_NAME, RunLock
 from meshtrain.logs import log
 
@@ -427,9 +427,9 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
         }
     if preference:
         manifest["pairs"] = docs
-    write_json(work / MANIFEST, manifest)
     for path in [*work.glob("unit-*.json"), work / SPEC]:
         path.unlink()
+    mark_output(work, MANIFEST, manifest)
     return manifest
 
 

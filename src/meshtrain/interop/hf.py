@@ -25,7 +25,7 @@ import torch
 from meshtrain.checkpoint import TRAIN_STATE, verify
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
-from meshtrain.files import atomic_directory, check_output_dir, read_json_object
+from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
 from meshtrain.interop.families import config_to_args, export_config
 from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, run_weights
 from meshtrain.model.args import LoraSpec
@@ -303,7 +303,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
                 bos_token=bos,
                 chat_template=template.read_text() if template.is_file() else DEFAULT_CHAT_TEMPLATE,
             ).save_pretrained(tmp)
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"model": dataclasses.asdict(args)}, indent=2))
+        mark_output(tmp, EXPORT_MARKER, {"model": dataclasses.asdict(args)})
     return out
 
 
@@ -374,7 +374,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
     with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"adapter_of": record["base"]}, indent=2))
+        mark_output(tmp, EXPORT_MARKER, {"adapter_of": record["base"]})
     return out
 
 
