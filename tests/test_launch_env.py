@@ -141,6 +141,8 @@ def test_forced_launcher_and_inconsistent_environments():
 
 def test_rendezvous_options():
     assert rendezvous_args(None, None, None, None, {}) == ["--standalone"]
+    on_port = rendezvous_args(None, None, None, 29555, {})  # one node at a chosen port, not a random one
+    assert on_port[on_port.index("--rdzv-endpoint") + 1] == "127.0.0.1:29555" and "--standalone" not in on_port
     static = rendezvous_args(2, 1, "10.1.1.1", 29400, {})
     assert static == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.1.1", "--master-port", "29400"]
     per_node_task = SLURM_TASK | {"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "n[1-2]"}

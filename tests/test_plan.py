@@ -268,6 +268,10 @@ def test_13b_gpt_on_16gb_v100s(cli_env):
     assert fitting and search["layouts"][: len(fitting)] == fitting
     speeds = [lay["tokens_per_s_per_gpu"] for lay in fitting]
     assert speeds == sorted(speeds, reverse=True)
+    assert (
+        plan_json(cli_env, *GPT_13B, "--gpus", "32", "--global-batch", "64", "--top", "3")["layouts"]
+        == (search["layouts"][:3])
+    )  # --top trims the JSON as it trims the table
     for key in (
         "tp",
         "pp",
@@ -373,7 +377,10 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
         (["--model", "tiny", "--gpu", "h100-80gb", "--seq-len", "0"], "training.seq_len = 0 must be positive"),
         (["--model", "llama3-8b", "--config", "configs/tiny.toml", "--gpu", "h100-80gb"], "not allowed with"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--comm", "missing.json"], "cannot read it"),
-        (["--model", "tiny", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"], "Llama architecture"),
+        (
+            ["--model", "gpt2-124m", "--gpu", "h100-80gb", "--arch", "gpt", "--write-config", "x.toml"],
+            "Llama architecture",
+        ),
         (["--model", "gpt2-124m", "--gpu", "h100-80gb", "--arch", "gpt", "--ffn", "1024"], "--ffn 1024: --arch gpt"),
         (["--model", "gpt2-124m", "--gpu", "h100-80gb", "--arch", "gpt", "--kv-heads", "4"], "--kv-heads 4: --arch"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--hidden", "100", "--heads", "3"], "divisible"),
@@ -381,6 +388,8 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
             ["--model", "tiny", "--gpu", "h100-80gb", "--network", "ib-hdr", "--inter-node-gbps", "9"],
             "--network and --inter-node-gbps both set the inter-node bandwidth",
         ),
+        (["--model", "llama3-8b", "--gpu", "h100-80gb", "--arch", "gpt"], "are not GPT's block"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--attention", "math"], "meshtrain's Llama always uses it"),
         # a pinned knob that the other pinned one leaves nothing to do: refused as train refuses it
         (
             ["--model", "tiny", "--gpu", "h100-80gb", "--tp", "1", "--no-sequence-parallel"],

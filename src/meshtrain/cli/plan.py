@@ -109,10 +109,10 @@ class PlanOptions:
     """Override the host memory of a node (GiB), which CPU offload fills with the model states."""
     efficiency: float | None = option(None, ge=0.01, le=1.0)
     """Sustained fraction of the peak in training matmuls (0.01 to 1)."""
-    top: int = option(10, ge=1)
-    """Layouts in the table."""
+    top: int | None = option(None, ge=1)
+    """Layouts shown, best first (default: 10 in the table, all in --json)."""
     json: bool = False
-    """Print JSON (a list `layouts`, best first)."""
+    """Print JSON (a list `layouts`, best first; --top N: the first N)."""
     write_config: str | None = None
     """Write the best layout as a training config to this TOML file."""
     verify: int | None = option(None, ge=1, nargs="?", const=1)
@@ -170,6 +170,15 @@ def check_gpt_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> None:
             f"--kv-heads {model.n_kv_heads}: --arch gpt plans multi-head attention ({model.n_heads} key/value "
             "heads); drop --kv-heads (or plan a Llama with --arch llama)"
         )
+    # a preset's Llama shape is GPT's where its SwiGLU holds GPT's MLP parameters (the gpt2-* presets)
+    swiglu_is_gpt = abs(3 * model.ffn_dim - 8 * model.dim) <= 0.02 * 8 * model.dim
+    if "model.preset" in given and not ({"model.ffn_dim", "model.n_kv_heads"} & given) and not (
+        swiglu_is_gpt and model.n_kv_heads == model.n_heads
+    ):
+        raise MeshtrainError(
+            f"--model: the preset's MLP (SwiGLU of {model.ffn_dim}) and {model.n_kv_heads} key/value heads are not "
+            f"GPT's block (4 x {model.dim}, {model.n_heads} heads), which --arch gpt plans: plan it with --arch llama"
+        )
 
 
 def planned_model(cfg: Config) -> ModelArgs:
@@ -193,6 +202,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     llama = o.arch == "llama"
     seq_len = t.seq_len if explain or "training.seq_len" in given else min(2048, model.max_seq_len)
     if llama:
+        if o.attention != "flash":
+            raise MeshtrainError(
+                "--attention math plans GPT without flash attention: meshtrain's Llama always uses it; drop it "
+                "(or plan --arch gpt)"
+            )
         shape = Shape.from_args(model)
     else:
         check_gpt_shape(o, model, given)
@@ -257,7 +271,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             "objective": t.objective,
             "peft": peft.to_dict() if peft else None,
             "layouts": [
-                {**e.as_dict(), **({"built": built[i]} if i in built else {})} for i, e in enumerate(estimates)
+                {**e.as_dict(), **({"built": built[i]} if i in built else {})}
+                for i, e in enumerate(estimates[: o.top])
             ],
             "not_possible": refused,
         }
@@ -274,7 +289,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         + (f", fp8 {t.fp8}" if t.fp8 != "off" else "")
         + (f", {peft.method} rank {peft.rank} on {','.join(peft.targets)}" if peft else "")
     )
-    render(title, estimates, refused, o.top, Console(width=None if sys.stdout.isatty() else 120))
+    render(title, estimates, refused, o.top or 10, Console(width=None if sys.stdout.isatty() else 120))
     from meshtrain.train.dry_run import KEYS
 
     for i, gib in built.items():

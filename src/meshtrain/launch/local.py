@@ -20,15 +20,15 @@ SHUTDOWN_TIMEOUT_S = 600
 def rendezvous_args(
     nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None, env: dict[str, str]
 ) -> list[str]:
-    """torchrun's rendezvous options. One node: standalone. --node-rank given: static rendezvous at
-    --master-addr (like torchrun). One srun task per node: c10d rendezvous on the first Slurm host,
-    keyed by the job id."""
+    """torchrun's rendezvous options. One node: standalone, or at --master-port where one is given
+    (two jobs on a shared node apart). --node-rank given: static rendezvous at --master-addr (like
+    torchrun). One srun task per node: c10d rendezvous on the first Slurm host, keyed by the job id."""
     from meshtrain.launch.env import first_scheduler_host, port_from_job_id
 
     in_slurm_step = "SLURM_STEP_ID" in env and "SLURM_JOB_ID" in env
     if nnodes is None:
         nnodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1))) if in_slurm_step else 1
-    if nnodes == 1 and master_addr is None:
+    if nnodes == 1 and master_addr is None and master_port is None:
         return ["--standalone"]
     job_id = env.get("SLURM_JOB_ID", "meshtrain")
     addr = master_addr or first_scheduler_host(env) or "127.0.0.1"
