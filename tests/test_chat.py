@@ -352,12 +352,17 @@ def test_masked_loss_is_the_same_on_every_layout(name, chat_layout_runs, chat_re
         (None, [], ["plain text", "--format chat"]),
         ([{"prompt": "a b", "completion": "b a"}], ["--max-tokens", "3"], ["all 1 conversations", "--max-tokens 3"]),
         ([{"messages": [{"role": "user", "content": "hi", "name": "al"}]}], [], ["message 1 has 'name'", "keys"]),
+        (
+            [{"messages": [{"role": "assistant", "content": "a"}], "system": "be brief"}],
+            [],
+            ["has 'system', which meshtrain cannot use beside 'messages'"],
+        ),
         ([{"messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}], [], ["weight 0.5", "0 (not"]),
         ([{"messages": [{"role": "assistant", "content": "a", "weight": 0}]}], [], ["no assistant message (of weight"]),
         ([{"messages": [{"role": "assistant", "content": "a", "weight": 0}]}], ["--chat-targets", "all"], ["weight 0"]),
     ],
     ids=["plain-jsonl", "role", "no-answer", "no-completion", "content", "txt", "too-long"]
-    + ["unknown-key", "weight-value", "all-weight-0", "weight-0-all-targets"],
+    + ["unknown-key", "unknown-row-key", "weight-value", "all-weight-0", "weight-0-all-targets"],
 )
 def test_bad_chat_data_gets_one_line(rows, extra, fragments, corpus, cli_env, tmp_path):
     if rows is None:

@@ -235,6 +235,7 @@ CHOSEN, REJECTED = [user("p"), assistant("a")], [user("p"), assistant("b")]
         ({"chosen": [{"role": "tool", "content": "x"}], "rejected": REJECTED}, ["chosen message 1 has role 'tool'"]),
         ({"chosen": CHOSEN, "rejected": [user("p"), {"role": "assistant"}]}, ["rejected message 2 (assistant)"]),
         ([1, 2], ["not a JSON object"]),
+        ({"prompt": "p", "chosen": "a", "rejected": "b", "system": "be kind"}, ["has 'system', which meshtrain"]),
     ],
     ids=[
         "no-prompt",
@@ -253,6 +254,7 @@ CHOSEN, REJECTED = [user("p"), assistant("a")], [user("p"), assistant("b")]
         "role",
         "content",
         "not-object",
+        "unknown-key",
     ],
 )
 def test_a_malformed_row_is_refused_in_one_line_naming_it(row, fragments, corpus, tmp_path):

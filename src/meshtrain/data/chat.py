@@ -126,6 +126,7 @@ def conversation(record: object, where: str) -> list[dict]:
     if not isinstance(record, dict):
         raise DataError(f"{where} is not a JSON object with a messages list")
     if record.get("messages") is None and isinstance(record.get("prompt"), str):
+        _only_keys(record, ("prompt", "completion"), where)
         completion = record.get("completion")
         if not isinstance(completion, str):
             raise DataError(f'{where} has a "prompt" but no string "completion"')
@@ -136,7 +137,27 @@ def conversation(record: object, where: str) -> list[dict]:
             f'{where} has no "messages" list (nor "prompt" and "completion"); is this plain text? '
             "then leave out --format chat"
         )
+    _only_keys(record, ("messages",), where)
     return _messages(messages, where)
+
+
+# Row keys that carry text of the conversation in other formats (a system prompt, Alpaca's columns,
+# tools): beside the keys a row is read by, they would be dropped, though their author meant them to
+# shape what is learned. Other keys are metadata (an id, scores, a source) and are left alone.
+CONTENT_KEYS = frozenset(
+    {"messages", "prompt", "completion", "chosen", "rejected", "system", "tools", "functions"}
+    | {"instruction", "input", "output", "response", "context", "conversations", "question", "answer"}
+)
+
+
+def _only_keys(record: dict, keys: tuple[str, ...], where: str, also: tuple[str, ...] = ()) -> None:
+    """Refuse a row's conversation text that meshtrain would drop (a "system" beside the messages, a
+    "completion" beside them, ...); `also`: keys this format reads past (UltraFeedback's "messages")."""
+    if dropped := sorted((set(record) & CONTENT_KEYS) - set(keys) - set(also)):
+        raise DataError(
+            f"{where} has {dropped[0]!r}, which meshtrain cannot use beside {' and '.join(map(repr, keys))}: "
+            "drop it from the rows (or fold it into the messages)"
+        )
 
 
 def _messages(messages: list, where: str, what: str = "message") -> list[dict]:
@@ -179,6 +200,7 @@ def preference_pair(record: object, where: str) -> tuple[list[dict], list[dict],
             raise DataError(
                 f'{where} has no "{name}" string or list of messages (rows: "prompt", "chosen", "rejected")'
             )
+    _only_keys(record, ("prompt", "chosen", "rejected"), where, also=("messages",))  # UltraFeedback's copy
     if isinstance(chosen, str) != isinstance(rejected, str):
         raise DataError(f'{where}: "chosen" and "rejected" must both be strings or both lists of messages')
     if isinstance(chosen, str):
