@@ -37,6 +37,7 @@ def test_targets_take_our_names_or_hugging_faces():
         ({"peft": {"rank": 16}}, 1, "peft.rank sets the adapters, but peft.method is none"),
         ({"peft": {"method": "lora", "targets": "wq,bogus"}}, 1, "bogus is not a linear"),
         ({"training": {"dpo_beta": 0.2}}, 1, "training.dpo_beta is DPO's"),
+        ({"training": {"objective": "dpo", "document_masking": False}}, 1, "one conversation a row"),
         ({"peft": {"method": "qlora"}}, 1, "set training.dtype = bf16"),
         ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"zero": 3}}, 2, "one process or DDP"),
         ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"tp": 2}}, 2, "one process or DDP"),

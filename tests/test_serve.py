@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import greedy_by_recomputation, run_cli, train_args
+from conftest import assert_user_error, greedy_by_recomputation, run_cli, train_args
 from meshtrain.errors import MeshtrainError
 from meshtrain.model import Llama, ModelArgs
 from meshtrain.serve import Engine, Request, SamplingParams, ServedModel, load_engine
@@ -478,7 +478,9 @@ def test_generate_streams_to_the_terminal(exported, cli_env, hf_greedy, tmp_path
     shutil.copytree(exported, greedy)
     config = json.loads((greedy / "generation_config.json").read_text())
     (greedy / "generation_config.json").write_text(json.dumps({**config, "temperature": 0, "max_new_tokens": 7}))
-    result = run_cli(["generate", str(greedy), "--prompt", "def ", "--seed", "1"], cli_env)
+    result = run_cli(["generate", str(greedy), "--prompt", "def ", "--top-k", "5"], cli_env)
+    assert_user_error(result, "--top-k shapes sampling, but the model's generation_config.json decodes greedily")
+    result = run_cli(["generate", str(greedy), "--prompt", "def "], cli_env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.rstrip("\n") == "def " + hf_greedy("def ", 7)
     assert "generation_config.json: temperature 0" in result.stderr and "max_new_tokens 7" in result.stderr

@@ -135,8 +135,10 @@ def test_generate_refuses_more_tokens_than_the_context_holds(corpus, tmp_path, c
     prompt = "def f():"
     n = len(Tokenizer.from_file(str(corpus / "tokenizer.json")).encode(prompt).ids)
     with pytest.raises(MeshtrainError, match=f"lower --max-tokens to {32 - n} or shorten the prompt"):
-        generate_to_terminal(str(run), prompt, 32 - n + 1, GREEDY, 0, "cpu")
-    assert generate_to_terminal(str(run), prompt, 32 - n, GREEDY, 0, "cpu") == 0
+        generate_to_terminal(str(run), prompt, 32 - n + 1, GREEDY, None, "cpu")
+    assert generate_to_terminal(str(run), prompt, 32 - n, GREEDY, None, "cpu") == 0
+    with pytest.raises(MeshtrainError, match="--seed shapes sampling, but --temperature 0 decodes greedily"):
+        generate_to_terminal(str(run), prompt, 4, GREEDY, 3, "cpu")
     assert capsys.readouterr().out.startswith(prompt)
 
 

@@ -172,8 +172,10 @@ def check_gpt_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> None:
         )
     # a preset's Llama shape is GPT's where its SwiGLU holds GPT's MLP parameters (the gpt2-* presets)
     swiglu_is_gpt = abs(3 * model.ffn_dim - 8 * model.dim) <= 0.02 * 8 * model.dim
-    if "model.preset" in given and not ({"model.ffn_dim", "model.n_kv_heads"} & given) and not (
-        swiglu_is_gpt and model.n_kv_heads == model.n_heads
+    if (
+        "model.preset" in given
+        and not ({"model.ffn_dim", "model.n_kv_heads"} & given)
+        and not (swiglu_is_gpt and model.n_kv_heads == model.n_heads)
     ):
         raise MeshtrainError(
             f"--model: the preset's MLP (SwiGLU of {model.ffn_dim}) and {model.n_kv_heads} key/value heads are not "
@@ -271,8 +273,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             "objective": t.objective,
             "peft": peft.to_dict() if peft else None,
             "layouts": [
-                {**e.as_dict(), **({"built": built[i]} if i in built else {})}
-                for i, e in enumerate(estimates[: o.top])
+                {**e.as_dict(), **({"built": built[i]} if i in built else {})} for i, e in enumerate(estimates[: o.top])
             ],
             "not_possible": refused,
         }

@@ -73,6 +73,11 @@ def check_peft_keys(cfg: Config) -> None:
             raise ConfigError(f"peft.{given[0]} sets the adapters, but peft.method is none: set peft.method = lora")
     if t.dpo_beta is not None and t.objective != "dpo":
         raise ConfigError("training.dpo_beta is DPO's: set training.objective = dpo, or drop it")
+    if t.objective == "dpo" and not t.document_masking:
+        raise ConfigError(
+            "training.document_masking = false packs documents together, but DPO data holds one conversation a "
+            "row (nothing to mask): drop it"
+        )
     if p.method == "qlora" and t.dtype != "bf16":
         raise ConfigError(
             f"peft.method = qlora computes in bf16 over its 4-bit base, but training.dtype is {t.dtype}: "

@@ -171,7 +171,7 @@ class TrainingConfig:
     """Packed sequences as separate documents: attention never crosses an end-of-text token and each
     document's positions restart at 0 (torchtitan's and Megatron's document masking). Chat data: each
     conversation alone (and the padding), whatever end-of-text tokens its turns hold. Preference (DPO)
-    data holds one conversation a row, so nothing changes. Plain text whose tokenizer has no end-of-text
+    data holds one conversation a row: false is refused there. Plain text whose tokenizer has no end-of-text
     token trains causal over the whole sequence (logged). Kernels: FlexAttention block masks on CUDA;
     elsewhere causal SDPA on each document (rows of 2,048 tokens or more, eager) or SDPA with a boolean
     mask (shorter rows, very many documents, compiled); a batch without any boundary runs plain causal

@@ -147,6 +147,15 @@ def generate_to_terminal(
     if max_tokens is None:  # the model's own length, as serve takes it: up to the context's room
         chosen["max_new_tokens"] = max(1, min(chosen["max_new_tokens"], limit - len(ids)))
     from_model = [f"{key} {chosen[key]}" for key in given if given[key] is None and key in served.sampling_defaults]
+    if chosen["temperature"] == 0 and (
+        idle := [k for k, off in (("top_p", 1), ("top_k", 0)) if given[k] not in (None, off, -1)]
+        + (["seed"] if seed is not None else [])
+    ):
+        why = "--temperature 0" if given["temperature"] is not None else "the model's generation_config.json"
+        raise MeshtrainError(
+            f"--{idle[0].replace('_', '-')} shapes sampling, but {why} decodes greedily: give a --temperature "
+            "above 0, or drop it"
+        )
     if from_model:
         print(f"sampling with the model's generation_config.json: {', '.join(from_model)}", file=sys.stderr)
     params = SamplingParams(
