@@ -82,6 +82,7 @@ CASES = {
     "blend weight negative": (["--data.path=data/web:0.7,data/code:-0.3"], "weights must be above 0"),
     "blend weight missing": (["--data.path", "data/web:0.7,data/code"], "'data/code' has no weight"),
     "blend source twice": (["--data.path", "data/web:1,data/web:2"], "names a directory twice"),
+    "blend of one": (["--data.path", "data/web:0.3"], "one source takes every sample, so its weight does nothing"),
     "blend missing source": (["--data.path", "/nonexistent/web:1,/nonexistent/code:1"], "/nonexistent/web"),
     "checkpoint every negative": (["--checkpoint.every", "-1"], "checkpoint.every"),
     "checkpoint keep zero": (["--checkpoint.keep", "0"], "checkpoint.keep"),

@@ -270,7 +270,7 @@ def test_a_malformed_row_is_refused_in_one_line_naming_it(row, fragments, corpus
 
 def test_other_refusals(pairs, corpus, tmp_path):
     path, _, _ = pairs
-    blend = Blend(f"{path}:0.5", 64)
+    blend = Blend(str(path), 64)
     assert blend.preference and blend.template_path == path / "chat_template.jinja"
     with pytest.raises(DataError, match="holds preference pairs and .* does not"):
         Blend(f"{path}:0.5,{corpus}:0.5", 64)

@@ -31,6 +31,11 @@ def parse_data_path(text: str) -> list[tuple[str, float]]:
         if not math.isfinite(value) or value <= 0:
             raise ConfigError(f"data.path = {text!r}: the weight of {path} is {weight}; weights must be above 0")
         sources.append((path, value))
+    if len(sources) == 1:
+        raise ConfigError(
+            f"data.path = {text!r}: one source takes every sample, so its weight does nothing: drop "
+            f"':{item.rpartition(':')[2]}', or blend it with other sources (DIR:WEIGHT,DIR:WEIGHT)"
+        )
     paths = [p for p, _ in sources]
     if len(set(paths)) < len(paths):
         raise ConfigError(f"data.path = {text!r} names a directory twice: give each source once")
