@@ -267,7 +267,7 @@ class Checkpointer:
             return
         self._check_space(step)
         if self.rank == 0 and path.exists():
-            shutil.rmtree(path)  # an uncommitted leftover of the same step
+            retire(path)  # an uncommitted leftover of the same step: deleted if it holds only a save's files
         if dist.is_initialized():
             dist.barrier()
         write_json(path / f"rng-rank{self.rank:05d}.json", rng_state())  # each rank's own generators
