@@ -261,6 +261,7 @@ def test_sixteen_concurrent_streams_equal_their_lone_answers(client):
     assert results == alone
 
 
+HI = [{"role": "user", "content": "hi"}]
 BAD = [
     ({}, {"model": "hf-served", "prompt": "x"}, 401, "authentication_error"),
     ({"Authorization": "Bearer wrong"}, {"model": "hf-served", "prompt": "x"}, 401, "authentication_error"),
@@ -275,6 +276,11 @@ BAD = [
     (None, {"model": "hf-served", "prompt": 3}, 422, "invalid_request_error"),
     (None, {"prompt": "x"}, 422, "invalid_request_error"),
     (None, {"model": "hf-served", "messages": []}, 422, "invalid_request_error"),
+    # strict types: a string or a boolean where a number belongs is refused, not read as one
+    (None, {"model": "hf-served", "prompt": "x", "temperature": "0.5"}, 422, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "top_k": True}, 422, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": [True, False]}, 422, "invalid_request_error"),
+    (None, {"model": "hf-served", "messages": HI, "stream": "true"}, 422, "invalid_request_error"),
 ]
 
 
@@ -289,7 +295,6 @@ def test_bad_requests_get_openai_errors(server, headers, body, status, kind):
     assert error["type"] == kind and error["message"]
 
 
-HI = [{"role": "user", "content": "hi"}]
 NO_EFFECT = [  # inputs that used to be accepted and silently dropped: (path, body, param, message)
     (
         "/v1/chat/completions",
@@ -786,10 +791,16 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     from meshtrain.serve.loading import sampling_defaults
 
     (tmp_path / "generation_config.json").write_text(
-        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": 2})
+        json.dumps(
+            {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": 2}
+            | {"num_beams": 1, "num_beams_unused": 0, "min_new_tokens": 5}  # beams 1: as served; no such key
+        )
     )
     defaults, ignored = sampling_defaults(tmp_path)
-    assert defaults == {"temperature": 0.6, "top_p": 0.9} and ignored == ["repetition_penalty = 1.05"]
+    assert defaults == {"temperature": 0.6, "top_p": 0.9} and ignored == [
+        "repetition_penalty = 1.05",
+        "min_new_tokens = 5",
+    ]
     tokenizer = SimpleNamespace(get_added_tokens_decoder=dict)  # no special tokens
     served = ServedModel("m", None, tokenizer, [], None, "", defaults)
     engine = SimpleNamespace(max_context=64)

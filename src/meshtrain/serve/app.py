@@ -37,19 +37,20 @@ MAX_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class Sampling(SamplingDefaults):
     """The generation fields both endpoints take. Unknown fields are refused (400), never ignored
     (unlike OpenAI, which ignores some): a misspelled or unsupported option would otherwise change
-    nothing without a word. Every declared field takes effect or is refused in `_check` or its
-    endpoint; `user` is accepted as OpenAI's end-user id and has no effect on the answer. temperature,
+    nothing without a word. Types are strict: `"0.5"`, or `true` for a number, is refused, not read.
+    Every declared field takes effect or is refused in `_check` or its endpoint; `user` is accepted as
+    OpenAI's end-user id and has no effect on the answer. temperature,
     top_p and top_k (SamplingDefaults) left out: the model's generation_config.json value, else
     OpenAI's default (1, 1, no top-k)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
@@ -72,13 +73,13 @@ class CompletionRequest(Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
     name: str | None = None

@@ -122,7 +122,29 @@ class GenerationDefaults(SamplingDefaults):
     max_new_tokens: int | None = Field(None, ge=1)
 
 
-NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "no_repeat_ngram_size": 0}  # not applied
+# generation_config.json values the server does not apply, at the value that changes nothing (transformers'
+# defaults): any other value is named in a warning at load.
+NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_new_tokens": 0,
+    "min_length": 0,
+    "max_length": 20,
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "length_penalty": 1.0,
+    "num_return_sequences": 1,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "stop_strings": None,
+}
 
 
 def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
