@@ -4,6 +4,7 @@ pretrained model to a chat endpoint answering the openai client."""
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from meshtrain.data.loader import Dataset
 from meshtrain.data.prepare import ChatOptions
 from meshtrain.data.tokenizer import end_of_text, load_tokenizer
 from meshtrain.data.windows import IGNORE_INDEX
+from meshtrain.errors import DataError
 from meshtrain.model import Llama
 from meshtrain.train import build as build_state
 
@@ -156,6 +158,23 @@ def llama3_like_tokenizer(corpus, directory):
     config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "chat_template": LLAMA3_LIKE}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def test_a_configured_token_outside_the_vocabulary_is_refused(corpus, tmp_path):
+    """tokenizer_config.json's eos_token is where turns end and generation stops: one the tokenizer does
+    not have is refused, never replaced by a guessed end-of-text token."""
+    from meshtrain.data.tokenizer import begin_of_text
+
+    directory = llama3_like_tokenizer(corpus, tmp_path / "tok")
+    tok = load_tokenizer(directory / "tokenizer.json")
+    assert end_of_text(tok, directory) == ("<|eot|>", tok.token_to_id("<|eot|>"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
+    with pytest.raises(DataError, match=re.escape("eos_token '<|im_end|>' is not a token of the tokenizer beside it")):
+        end_of_text(tok, directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": {"content": "<s>"}}))
+    with pytest.raises(DataError, match="bos_token '<s>' is not a token"):
+        begin_of_text(tok, directory)
 
 
 def test_a_run_keeps_its_tokenizers_bos_and_end_of_turn_for_serve_and_export(corpus, cli_env, tmp_path):

@@ -52,7 +52,11 @@ def _configured_token(tokenizer, directory: Path | None, key: str) -> str | None
     except (json.JSONDecodeError, AttributeError):
         raise DataError(f"{config} is not a JSON object: fix or remove it") from None
     token = token.get("content") if isinstance(token, dict) else token
-    return token if isinstance(token, str) and tokenizer.token_to_id(token) is not None else None
+    if isinstance(token, str) and token and tokenizer.token_to_id(token) is None:
+        raise DataError(
+            f"{config}: {key} {token!r} is not a token of the tokenizer beside it: correct {key} (or the tokenizer)"
+        )
+    return token or None if isinstance(token, str) else None
 
 
 def document_prefix(tokenizer) -> list[int]:
