@@ -126,6 +126,8 @@ def test_flags_a_kind_does_not_use_are_refused(cli_env):
         ("--procs-per-node", "3", "--gpus-per-node", "2"): "--procs-per-node 3 with --gpus-per-node 2",
         ("--container-mounts", "/fsx:/fsx"): "--container-mounts /fsx:/fsx applies to a container",
         ("--container-workdir", "/fsx"): "--container-workdir /fsx applies to a container: add --container-image",
+        ("--gpus-per-node", "4", "--", "--launch.device", "cpu"): "reserves GPUs, but launch.device = cpu",
+        ("--", "--launch.device", "cuda"): "launch.device = cuda, but the script reserves no GPUs",
     }
     for flags, fragment in conflicts.items():
         assert_user_error(run_cli(["jobscript", "slurm", *tiny, *flags], cli_env), fragment)

@@ -31,7 +31,9 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
 
     spec: JobSpec = prepare(args.kind, options_of(args, JobSpec, train_args=train_args))
     files = render(args.kind, spec)
-    _check_job(load_config(spec.config, train_args), spec.world)
+    cfg = load_config(spec.config, train_args)
+    _check_device(cfg.launch.device, spec.gpus_per_node, args.kind)
+    _check_job(cfg, spec.world)
     if args.out:
         from meshtrain.files import check_output
 
@@ -52,6 +54,20 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
         else:
             print(text, end="")
     return 0
+
+
+def _check_device(device: str, gpus_per_node: int, kind: str) -> None:
+    """GPUs reserved for a job that trains on the CPU would sit idle for its whole run, and a job
+    pinned to CUDA without them fails only after waiting in the queue: both refused here."""
+    if gpus_per_node and device == "cpu":
+        raise MeshtrainError(
+            f"--gpus-per-node {gpus_per_node} reserves GPUs, but launch.device = cpu trains on the CPU: drop "
+            "--gpus-per-node, or train on them (launch.device = auto or cuda)"
+        )
+    if not gpus_per_node and device == "cuda" and kind in ("slurm", "sge", "pbs"):
+        raise MeshtrainError(
+            "launch.device = cuda, but the script reserves no GPUs: give --gpus-per-node (or launch.device = auto)"
+        )
 
 
 def _check_job(cfg, world: int) -> None:
