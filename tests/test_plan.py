@@ -389,6 +389,7 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
             "--network and --inter-node-gbps both set the inter-node bandwidth",
         ),
         (["--model", "llama3-8b", "--gpu", "h100-80gb", "--arch", "gpt"], "are not GPT's block"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--network", "ethernet-10g"], "the 8 GPUs fit on one node of 8"),
         (["--model", "tiny", "--gpu", "h100-80gb", "--attention", "math"], "meshtrain's Llama always uses it"),
         # a pinned knob that the other pinned one leaves nothing to do: refused as train refuses it
         (

@@ -219,6 +219,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     peak = t.peak_tflops or None
     links = (o.network, o.intra_node_gbps, o.inter_node_gbps)
     dev, inter = device(o.gpu, gpus_per_node, *links, o.memory_gib, peak, o.efficiency, o.comm, o.host_memory_gib)
+    inter_node_flags = [
+        flag for flag, value in (("--network", o.network), ("--inter-node-gbps", o.inter_node_gbps)) if value
+    ]
+    if gpus <= dev.gpus_per_node and inter_node_flags:
+        flag = inter_node_flags[0]
+        raise MeshtrainError(
+            f"{flag} sets the bandwidth between nodes, but the {gpus} GPUs fit on one node of {dev.gpus_per_node}: "
+            "drop it, or plan more --gpus (or fewer --gpus-per-node)"
+        )
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
     dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
