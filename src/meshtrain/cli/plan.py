@@ -183,6 +183,29 @@ def check_gpt_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> None:
         )
 
 
+def planned_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> Shape:
+    """The shape planned: meshtrain's Llama (always with flash attention), or GPT's block."""
+    if o.arch == "llama":
+        if o.attention != "flash":
+            raise MeshtrainError(
+                "--attention math plans GPT without flash attention: meshtrain's Llama always uses it; drop it "
+                "(or plan --arch gpt)"
+            )
+        return Shape.from_args(model)
+    check_gpt_shape(o, model, given)
+    return Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, model.max_seq_len)
+
+
+def check_one_node_links(o: PlanOptions, gpus: int, gpus_per_node: int) -> None:
+    """A bandwidth between nodes where every GPU fits on one node would change nothing: refused."""
+    given = [flag for flag, value in (("--network", o.network), ("--inter-node-gbps", o.inter_node_gbps)) if value]
+    if gpus <= gpus_per_node and given:
+        raise MeshtrainError(
+            f"{given[0]} sets the bandwidth between nodes, but the {gpus} GPUs fit on one node of {gpus_per_node}: "
+            "drop it, or plan more --gpus (or fewer --gpus-per-node)"
+        )
+
+
 def planned_model(cfg: Config) -> ModelArgs:
     """The shape `meshtrain train` would build from `cfg`: model.init_from's config.json where it
     names one (not the preset it replaces), checked against the sequence length as the trainer does."""
@@ -203,31 +226,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     model = planned_model(cfg)
     llama = o.arch == "llama"
     seq_len = t.seq_len if explain or "training.seq_len" in given else min(2048, model.max_seq_len)
-    if llama:
-        if o.attention != "flash":
-            raise MeshtrainError(
-                "--attention math plans GPT without flash attention: meshtrain's Llama always uses it; drop it "
-                "(or plan --arch gpt)"
-            )
-        shape = Shape.from_args(model)
-    else:
-        check_gpt_shape(o, model, given)
-        shape = Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, model.max_seq_len)
+    shape = planned_shape(o, model, given)
     gpus = o.gpus or (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp if explain else 8)
     global_batch = t.global_batch_size if explain or "training.global_batch_size" in given else 4 * gpus
     gpus_per_node = o.gpus_per_node or (gpus if o.gpu == "cpu" else min(gpus, 8))
     peak = t.peak_tflops or None
     links = (o.network, o.intra_node_gbps, o.inter_node_gbps)
     dev, inter = device(o.gpu, gpus_per_node, *links, o.memory_gib, peak, o.efficiency, o.comm, o.host_memory_gib)
-    inter_node_flags = [
-        flag for flag, value in (("--network", o.network), ("--inter-node-gbps", o.inter_node_gbps)) if value
-    ]
-    if gpus <= dev.gpus_per_node and inter_node_flags:
-        flag = inter_node_flags[0]
-        raise MeshtrainError(
-            f"{flag} sets the bandwidth between nodes, but the {gpus} GPUs fit on one node of {dev.gpus_per_node}: "
-            "drop it, or plan more --gpus (or fewer --gpus-per-node)"
-        )
+    check_one_node_links(o, gpus, dev.gpus_per_node)
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
     dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
