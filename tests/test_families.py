@@ -261,6 +261,10 @@ REFUSALS = [
     ("qwen3-tied", {"model_type": "qwen3_moe"}, "qwen3_moe"),
     ("qwen3-tied", {"intermediate_size": "96"}, "intermediate_size is '96'"),
     ("llama2", {"unknown_knob": 1}, "unknown_knob: not a llama field"),
+    # mistyped values transformers refuses: "false" would read as true, a null epsilon as torch's own
+    ("qwen2-tied", {"tie_word_embeddings": "false"}, "tie_word_embeddings is 'false': it must be true or false"),
+    ("llama2", {"rms_norm_eps": None}, "rms_norm_eps is None: it must be a positive number"),
+    ("llama2", {"max_position_embeddings": None}, "max_position_embeddings is None: it must be a positive"),
 ]
 
 
@@ -328,6 +332,20 @@ def test_weights_the_config_does_not_declare_are_refused(models, tmp_path):
     save_file(weights, directory / "model.safetensors")
     args = hf_model_args(directory)
     with pytest.raises(MeshtrainError, match="q_proj.bias"):
+        load_hf_weights([Llama(args)], directory, args)
+    # embeddings of another vocabulary than config.json's; a tied model holding a different lm_head
+    del weights["model.layers.0.self_attn.q_proj.bias"]
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"vocab_size": config["vocab_size"] + 8}))
+    save_file(weights, directory / "model.safetensors")
+    args = hf_model_args(directory)
+    with pytest.raises(MeshtrainError, match=f"rows, but config.json's vocab_size is {config['vocab_size'] + 8}"):
+        load_hf_weights([Llama(args)], directory, args)
+    (directory / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1
+    save_file(weights, directory / "model.safetensors")
+    args = hf_model_args(directory)
+    with pytest.raises(MeshtrainError, match="holds an lm_head.weight that differs from them"):
         load_hf_weights([Llama(args)], directory, args)
 
 

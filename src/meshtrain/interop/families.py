@@ -106,6 +106,7 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
             raise refuse(
                 where, f"{key} is {'missing' if key not in c else repr(c[key])}: it must be a positive integer"
             )
+    _check_types(c, where)
     if c.get("hidden_act", "silu") != "silu":
         raise refuse(where, f"hidden_act {c['hidden_act']!r}: meshtrain's MLP is SwiGLU (silu)")
     if c.get("attention_dropout", 0.0):
@@ -139,6 +140,26 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
 
 
 MISTRAL_DEFAULT_WINDOW = 4096
+# Optional config.json fields and what each must be where present (transformers' config classes
+# refuse the same): "a" string "false" must not read as true, a null epsilon must not become torch's.
+FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+POSITIVE_INTS = ("max_position_embeddings",)
+POSITIVE_INTS_OR_NULL = ("num_key_value_heads", "head_dim", "sliding_window")
+
+
+def _check_types(c: dict, where: str) -> None:
+    for key in (k for k in FLAGS if k in c):
+        if not isinstance(c[key], bool):
+            raise refuse(where, f"{key} is {c[key]!r}: it must be true or false")
+    for key in (k for k in POSITIVE_NUMBERS if k in c):
+        if isinstance(c[key], bool) or not isinstance(c[key], int | float) or not c[key] > 0:
+            raise refuse(where, f"{key} is {c[key]!r}: it must be a positive number")
+    for key in (k for k in (*POSITIVE_INTS, *POSITIVE_INTS_OR_NULL) if k in c):
+        if c[key] is None and key in POSITIVE_INTS_OR_NULL:
+            continue
+        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] <= 0:
+            raise refuse(where, f"{key} is {c[key]!r}: it must be a positive integer")
 
 
 def _check_sliding_window(c: dict, family: str, max_positions: int, where: str) -> None:

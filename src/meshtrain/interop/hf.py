@@ -448,6 +448,12 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
             raise MeshtrainError(
                 f"model.init_from: {directory} has weights meshtrain cannot place: {', '.join(unknown[:3])}"
             )
+        if args.tie_embeddings and "lm_head.weight" in weights.where:
+            if not torch.equal(weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")):
+                raise MeshtrainError(
+                    f"model.init_from: {directory} ties its embeddings (tie_word_embeddings) but holds an "
+                    "lm_head.weight that differs from them: set tie_word_embeddings to false to use both"
+                )
         for ours, param in wanted.items():
             name = (
                 to_hf_name(ours)
@@ -459,7 +465,12 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
             t = weights.get(name)
             if (heads := rotary_heads(ours, args)) is not None and t.shape[0] % (2 * heads) == 0:
                 t = halves_to_pairs(t, heads)
-            if ours in ("tok_embeddings.weight", "output.weight") and t.shape[0] <= param.shape[0]:
+            if ours in ("tok_embeddings.weight", "output.weight") and t.shape[0] != args.vocab_size:
+                raise MeshtrainError(
+                    f"model.init_from: {name} has {t.shape[0]} rows, but config.json's vocab_size is "
+                    f"{args.vocab_size}: they must agree (correct vocab_size)"
+                )
+            if ours in ("tok_embeddings.weight", "output.weight") and t.shape[0] < param.shape[0]:
                 full = torch.zeros(param.shape)
                 full[: t.shape[0]] = t
                 t = full
