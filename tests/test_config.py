@@ -69,6 +69,19 @@ def test_compile_with_tensor_parallel_and_fsdp_is_accepted():
     preflight(cfg, 4)  # TP x FSDP: each block (tests/test_compile_tp_fsdp.py)
 
 
+def test_a_zero_stage_with_one_data_parallel_rank_is_named_idle_at_the_start():
+    """A config kept across world sizes (torchtitan's FSDP degree -1): ZeRO over one rank shards
+    nothing, and the start line says so instead of dropping it."""
+    from meshtrain.layout import Layout
+    from meshtrain.parallel.mesh import ParallelDims
+
+    cfg = load_config(None, ["--parallel.tp", "2", "--parallel.zero", "3"])
+    assert ParallelDims(Layout.from_config(cfg, 4)).describe() == "FSDP 2 x TP 2, ZeRO-3"
+    idle = ParallelDims(Layout.from_config(cfg, 2)).describe()
+    assert idle == "TP 2 (ZeRO-3 idle: one data-parallel rank, nothing to shard)"
+    assert ParallelDims(Layout.from_config(load_config(None, []), 1)).describe() == "single process"
+
+
 def test_model_vocab_smaller_than_data_is_rejected():
     cfg = load_config(None, ["--model.vocab_size", "100"])
     with pytest.raises(ConfigError, match=r"model's vocabulary \(100\) is smaller than the data's \(512\)"):

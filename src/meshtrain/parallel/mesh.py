@@ -17,7 +17,9 @@ class ParallelDims:
         self._meshes: dict[str, DeviceMesh] = {}
 
     def describe(self) -> str:
-        """ "DDP 2", "FSDP 2 x TP 2, ZeRO-3", "CP 2 x TP 2", "single process"."""
+        """ "DDP 2", "FSDP 2 x TP 2, ZeRO-3", "CP 2 x TP 2", "single process"; a ZeRO stage with one
+        data-parallel rank is named as idle (a config kept across world sizes, as torchtitan's
+        FSDP degree -1 is: nothing to shard here, so it says so rather than dropping it)."""
         zero = self.layout.zero
         names = {
             "dp_shard": "FSDP" if zero >= 2 else "DDP",
@@ -27,7 +29,9 @@ class ParallelDims:
             "pp": "PP",
         }
         text = " x ".join(f"{names[n]} {size}" for n, size in self.layout.named_dims()) or "single process"
-        return f"{text}, ZeRO-{zero}" if self.layout.dp_cp > 1 else text
+        if self.layout.dp_cp > 1:
+            return f"{text}, ZeRO-{zero}"
+        return f"{text} (ZeRO-{zero} idle: one data-parallel rank, nothing to shard)" if zero else text
 
     def build_mesh(self, device_type: str) -> None:
         """Build the world mesh (none for one process). Sub-meshes are looked up with `mesh(name)`:
