@@ -207,3 +207,28 @@ def test_the_config_tree_and_the_command_line_read_without_torch():
     code = "import sys, meshtrain.cli, meshtrain.config as c; c.load_config(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "overrides, warned",
+    [
+        (["--training.steps", "10", "--training.warmup_steps", "12"], ["never reaches training.lr", "min_lr_ratio"]),
+        (["--training.steps", "10", "--training.warmup_steps", "9"], ["no step of training.steps (10) to decay"]),
+        (["--training.steps", "10", "--training.eval_every", "20"], ["training.eval_every (20) > training.steps"]),
+        (["--training.steps", "10", "--run.log_every", "50"], ["run.log_every (50) > training.steps (10)"]),
+        (["--training.steps", "10", "--training.warmup_steps", "2"], []),
+    ],
+)
+def test_settings_a_short_schedule_leaves_idle_are_named_at_the_start(overrides, warned, monkeypatch):
+    from types import SimpleNamespace
+
+    from meshtrain.train.build import log, warn_pointless_settings
+
+    cfg = load_config(None, ["--training.eval_every", "5", "--run.log_every", "1", *overrides])
+    state = SimpleNamespace(cfg=cfg, dataset=SimpleNamespace(names=[], sources=[], weights=[]), val={})
+    messages = []
+    monkeypatch.setattr(log, "warning", messages.append)
+    warn_pointless_settings(state)
+    for fragment in warned:
+        assert any(fragment in m for m in messages), messages
+    assert bool(messages) == bool(warned), messages

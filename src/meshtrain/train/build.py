@@ -223,3 +223,42 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
             root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank
         )
     return state
+
+
+def warn_pointless_settings(s: TrainState) -> None:
+    """Settings that are valid alone but make little sense with this data or schedule."""
+    t, c = s.cfg.training, s.cfg.checkpoint
+    for name, source in zip(s.dataset.names, s.dataset.sources):
+        what = "preference pairs" if source.preference else "conversations"
+        if source.chat and source.train.too_long:
+            log.warning(
+                f"{name}: {source.train.too_long} of {source.train.too_long + source.train.conversations} training "
+                f"{what} are longer than training.seq_len + 1 = {t.seq_len + 1} tokens and are left out"
+            )
+        if name not in s.val:
+            log.warning(f"{source.val.name or name} holds less than one sequence; no validation loss for it")
+    if t.warmup_steps > t.steps:
+        log.warning(
+            f"training.warmup_steps ({t.warmup_steps}) > training.steps ({t.steps}): the learning rate "
+            "never reaches training.lr, and training.min_lr_ratio has no effect"
+        )
+    elif t.steps > 1 and t.warmup_steps >= t.steps - 1:
+        log.warning(
+            f"training.warmup_steps ({t.warmup_steps}) leaves no step of training.steps ({t.steps}) to decay "
+            "over: training.min_lr_ratio has no effect"
+        )
+    for key, every, what in (
+        ("checkpoint.every", c.every, "checkpointed"),
+        ("training.eval_every", t.eval_every, "evaluated"),
+        ("run.log_every", s.cfg.run.log_every, "logged (with the first)"),
+    ):
+        if every > t.steps:
+            log.warning(f"{key} ({every}) > training.steps ({t.steps}): only the last step is {what}")
+    for name, weight, source in zip(s.dataset.names, s.dataset.weights, s.dataset.sources):
+        epochs = t.steps * t.global_batch_size * weight / len(source.train)
+        if epochs > 1:
+            log.warning(
+                f"the schedule reads the training data of {name} {epochs:.1f} times ({len(source.train)} "
+                f"{'pairs' if source.preference else 'sequences'} of {t.seq_len} tokens): expect overfitting; add "
+                "data or lower training.steps"
+            )

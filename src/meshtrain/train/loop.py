@@ -42,7 +42,7 @@ from meshtrain.model.shapes import Shape
 from meshtrain.optim import restore_schedule
 from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
-from meshtrain.train.build import TrainState, build
+from meshtrain.train.build import TrainState, build, warn_pointless_settings
 from meshtrain.train.preference import DEFAULT_BETA
 from meshtrain.train.step import evaluate, reduce_loss
 from meshtrain.train.stragglers import ComputeTimer, StragglerDetector, timed_modules
@@ -122,35 +122,6 @@ def announce(s: TrainState) -> None:
     for line in s.dims.describe_groups():
         log.info("  " + line)
     warn_pointless_settings(s)
-
-
-def warn_pointless_settings(s: TrainState) -> None:
-    """Settings that are valid alone but make little sense with this data or schedule."""
-    t, c = s.cfg.training, s.cfg.checkpoint
-    for name, source in zip(s.dataset.names, s.dataset.sources):
-        what = "preference pairs" if source.preference else "conversations"
-        if source.chat and source.train.too_long:
-            log.warning(
-                f"{name}: {source.train.too_long} of {source.train.too_long + source.train.conversations} training "
-                f"{what} are longer than training.seq_len + 1 = {t.seq_len + 1} tokens and are left out"
-            )
-        if name not in s.val:
-            log.warning(f"{source.val.name or name} holds less than one sequence; no validation loss for it")
-    if t.warmup_steps >= t.steps:
-        log.warning(
-            f"training.warmup_steps ({t.warmup_steps}) >= training.steps ({t.steps}): the learning rate "
-            "never reaches training.lr"
-        )
-    if c.every > t.steps:
-        log.warning(f"checkpoint.every ({c.every}) > training.steps ({t.steps}): only the last step is checkpointed")
-    for name, weight, source in zip(s.dataset.names, s.dataset.weights, s.dataset.sources):
-        epochs = t.steps * t.global_batch_size * weight / len(source.train)
-        if epochs > 1:
-            log.warning(
-                f"the schedule reads the training data of {name} {epochs:.1f} times ({len(source.train)} "
-                f"{'pairs' if source.preference else 'sequences'} of {t.seq_len} tokens): expect overfitting; add "
-                "data or lower training.steps"
-            )
 
 
 def validation_losses(s: TrainState) -> dict:
