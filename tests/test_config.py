@@ -187,6 +187,16 @@ PIPELINE = {"parallel.pp": 2, "model.n_layers": 4, "training.global_batch_size":
             "run.save_model_max_gb = 2.0 bounds the model gathered at the end",
             {"run.save_model": True},
         ),
+        (
+            {"run.log_level": "warning", "run.plan_check": True},
+            "run.plan_check is printed at the info level, but run.log_level = 'warning' hides it",
+            {"run.log_level": "info"},
+        ),
+        (
+            {"run.log_level": "error", "run.sample_prompt": "class "},
+            "run.sample_prompt is printed at the info level",
+            {"run.log_level": "info"},
+        ),
     ],
 )
 def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fragment, with_the_other):

@@ -177,6 +177,14 @@ def check_keys_in_force(cfg: Config) -> None:
             f"run.save_model_max_gb = {r.save_model_max_gb} bounds the model gathered at the end to be saved or "
             "sampled, but run.save_model is false and run.sample_prompt is empty: turn either on, or drop it"
         )
+    quiet = r.log_level in ("warning", "error")
+    shown_at_info = [key for key in ("sample_prompt", "sample_tokens") if getattr(r, key) != run_default[key]]
+    if quiet and (r.plan_check or shown_at_info):
+        key = "plan_check" if r.plan_check else shown_at_info[0]
+        raise ConfigError(
+            f"run.{key} is printed at the info level, but run.log_level = {r.log_level!r} hides it: set "
+            "run.log_level = info, or drop it"
+        )
     if cfg.checkpoint.async_ and not cfg.checkpoint.every:
         raise ConfigError(
             "checkpoint.async overlaps the periodic checkpoints with training, but checkpoint.every is 0 (the saves "

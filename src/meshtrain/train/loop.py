@@ -312,7 +312,7 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
         from meshtrain.model.lora import merge_state_dict
 
         state, _ = merge_state_dict(state, s.lora)
-    if run.sample_prompt:
+    if run.sample_prompt and log.isEnabledFor(20):  # logging.INFO: the default sample, unseen at a quieter level
         from meshtrain.serve import sample_text
 
         log.info(
