@@ -332,3 +332,27 @@ def test_document_masking_takes_a_boolean(capsys):
     from test_bad_inputs import TRAIN, assert_one_line, run_main
 
     assert_one_line(*run_main([*TRAIN, "--training.document_masking", "maybe"], capsys), "true or false")
+
+
+def test_a_configured_recomputed_backward_is_used_where_the_varlen_kernel_would_run(monkeypatch):
+    """training.attention_backward = recompute on an eager CPU step with long rows (where varlen is the
+    kernel): the recomputed backward runs, as the start line says, with varlen's numbers."""
+    import meshtrain.model.masks as masks
+
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(1200), torch.arange(848)]).expand(1, -1)  # two documents of one row
+    mask = masks.DocumentMask(positions, kernel="varlen")
+    assert mask.lengths is not None
+    q, k, v = (torch.randn(1, 2, 2048, 16, requires_grad=True) for _ in range(3))
+    calls = []
+    recomputed = masks.recomputed_attention
+    monkeypatch.setattr(masks, "recomputed_attention", lambda *a: calls.append(1) or recomputed(*a))
+    out = mask.attend(q, k, v, recompute_backward=True)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert calls == [1]
+    ref = mask.attend(q, k, v)  # varlen: the kernel the run would use without it
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert calls == [1]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)

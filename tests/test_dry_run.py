@@ -250,3 +250,16 @@ def test_a_dpo_job_is_built_with_its_pairs_and_its_reference(corpus, cli_env, tm
     result = run_cli(fresh, cli_env)
     assert result.returncode == 2 and "dpo learns from preference pairs, but" in result.stderr, result.stderr
     assert "holds no data yet" in result.stderr and not (tmp_path / "none").exists()
+
+
+def test_a_vocabulary_other_than_the_datas_is_refused_as_train_refuses_it(corpus, cli_env, tmp_path):
+    """data.vocab_size against the prepared data: the dry run (and so jobscript and plan --verify)
+    refuses it in the words train does, before building anything."""
+    from meshtrain.data import read_manifest
+
+    prepared = read_manifest(corpus)["vocab_size"]
+    args = ["train", "--data.path", str(corpus), "--data.corpus", "", "--data.vocab_size", str(prepared + 1)]
+    result = run_cli([*args, "--run.dir", str(tmp_path / "run"), "--dry-run", "1"], cli_env)
+    assert result.returncode == 2, result.stderr
+    assert f"data.vocab_size = {prepared + 1} but {corpus} is prepared with a vocabulary of {prepared}" in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -183,7 +183,7 @@ class TrainingConfig:
     eval_every: int = option(50, ge=0)
     """Steps between validation passes; 0 = only at the end."""
     eval_batches: int = option(4, gt=0)
-    """Global batches of validation data per pass."""
+    """Global batches of validation data per pass, at most one pass over the split (named at start)."""
     peak_tflops: float = option(0.0, ge=0)
     """Per-device peak for MFU; 0 = look up the GPU or measure the CPU."""
     stop_at_step: int = option(0, ge=0)

@@ -124,9 +124,11 @@ def validation_batches(
     dp_rank: int,
     dp_size: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]]:
-    """The first n_batches global batches of the validation split, in file order (wrapping), as
+    """The first n_batches global batches of the validation split, in file order, at most one pass
+    over it (as torchtitan's validator stops; the last batch filled by wrapping to the start), as
     (inputs, targets, positions or None, targets in the global batch)."""
     local = global_batch // dp_size
+    n_batches = min(n_batches, -(-len(windows) // global_batch))
     out = []
     for b in range(n_batches):
         everyone = np.arange(b * global_batch, (b + 1) * global_batch) % len(windows)

@@ -180,11 +180,12 @@ class DocumentMask:
             raise ValueError(f"a document mask of {self.seq_len} tokens given q/k of {q.shape[2]}/{k.shape[2]}")
         if self.block_mask is not None:
             return _flex("flex_attention")(q, k, v, block_mask=self.block_mask, enable_gqa=True)
-        if not torch.compiler.is_compiling() and self.lengths is not None:
+        recompute = recompute_backward and applies(q)  # as configured, eager too, where its scores fit
+        if not torch.compiler.is_compiling() and self.lengths is not None and not recompute:
             return varlen_attention(q, k, v, self.lengths)
         # dense; a mask built eagerly and handed to a compiled block gets its dense mask in the graph
         dense = self.dense if self.dense is not None else dense_mask(self.documents)
-        if recompute_backward and applies(q):
+        if recompute:
             return recomputed_attention(q, k, v, dense)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.config import Config, parse_data_path
-from meshtrain.data import Blend, DistributedLoader, prepare, read_manifest, stdlib_sources, validation_batches
+from meshtrain.data import Blend, DistributedLoader, prepare, stdlib_sources, validation_batches
 from meshtrain.errors import DataError
 from meshtrain.hardware import keep_freed_memory
 from meshtrain.launch import LaunchEnv, detect
@@ -36,6 +36,7 @@ from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
 from meshtrain.train.preflight import (
     check_device,
     check_objective_data,
+    check_prepared_vocabulary,
     default_corpus_pending,
     preflight,
     warn_if_too_big,
@@ -55,13 +56,7 @@ def ensure_dataset(cfg: Config) -> Blend:
         check_objective_data(cfg, None)  # not minutes of preparing before the refusal
         log.info(f"preparing the default corpus (Python standard library source) in {paths[0]} ...")
         prepare(stdlib_sources(), paths[0], vocab_size=cfg.data.vocab_size or DEFAULT_VOCAB, progress=True)
-    for path in paths:
-        prepared = read_manifest(path)["vocab_size"]  # a clear error if missing or corrupt
-        if cfg.data.vocab_size is not None and prepared != cfg.data.vocab_size:
-            raise DataError(
-                f"data.vocab_size = {cfg.data.vocab_size} but {path} is prepared with a vocabulary of {prepared}: "
-                "drop data.vocab_size to train on it, or prepare the data again into another data.path"
-            )
+    check_prepared_vocabulary(cfg)
     return Blend(cfg.data.path, cfg.training.seq_len)
 
 
@@ -237,6 +232,11 @@ def warn_pointless_settings(s: TrainState) -> None:
             )
         if name not in s.val:
             log.warning(f"{source.val.name or name} holds less than one sequence; no validation loss for it")
+        elif t.eval_batches > (one_pass := -(-len(source.val) // t.global_batch_size)):
+            log.warning(
+                f"training.eval_batches ({t.eval_batches}): the validation split of {name} holds {one_pass} "
+                f"batch(es) of {t.global_batch_size}; one pass over it is evaluated"
+            )
     if t.warmup_steps > t.steps:
         log.warning(
             f"training.warmup_steps ({t.warmup_steps}) > training.steps ({t.steps}): the learning rate "

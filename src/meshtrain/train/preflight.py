@@ -174,9 +174,22 @@ def prepared_dataset(cfg: Config) -> Blend | None:
     corrupt otherwise."""
     if default_corpus_pending(cfg):
         return None
-    for path in (Path(p) for p, _ in parse_data_path(cfg.data.path)):
-        read_manifest(path)  # the trainer's one-line error for missing or corrupt data
+    check_prepared_vocabulary(cfg)
     return Blend(cfg.data.path, cfg.training.seq_len)
+
+
+def check_prepared_vocabulary(cfg: Config) -> None:
+    """Each prepared directory of data.path is there and whole (the trainer's one-line error for
+    missing or corrupt data), and prepared with data.vocab_size where that is set."""
+    from meshtrain.errors import DataError
+
+    for path in (Path(p) for p, _ in parse_data_path(cfg.data.path)):
+        prepared = read_manifest(path)["vocab_size"]
+        if cfg.data.vocab_size is not None and prepared != cfg.data.vocab_size:
+            raise DataError(
+                f"data.vocab_size = {cfg.data.vocab_size} but {path} is prepared with a vocabulary of {prepared}: "
+                "drop data.vocab_size to train on it, or prepare the data again into another data.path"
+            )
 
 
 def check_init_tokenizer(cfg: Config, dataset: Blend) -> None:
