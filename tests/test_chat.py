@@ -526,3 +526,15 @@ def test_lora_teaches_a_chat_model_a_new_task(pretrained, cli_env, tmp_path):
     # when written: reversed 0.025 -> 0.925 of the held-out requests, all 0.29 -> 0.96
     assert exact(before_reverse) <= 0.2 and exact(after_reverse) >= 0.8, (exact(before_reverse), exact(after_reverse))
     assert exact(after) >= 0.85, exact(after)
+
+
+def test_rows_of_the_common_chat_datasets_are_read_and_dropped_text_is_refused():
+    """ultrachat_200k and no_robots repeat the first user turn as "prompt", UltraFeedback's SFT split
+    carries its pair beside the messages, parquet exports write null columns: all read as the
+    messages; a system prompt or another prompt beside them would be dropped, so it is refused."""
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    for extra in ({"prompt": "q", "prompt_id": "7"}, {"system": None, "completion": ""}, {"chosen": turns}):
+        assert conversation({"messages": turns, **extra}, "rows.jsonl:1") == turns
+    for extra, key in (({"prompt": "another question"}, "prompt"), ({"system": "be brief"}, "system")):
+        with pytest.raises(DataError, match=f"rows.jsonl:1 has '{key}', which meshtrain cannot use beside"):
+            conversation({"messages": turns, **extra}, "rows.jsonl:1")

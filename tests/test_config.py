@@ -207,6 +207,10 @@ def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fra
     preflight(cfg, cfg.parallel.pp * cfg.parallel.tp)
 
 
+def test_a_quiet_run_may_turn_the_sample_off():
+    preflight(load_config(None, {"run.log_level": "warning", "run.sample_prompt": ""}), 1)
+
+
 def test_the_config_tree_and_the_command_line_read_without_torch():
     """config/, the model's shapes and the CLI's parsers import no torch: reading and checking a
     config (what every refusal of the CLI does first) and `meshtrain --help` do not load the

@@ -75,15 +75,23 @@ def test_the_three_spellings_of_a_pair_give_the_same_tokens_and_masks(corpus, to
         # a prompt with an earlier answer in it: only the answers after the prompt are targets
         {"prompt": prompt, "chosen": [assistant("star moon sun")], "rejected": [assistant("no")]},
         {"chosen": [*prompt, assistant("star moon sun")], "rejected": [*prompt, assistant("no")]},
+        # UltraFeedback's: the prompt's text beside whole conversations, and a copy of the chosen one
+        {
+            "prompt": "sun moon star",
+            "chosen": [user("sun moon star"), assistant("star moon sun")],
+            "rejected": [user("sun moon star"), assistant("no")],
+            "messages": [user("sun moon star"), assistant("star moon sun")],
+            "score_chosen": 9.0,
+        },
     ]
     rows[0]["rejected"] = "no"
     manifest = prepare_rows(corpus, rows, tmp_path / "data")
-    assert manifest["format"] == "preference" and manifest["pairs"] == {"train": 5, "val": 0}
-    assert manifest["documents"] == {"train": 10, "val": 0} and manifest["chat_template"] == "chat_template.jinja"
+    assert manifest["format"] == "preference" and manifest["pairs"] == {"train": 6, "val": 0}
+    assert manifest["documents"] == {"train": 12, "val": 0} and manifest["chat_template"] == "chat_template.jinja"
     train = Dataset(tmp_path / "data", 128).train
-    assert len(train) == 5 and train.too_long == 0 and train.conversations == train.pairs == 5
-    windows = [train.window(w) for w in range(5)]
-    for tokens, mask in windows[1:3]:
+    assert len(train) == 6 and train.too_long == 0 and train.conversations == train.pairs == 6
+    windows = [train.window(w) for w in range(6)]
+    for tokens, mask in [*windows[1:3], windows[5]]:
         np.testing.assert_array_equal(tokens, windows[0][0])
         np.testing.assert_array_equal(mask, windows[0][1])
     np.testing.assert_array_equal(windows[4][0], windows[3][0])

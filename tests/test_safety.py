@@ -75,6 +75,10 @@ def test_prepare_never_deletes_what_it_did_not_write(cli_env, tmp_path):
         result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)
         assert result.returncode == 0, result.stderr
     assert (out / "manifest.json").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "files"}))
+    result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)  # an earlier meshtrain's output
+    assert result.returncode == 0, result.stderr
     (out / "notes.txt").write_text("my notes on this data")  # put beside an earlier output: not replaced with it
     result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)
     assert_user_error(result, "holds notes.txt, which `meshtrain data prepare` did not write")

@@ -182,13 +182,21 @@ def _files_under(directory: Path) -> set[str]:
     return {f.relative_to(directory).as_posix() for f in directory.rglob("*") if not f.is_dir()}
 
 
+# What the markers of outputs written before they listed their files hold (a manifest's format_version
+# and shards; an export's model or adapter_of): such an output is replaced whole, as it always was.
+OLDER_MARKER_KEYS = {"manifest.json": ({"format_version", "shards"},), "meshtrain.json": ({"model"}, {"adapter_of"})}
+
+
 def _files_written(marker: Path) -> set[str] | None:
     """The files an earlier output lists in its marker (mark_output), or None where the marker is
     missing, unreadable or not one of meshtrain's (a manifest.json of someone else's)."""
     try:
-        files = json.loads(marker.read_text()).get("files") if marker.is_file() else None
+        record = json.loads(marker.read_text()) if marker.is_file() else None
+        files = record.get("files") if record is not None else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None
+    if files is None and any(keys <= set(record or {}) for keys in OLDER_MARKER_KEYS.get(marker.name, ())):
+        return _files_under(marker.parent)  # written by an earlier meshtrain
     return set(files) if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
 
 

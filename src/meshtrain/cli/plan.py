@@ -172,11 +172,8 @@ def check_gpt_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> None:
         )
     # a preset's Llama shape is GPT's where its SwiGLU holds GPT's MLP parameters (the gpt2-* presets)
     swiglu_is_gpt = abs(3 * model.ffn_dim - 8 * model.dim) <= 0.02 * 8 * model.dim
-    if (
-        "model.preset" in given
-        and not ({"model.ffn_dim", "model.n_kv_heads"} & given)
-        and not (swiglu_is_gpt and model.n_kv_heads == model.n_heads)
-    ):
+    resized = {"model.dim", "model.n_heads", "model.ffn_dim", "model.n_kv_heads"} & given  # GPT's block from them
+    if "model.preset" in given and not resized and not (swiglu_is_gpt and model.n_kv_heads == model.n_heads):
         raise MeshtrainError(
             f"--model: the preset's MLP (SwiGLU of {model.ffn_dim}) and {model.n_kv_heads} key/value heads are not "
             f"GPT's block (4 x {model.dim}, {model.n_heads} heads), which --arch gpt plans: plan it with --arch llama"

@@ -178,7 +178,9 @@ def check_keys_in_force(cfg: Config) -> None:
             "sampled, but run.save_model is false and run.sample_prompt is empty: turn either on, or drop it"
         )
     quiet = r.log_level in ("warning", "error")
-    shown_at_info = [key for key in ("sample_prompt", "sample_tokens") if getattr(r, key) != run_default[key]]
+    shown_at_info = [
+        key for key in ("sample_prompt", "sample_tokens") if r.sample_prompt and getattr(r, key) != run_default[key]
+    ]
     if quiet and (r.plan_check or shown_at_info):
         key = "plan_check" if r.plan_check else shown_at_info[0]
         raise ConfigError(

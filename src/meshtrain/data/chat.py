@@ -91,7 +91,9 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except TemplateError as e:
+        except DataError:
+            raise  # its own refusal (raise_exception)
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise DataError(f"the chat template fails on this conversation ({e}); fix it or the data") from None
 
     def target_spans(
@@ -137,8 +139,13 @@ def conversation(record: object, where: str) -> list[dict]:
             f'{where} has no "messages" list (nor "prompt" and "completion"); is this plain text? '
             "then leave out --format chat"
         )
-    _only_keys(record, ("messages",), where)
-    return _messages(messages, where)
+    parsed = _messages(messages, where)
+    # ultrachat_200k and no_robots carry the first user turn again as "prompt"; UltraFeedback's SFT
+    # split carries its pair beside the chosen conversation
+    first_user = next((m["content"] for m in parsed if m["role"] == "user"), None)
+    copies = ("chosen", "rejected", *(["prompt"] if record.get("prompt") == first_user else []))
+    _only_keys(record, ("messages",), where, also=copies)
+    return parsed
 
 
 # Row keys that carry text of the conversation in other formats (a system prompt, Alpaca's columns,
@@ -153,7 +160,8 @@ CONTENT_KEYS = frozenset(
 def _only_keys(record: dict, keys: tuple[str, ...], where: str, also: tuple[str, ...] = ()) -> None:
     """Refuse a row's conversation text that meshtrain would drop (a "system" beside the messages, a
     "completion" beside them, ...); `also`: keys this format reads past (UltraFeedback's "messages")."""
-    if dropped := sorted((set(record) & CONTENT_KEYS) - set(keys) - set(also)):
+    present = {key for key, value in record.items() if value not in (None, "", [], {})}  # a null column: absent
+    if dropped := sorted((present & CONTENT_KEYS) - set(keys) - set(also)):
         raise DataError(
             f"{where} has {dropped[0]!r}, which meshtrain cannot use beside {' and '.join(map(repr, keys))}: "
             "drop it from the rows (or fold it into the messages)"
@@ -217,6 +225,9 @@ def preference_pair(record: object, where: str) -> tuple[list[dict], list[dict],
     else:
         chosen_messages = _messages(chosen, where, "chosen message")
         rejected_messages = _messages(rejected, where, "rejected message")
+        opening = {"role": "user", "content": prompt}
+        if isinstance(prompt, str) and chosen_messages[:1] == rejected_messages[:1] == [opening]:
+            prompt = None  # UltraFeedback's: the prompt's text beside whole conversations that begin with it
         if prompt is None:  # implicit: the messages both conversations begin with
             pairs = zip(chosen_messages, rejected_messages)
             n = next((i for i, (c, r) in enumerate(pairs) if c != r), min(len(chosen_messages), len(rejected_messages)))

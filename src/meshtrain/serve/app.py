@@ -232,13 +232,15 @@ def _chat_prompt(served: ServedModel, messages: list[Message]) -> str:
     turns = [turn | {"name": m.name} if m.name else turn for turn, m in zip(plain, messages, strict=True)]
     try:
         prompt = served.render_chat(turns)
+        for i, m in enumerate(messages):
+            if m.name and served.render_chat([*turns[:i], plain[i], *turns[i + 1 :]]) == prompt:
+                raise APIError(
+                    400,
+                    f"messages[{i}].name is not supported by this model's chat template: drop it",
+                    f"messages.{i}.name",
+                )
     except DataError as e:  # the template's own refusal (Mistral's: roles that do not alternate) or failure
         raise APIError(400, str(e), "messages") from None
-    for i, m in enumerate(messages):
-        if m.name and served.render_chat([*turns[:i], plain[i], *turns[i + 1 :]]) == prompt:
-            raise APIError(
-                400, f"messages[{i}].name is not supported by this model's chat template: drop it", f"messages.{i}.name"
-            )
     return prompt
 
 
@@ -296,6 +298,16 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
     stop, stop_ids = _special_stops(served, stop)
+    greedy_default = body.temperature is None and served.sampling_defaults.get("temperature") == 0
+    if greedy_default and (
+        shaping := [k for k, off in (("top_p", 1), ("top_k", 0)) if getattr(body, k) not in (None, off, -1)]
+    ):
+        raise APIError(
+            400,
+            f"{shaping[0]} shapes sampling, but this model decodes greedily unless a request gives a temperature "
+            "(its generation_config.json): send a temperature above 0 with it",
+            shaping[0],
+        )
     return SamplingParams(
         max_tokens,
         _or_default(body.temperature, served, "temperature", 1.0),

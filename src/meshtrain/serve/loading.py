@@ -134,7 +134,6 @@ NEUTRAL = {
     "eta_cutoff": 0.0,
     "min_new_tokens": 0,
     "min_length": 0,
-    "max_length": 20,
     "num_beams": 1,
     "num_beam_groups": 1,
     "diversity_penalty": 0.0,
