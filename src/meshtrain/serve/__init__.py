@@ -11,7 +11,7 @@ import torch
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.serve.engine import Engine, Request, SamplingParams
-from meshtrain.serve.loading import ServedModel, load_served_model
+from meshtrain.serve.loading import ServedModel, load_served_model, truncations_given
 
 __all__ = [
     "Engine",
@@ -148,8 +148,7 @@ def generate_to_terminal(
         chosen["max_new_tokens"] = max(1, min(chosen["max_new_tokens"], limit - len(ids)))
     from_model = [f"{key} {chosen[key]}" for key in given if given[key] is None and key in served.sampling_defaults]
     if chosen["temperature"] == 0 and (
-        idle := [k for k, off in (("top_p", 1), ("top_k", 0)) if given[k] not in (None, off, -1)]
-        + (["seed"] if seed is not None else [])
+        idle := truncations_given(given["top_p"], given["top_k"]) + (["seed"] if seed is not None else [])
     ):
         why = "--temperature 0" if given["temperature"] is not None else "the model's generation_config.json"
         raise MeshtrainError(

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from meshtrain.errors import DataError
 from meshtrain.serve.engine import Engine, SamplingParams
 from meshtrain.serve.engine import Request as Generation
-from meshtrain.serve.loading import SamplingDefaults, ServedModel
+from meshtrain.serve.loading import SamplingDefaults, ServedModel, truncations_given
 
 
 class APIError(Exception):
@@ -299,9 +299,7 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
     stop, stop_ids = _special_stops(served, stop)
     greedy_default = body.temperature is None and served.sampling_defaults.get("temperature") == 0
-    if greedy_default and (
-        shaping := [k for k, off in (("top_p", 1), ("top_k", 0)) if getattr(body, k) not in (None, off, -1)]
-    ):
+    if greedy_default and (shaping := truncations_given(body.top_p, body.top_k)):
         raise APIError(
             400,
             f"{shaping[0]} shapes sampling, but this model decodes greedily unless a request gives a temperature "

@@ -115,6 +115,12 @@ class SamplingDefaults(BaseModel):
     top_k: int | None = Field(None, ge=-1)
 
 
+def truncations_given(top_p: float | None, top_k: int | None) -> list[str]:
+    """Which of top_p and top_k are given at a value that truncates the distribution (not 1, 0 or -1):
+    what greedy decoding would leave without effect."""
+    return [key for key, value, off in (("top_p", top_p, 1), ("top_k", top_k, 0)) if value not in (None, off, -1)]
+
+
 class GenerationDefaults(SamplingDefaults):
     """... and the length: max_new_tokens is the default of a request's max_tokens (vLLM's reading),
     up to the room its context leaves. Not a request field: OpenAI's is max_tokens."""
