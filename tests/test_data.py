@@ -226,6 +226,33 @@ def test_truncated_token_file_is_reported(tmp_path):
         TokenWindows.from_file(tmp_path / "t.bin", "uint16", 1)
 
 
+def test_a_manifest_or_tokenizer_meshtrain_would_misread_is_refused(tmp_path):
+    """A manifest of a newer format, or of a kind meshtrain does not know, would be read as plain
+    text; a tokenizer.json saved with truncation or padding on would cut or pad every document."""
+    from meshtrain.data.format import read_manifest
+    from meshtrain.data.tokenizer import load_tokenizer, train_bpe
+
+    base = {"dtype": "uint16", "vocab_size": 300, "tokenizer": "tokenizer.json", "eos_id": 0}
+    for extra, message in (({"format_version": 3}, "format_version 3"), ({"format": "code"}, "format 'code'")):
+        (tmp_path / "manifest.json").write_text(json.dumps({**base, **extra}))
+        with pytest.raises(DataError, match=message):
+            read_manifest(tmp_path)
+    tokenizer = train_bpe(["a b a b a b a b"], 260)
+    tokenizer.save(str(tmp_path / "plain.json"))
+    assert (
+        load_tokenizer(tmp_path / "plain.json").encode("a b a b a b a b").ids == tokenizer.encode("a b a b a b a b").ids
+    )
+    tokenizer.enable_truncation(4)
+    tokenizer.save(str(tmp_path / "cut.json"))
+    with pytest.raises(DataError, match='sets truncation .* set "truncation": null'):
+        load_tokenizer(tmp_path / "cut.json")
+    tokenizer.no_truncation()
+    tokenizer.enable_padding(length=64)
+    tokenizer.save(str(tmp_path / "padded.json"))
+    with pytest.raises(DataError, match='sets padding .* set "padding": null'):
+        load_tokenizer(tmp_path / "padded.json")
+
+
 def _windows(tmp_path, n_tokens=1000, seq_len=8, name="t.bin"):
     np.arange(n_tokens, dtype=np.uint16).tofile(tmp_path / name)
     return TokenWindows.from_file(tmp_path / name, "uint16", seq_len)

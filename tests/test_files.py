@@ -47,3 +47,21 @@ def test_no_room_is_refused_before_writing(tmp_path):
     with pytest.raises(WriteError, match="no room for the weights"):
         ensure_room(tmp_path, 1e18, "the weights")
     ensure_room(tmp_path, 1, "the weights")
+
+
+def test_an_output_file_replaces_only_an_earlier_output_of_its_command(tmp_path):
+    """jobscript --out, plan --write-config and bench comm --out replace what they wrote before, but
+    never someone else's file, nor an input given as a list (plan's --comm files)."""
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.files import check_output
+
+    out, comm = tmp_path / "job.sh", tmp_path / "comm.json"
+    check_output(out, "--out", {}, "meshtrain", "meshtrain jobscript")  # nothing there yet
+    out.write_text("#!/bin/bash\nsrun python -m meshtrain train\n")
+    check_output(out, "--out", {}, "meshtrain", "meshtrain jobscript")
+    out.write_text("#!/bin/bash\nmy own job\n")
+    with pytest.raises(MeshtrainError, match=f"--out {out} exists and was not written by `meshtrain jobscript`"):
+        check_output(out, "--out", {}, "meshtrain", "meshtrain jobscript")
+    comm.write_text('[{"busbw_GBps": 1}]')
+    with pytest.raises(MeshtrainError, match="is the --comm file it is made from"):
+        check_output(comm, "--write-config", {"--comm": [str(out), str(comm)]}, "meshtrain", "meshtrain plan")

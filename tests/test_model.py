@@ -82,6 +82,27 @@ def test_tied_embeddings_share_one_tensor():
     assert num_params(model) == num_params(make()) - ARGS.padded_vocab_size * ARGS.dim
 
 
+def test_saved_weights_load_whole_or_are_refused():
+    """A run's full weights must hold every tensor of the model (a tied output aside, being the
+    embedding): a missing layer would otherwise keep its random initial weights."""
+    from meshtrain.errors import CheckpointError
+
+    args = dataclasses.replace(PRESETS["tiny"], tie_embeddings=True)
+    source, target = Llama(args), Llama(args)
+    source.init_weights(1)
+    target.init_weights(2)
+    state = {k: v for k, v in source.state_dict().items() if k != "output.weight"}
+    target.load_full_state(state)
+    assert torch.equal(target.output.weight, source.tok_embeddings.weight)
+    assert target.output.weight is target.tok_embeddings.weight
+    for broken in (
+        {k: v for k, v in state.items() if not k.startswith("layers.1.")},
+        {**state, "extra": state["norm.weight"]},
+    ):
+        with pytest.raises(CheckpointError, match="the saved weights do not fit the model"):
+            Llama(args).load_full_state(broken)
+
+
 def test_rope_is_a_rotation_that_encodes_relative_position():
     cos, sin = precompute_rope(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=8, vocab_size=8), 32)
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)

@@ -527,9 +527,10 @@ def test_each_bandwidth_comes_from_one_source(tmp_path):
     from meshtrain.plan.hardware import device
 
     one_node = tmp_path / "intra.json"
-    one_node.write_text(json.dumps([{"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0}]))
+    one_node.write_text(json.dumps([{"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0, "world_size": 8}]))
     two_nodes = tmp_path / "inter.json"
-    two_nodes.write_text(json.dumps([{"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 20.0, "nodes": 2}]))
+    row = {"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 20.0, "nodes": 2, "world_size": 16}
+    two_nodes.write_text(json.dumps([row]))
     dev, inter = device("h100-80gb", comm_files=[str(one_node), str(two_nodes)])
     assert (dev.intra_node_gbps, inter) == (150.0, 20.0)
     for kwargs, sources in [
@@ -540,3 +541,30 @@ def test_each_bandwidth_comes_from_one_source(tmp_path):
         with pytest.raises(MeshtrainError) as e:
             device("h100-80gb", **kwargs)
         assert str(e.value).startswith(f"{sources} both set the")
+
+
+def test_a_comm_file_is_read_only_where_it_measured_training_traffic(tmp_path):
+    """A broadcast's bus bandwidth, one process's (which moves nothing) or a zero would each set a
+    bandwidth the plan cannot trust: refused; a file measured across nodes where every GPU fits
+    on one node is refused as --network is."""
+    from meshtrain.cli.plan import PlanOptions, check_one_node_links
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.plan.hardware import read_comm
+
+    row = {"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0, "world_size": 8, "nodes": 1}
+    path = tmp_path / "comm.json"
+    broadcast = {**row, "op": "broadcast", "busbw_GBps": 900.0}
+    path.write_text(json.dumps([row, broadcast]))
+    assert read_comm(str(path)) == {"intra": 150.0}  # not the broadcast's 900
+    for rows, message in [
+        ([broadcast], "measured none of all_reduce"),
+        ([{**row, "world_size": 1}], "measured by 1 process"),
+        ([{**row, "busbw_GBps": 0.0}], "no positive bus bandwidth"),
+    ]:
+        path.write_text(json.dumps(rows))
+        with pytest.raises(MeshtrainError, match=message):
+            read_comm(str(path))
+    path.write_text(json.dumps([{**row, "nodes": 2, "world_size": 16, "busbw_GBps": 20.0}]))
+    with pytest.raises(MeshtrainError, match=f"--comm {path} sets the bandwidth between nodes"):
+        check_one_node_links(PlanOptions(gpu="h100-80gb", comm=[str(path)]), 8, 8)
+    check_one_node_links(PlanOptions(gpu="h100-80gb", comm=[str(path)]), 16, 8)

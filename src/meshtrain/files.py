@@ -87,15 +87,27 @@ def atomic_write(path: Path | str, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def check_output(path: Path | str, flag: str, inputs: dict[str, Path | str | None]) -> None:
-    """Before any work: an output file may replace an older output, but never one of the command's
-    own inputs (`inputs`: flag -> path, e.g. the config a script is written from) nor a directory."""
+def check_output(
+    path: Path | str, flag: str, inputs: dict[str, Path | str | list | None], signature: str, command: str
+) -> None:
+    """Before any work: an output file may replace an older output of `command` (a file holding
+    `signature` in its first MiB), but never one of the command's own inputs (`inputs`: flag -> path
+    or paths, e.g. the config a script is written from), a directory or someone else's file."""
     out = Path(path)
     if out.is_dir():
         raise MeshtrainError(f"{flag} {out} is a directory: name a file")
+    if not out.exists():
+        return
     for name, given in inputs.items():
-        if given and out.exists() and Path(given).exists() and out.samefile(given):
-            raise MeshtrainError(f"{flag} {out} is the {name} file it is made from: write it to another path")
+        for each in given if isinstance(given, list) else [given]:
+            if each and Path(each).exists() and out.samefile(each):
+                raise MeshtrainError(f"{flag} {out} is the {name} file it is made from: write it to another path")
+    with open(out, "rb") as f:
+        ours = signature.encode() in f.read(1 << 20)
+    if not ours:
+        raise MeshtrainError(
+            f"{flag} {out} exists and was not written by `{command}`: move it away or write to another path"
+        )
 
 
 def write_text(path: Path | str, text: str) -> Path:

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if o.min_bytes > o.max_bytes:
         raise MeshtrainError(f"--min-bytes ({o.min_bytes} bytes) must be at most --max-bytes ({o.max_bytes} bytes)")
     if o.out:
-        check_output(o.out, "--out", {})  # before the measurement, not after it
+        check_output(o.out, "--out", {}, '"busbw_GBps"', "meshtrain bench comm")  # before the measurement
     if o.nproc:
         from meshtrain.launch.local import launch_workers, refuse_inside_a_launcher
 

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
         from meshtrain.files import check_output
 
         for suffix in files:
-            check_output(args.out + suffix, "--out", {"--config": spec.config})
+            check_output(args.out + suffix, "--out", {"--config": spec.config}, "meshtrain", "meshtrain jobscript")
     for suffix, text in files.items():
         if args.out:
             from meshtrain.files import write_text

@@ -38,8 +38,10 @@ from meshtrain.model import PRESETS, ModelArgs
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import KINDS, Workload, device, search
+from meshtrain.plan.hardware import read_comm
 
 # The config keys plan reads, with their short spellings.
+PLAN_HEADER = "# a meshtrain training config written by `meshtrain plan --write-config`"
 PLAN_KEYS = {
     "model.preset": ("--model",),
     "model.n_layers": ("--layers",),
@@ -196,6 +198,7 @@ def planned_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> Shape:
 def check_one_node_links(o: PlanOptions, gpus: int, gpus_per_node: int) -> None:
     """A bandwidth between nodes where every GPU fits on one node would change nothing: refused."""
     given = [flag for flag, value in (("--network", o.network), ("--inter-node-gbps", o.inter_node_gbps)) if value]
+    given += [f"--comm {path}" for path in o.comm if "inter" in read_comm(path)]  # measured across nodes
     if gpus <= gpus_per_node and given:
         raise MeshtrainError(
             f"{given[0]} sets the bandwidth between nodes, but the {gpus} GPUs fit on one node of {gpus_per_node}: "
@@ -216,7 +219,9 @@ def planned_model(cfg: Config) -> ModelArgs:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     o: PlanOptions = options_of(args, PlanOptions)
     if o.write_config:
-        check_output(o.write_config, "--write-config", {"--config": o.config, "--comm": o.comm})
+        check_output(
+            o.write_config, "--write-config", {"--config": o.config, "--comm": o.comm}, PLAN_HEADER, "meshtrain plan"
+        )
     cfg, given = _load(o, list(getattr(args, "overrides", None) or []))
     explain = bool(o.config)
     t = cfg.training
@@ -446,7 +451,7 @@ def _write_config(o: PlanOptions, estimates, base: Config) -> None:
             "--write-config: no layout fits, nothing to write (more GPUs, a smaller model or batch, or --ac full)"
         )
     best = fitting[0].layout.apply_to(base)
-    path = write_text(o.write_config, to_toml(best.validate()))  # what is written must train
+    path = write_text(o.write_config, f"{PLAN_HEADER}\n{to_toml(best.validate())}")  # what is written must train
     print(
         f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "
         f"{fitting[0].layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`"

@@ -22,6 +22,7 @@ from meshtrain.files import writing
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
+DATA_FORMATS = ("text", "chat", "preference")  # what a manifest's "format" may say
 
 
 def resolve_dtype(dtype: str, n_vocab: int) -> str:
@@ -50,6 +51,16 @@ def read_manifest(path: str | Path) -> dict:
             raise KeyError("dtype")
         if manifest["vocab_size"] > np.iinfo(DTYPES[dtype]).max + 1:
             raise DataError(f"{manifest_path}: vocabulary of {manifest['vocab_size']} does not fit {dtype}")
+        version, kind = manifest.get("format_version", 1), manifest.get("format", "text")
+        if version not in range(1, FORMAT_VERSION + 1):
+            raise DataError(
+                f"{manifest_path} has format_version {version!r}, which this meshtrain (up to {FORMAT_VERSION})"
+                " cannot read: upgrade meshtrain or prepare the data again"
+            )
+        if kind not in DATA_FORMATS:
+            raise DataError(
+                f"{manifest_path} has format {kind!r}: meshtrain reads {', '.join(DATA_FORMATS)}; prepare it again"
+            )
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise DataError(f"{manifest_path} is corrupt ({e}); prepare the data again") from None
     return manifest

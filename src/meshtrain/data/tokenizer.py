@@ -93,9 +93,17 @@ def load_tokenizer(path: str | Path):
     if not Path(path).is_file():
         raise DataError(f"tokenizer file {path} does not exist")
     try:
-        return Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:
         raise DataError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
+    # saved after a call that truncated or padded: every document (prompt) would be cut or padded
+    for setting, value in (("truncation", tokenizer.truncation), ("padding", tokenizer.padding)):
+        if value is not None:
+            raise DataError(
+                f"{path} sets {setting} ({value}), which would cut or pad every text meshtrain encodes:"
+                f' set "{setting}": null in it (transformers turns it off on each call)'
+            )
+    return tokenizer
 
 
 def train_bpe(texts: Iterator[str] | list[str], vocab_size: int):

@@ -146,7 +146,7 @@ def _load_model(ckpt: Path | None, run_dir: Path) -> tuple[Llama, ModelArgs]:
         _dcp_load(state, ckpt)
         model.load_state_dict(state["model"])
     else:
-        model.load_state_dict(load_file(run_dir / "model.safetensors"), strict=not args.tie_embeddings)
+        model.load_full_state(load_file(run_dir / "model.safetensors"))
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model, args
@@ -258,10 +258,9 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     template and, with dtype auto, its dtype; otherwise fp32 and meshtrain's tokenizer config.
     Written to a temporary directory, then renamed."""
     from huggingface_hub import save_torch_state_dict
-    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from meshtrain.data.tokenizer import begin_of_text
+    from meshtrain.data.tokenizer import begin_of_text, load_tokenizer
 
     check_output_dir(out, [source], EXPORT_MARKER, "meshtrain export")  # before reading the source
     ckpt, run_dir = run_weights(Path(source))
@@ -277,7 +276,7 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
     dtype = SHORT_DTYPES.get(dtype, dtype)
     if dtype not in TORCH_DTYPES:
         raise MeshtrainError(f"export dtype {dtype!r}: use auto, {', '.join(SHORT_DTYPES)}")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer = load_tokenizer(tokenizer_file)
     eos, eos_ids = end_tokens(origin if origin.is_dir() else run_dir, tokenizer)
     bos = begin_of_text(tokenizer, run_dir) or eos  # a run's own tokenizer: its config's BOS, else GPT-2's use
     bos_id = (source_config or {}).get("bos_token_id", tokenizer.token_to_id(bos) if bos else None)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.errors import CheckpointError
 from meshtrain.model.args import ModelArgs
 from meshtrain.model.masks import DocumentMask, flex_available
 from meshtrain.model.recompute_attention import applies, recomputed_attention
@@ -190,6 +191,20 @@ class Llama(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights that meshtrain saved (a run's model.safetensors, the end-of-run state):
+        every tensor of the model must be there and nothing else; only a tied output may be absent,
+        being the embedding (a layer left out would otherwise keep its random initial weights)."""
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not (k == "output.weight" and self.args.tie_embeddings)]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"the saved weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}:"
+                " they belong to another model shape (model.json) or the file is damaged"
+            )
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:

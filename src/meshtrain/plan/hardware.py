@@ -204,19 +204,32 @@ def device(
     return dataclasses.replace(dev, **changes), inter
 
 
+TRAINING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what the planner's traffic is made of
+
+
 def read_comm(path: str) -> dict[str, float]:
-    """What `meshtrain bench comm --json` measured: the best bus bandwidth of the large messages
-    (>= 64 MiB, else the largest), from a one-node run ("intra") or a multi-node run ("inter")."""
+    """What `meshtrain bench comm --out FILE` measured: the best bus bandwidth of the large messages
+    (>= 64 MiB, else the largest) of the collectives training runs (a broadcast's is not one of
+    them), from a one-node run ("intra") or a multi-node run ("inter")."""
     try:
-        rows = json.loads(Path(path).read_text())
+        rows = [r for r in json.loads(Path(path).read_text()) if r["op"] in TRAINING_COLLECTIVES]
+        if not rows:
+            raise MeshtrainError(f"--comm {path} measured none of {', '.join(TRAINING_COLLECTIVES)}: measure them")
+        if (world := min(r["world_size"] for r in rows)) < 2:
+            raise MeshtrainError(
+                f"--comm {path} was measured by {world} process, which moves nothing between GPUs: run "
+                "`meshtrain bench comm --nproc GPUS --out FILE` (one process per GPU)"
+            )
         scope = "inter" if max(r.get("nodes", 1) for r in rows) > 1 else "intra"
         large = [r for r in rows if r["bytes"] >= 64 * 2**20] or [max(rows, key=lambda r: r["bytes"])]
-        return {scope: max(r["busbw_GBps"] for r in large)}
+        if (busbw := max(r["busbw_GBps"] for r in large)) <= 0:
+            raise MeshtrainError(f"--comm {path} has no positive bus bandwidth (busbw_GBps): measure it again")
+        return {scope: busbw}
     except OSError as e:
         raise MeshtrainError(
-            f"--comm {path}: cannot read it ({e.strerror}); write one with `meshtrain bench comm --json FILE`"
+            f"--comm {path}: cannot read it ({e.strerror}); write one with `meshtrain bench comm --out FILE`"
         ) from None
     except (ValueError, KeyError, TypeError, AttributeError):
         raise MeshtrainError(
-            f"--comm {path} is not what `meshtrain bench comm --json` writes (a list of rows with bytes and busbw_GBps)"
+            f"--comm {path} is not what `meshtrain bench comm --out` writes (a list of rows with bytes and busbw_GBps)"
         ) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -192,17 +193,16 @@ def generate_to_terminal(
 def sample_text(state: dict[str, torch.Tensor], args, tokenizer_path, prompt: str, max_tokens: int) -> str:
     """The end-of-run demo: the prompt and a continuation sampled from the full weights (on the CPU,
     by the engine that serves: one sampling and stopping implementation)."""
-    from tokenizers import Tokenizer
-
-    from meshtrain.data.tokenizer import encode_prompt, end_of_text
+    from meshtrain.data.tokenizer import encode_prompt, end_of_text, load_tokenizer
     from meshtrain.model import Llama
 
     model = Llama(args)
-    model.load_state_dict(state, strict=False)
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    model.load_full_state(state)
+    tokenizer = load_tokenizer(tokenizer_path)
     ids = encode_prompt(tokenizer, prompt)[-(args.max_seq_len - 1) :]
     context = min(args.max_seq_len, len(ids) + max_tokens)  # a cache for this sample, not the model's longest
-    engine = Engine(model, tokenizer, end_of_text(tokenizer)[1], 1, context)
+    # the end token data prepare used: the tokenizer_config.json kept beside the data's tokenizer
+    engine = Engine(model, tokenizer, end_of_text(tokenizer, Path(tokenizer_path).parent)[1], 1, context)
     sampling = {key: TERMINAL_SAMPLING[key] for key in ("temperature", "top_p", "top_k")}
     try:
         text, _, _ = engine.complete(ids, SamplingParams(context - len(ids), **sampling, seed=0))

@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, template_of
-from meshtrain.data.tokenizer import begin_of_text, document_prefix, encode_prompt
+from meshtrain.data.tokenizer import begin_of_text, document_prefix, encode_prompt, load_tokenizer
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import read_json_object
 from meshtrain.model import Llama
@@ -57,8 +57,6 @@ class ServedModel:
 
 
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
-    from tokenizers import Tokenizer
-
     from meshtrain.interop.hf import (
         SOURCE_DIR,
         end_tokens,
@@ -88,7 +86,7 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
     tokenizer_file = tokenizer_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise MeshtrainError(f"{tokenizer_file} is missing: the server needs the model's tokenizer")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer = load_tokenizer(tokenizer_file)
     # a run that started from a Hugging Face model stops where that model stops
     origin = tokenizer_dir / SOURCE_DIR if (tokenizer_dir / SOURCE_DIR).is_dir() else tokenizer_dir
     eos, eos_ids = end_tokens(origin, tokenizer)
