@@ -302,6 +302,8 @@ def test_resume_into_a_different_model_is_a_clear_error(saved, corpus, cli_env, 
         check=False,
     )
     assert_user_error(result, "different model", "n_layers 4 -> 3")
+    # the run's record (config, tokenizer) is written only once the start goes ahead
+    assert not (tmp_path / "config.toml").exists() and not (tmp_path / "tokenizer.json").exists()
 
 
 @pytest.mark.parametrize("mode", ["skip", "stop"])
@@ -468,6 +470,22 @@ def test_moving_checkpoint_dir_never_starts_the_run_afresh_over_its_checkpoints(
         refuse_overwriting_results("auto", moved, run_dir)
     refuse_overwriting_results(str(run_dir / "checkpoints" / "step_00000400"), moved, run_dir)  # continued
     refuse_overwriting_results("auto", run_dir / "checkpoints", run_dir)
+
+
+def test_another_runs_checkpoint_never_starts_in_a_root_holding_checkpoints(tmp_path):
+    """Resuming run A's later checkpoint into run B's checkpoint root would mix B's saves with A's
+    steps and prune B's own checkpoints as the oldest: refused; into an empty root it is a new run."""
+    from meshtrain.checkpoint import MARKER, refuse_overwriting_results
+
+    for run, step in (("a", 5000), ("b", 800)):
+        saved = tmp_path / run / "checkpoints" / f"step_{step:08d}"
+        saved.mkdir(parents=True)
+        (saved / MARKER).write_text(f'{{"step": {step}}}')
+    other = str(tmp_path / "a" / "checkpoints" / "step_00005000")
+    b = tmp_path / "b"
+    with pytest.raises(CheckpointError, match=r"hold an earlier run \(newest step_00000800\).*pruning would delete"):
+        refuse_overwriting_results(other, b / "checkpoints", b)
+    refuse_overwriting_results(other, tmp_path / "c" / "checkpoints", tmp_path / "c")
 
 
 def test_a_resume_under_another_init_from_is_refused(tmp_path):

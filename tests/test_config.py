@@ -44,6 +44,9 @@ def test_model_args_merge_preset_overrides_and_data_vocab():
         ("", ["training.steps", "3"], ["unexpected argument"]),
         ("", ["--training.steps"], ["needs a value"]),
         ("[training\n", [], ["not valid TOML"]),
+        ("", ["--run.sample_tokens", "1024"], ["run.sample_tokens = 1024 would not fit", "max_seq_len = 1024"]),
+        ("", ["--run.dir", "data/stdlib"], ["run.dir = 'data/stdlib' is the data.path directory"]),
+        ("", ["--run.dir", "a", "--data.path", "a/:1,b:1"], ["run.dir = 'a' is the data.path directory"]),
     ],
 )
 def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):

@@ -233,6 +233,21 @@ def test_trainium_options_take_effect_or_are_refused(cli_env):
     assert_user_error(run_cli(["jobscript", *gpu_with_trn], cli_env), "add --accelerator trainium")
 
 
+def test_trainium_refuses_another_device_in_the_config_file(cli_env, tmp_path):
+    """The job puts --launch.device neuron before the arguments after --: a config file's cuda or cpu
+    would be silently replaced, so it is refused; one overridden after -- by neuron is the user's."""
+    repo = Path(__file__).parents[1]
+    config = tmp_path / "device.toml"
+    with_config = [*TRAINIUM[:2], str(config), *TRAINIUM[3:]]
+    for device in ("cuda", "cpu"):
+        config.write_text((repo / "configs/tiny.toml").read_text() + f'\n[launch]\ndevice = "{device}"\n')
+        refused = run_cli(["jobscript", *with_config, "--", *FITS_TRAINIUM], cli_env, cwd=repo)
+        assert_user_error(refused, f"launch.device = '{device}' in --config {config}", "make it auto or neuron")
+    overridden = run_cli(["jobscript", *with_config, "--", *FITS_TRAINIUM, "--launch.device", "neuron"], cli_env)
+    assert overridden.returncode == 0, overridden.stderr
+    assert "--launch.device neuron" in overridden.stdout
+
+
 def test_neuron_device_without_torch_neuronx_is_refused_before_workers_start(cli_env, tmp_path):
     from meshtrain.errors import ConfigError
     from meshtrain.launch.distributed import pick_device

@@ -3,6 +3,7 @@ Slurm 22.05, Open MPI 4.1.4, MPICH 4.0.2 and SGE 8.1.9 installs: shared/referenc
 
 import pytest
 
+from conftest import assert_user_error, run_cli
 from meshtrain.errors import MeshtrainError
 from meshtrain.launch.env import detect, port_from_job_id
 from meshtrain.launch.local import rendezvous_args
@@ -137,6 +138,105 @@ def test_forced_launcher_and_inconsistent_environments():
         detect(OPENMPI | {"OMPI_COMM_WORLD_SIZE": "3", "MASTER_ADDR": "h"})
     with pytest.raises(MeshtrainError, match="outside world size"):
         detect({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+SLURM_4_PER_NODE = SLURM_TASK | {  # rank 5 of 8, the second task of the second node
+    "SLURM_STEP_NODELIST": "gpu[1-2]",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+}
+
+
+@pytest.mark.parametrize("per_node", ["4(x2)", "4(x1),4"])
+def test_slurm_tasks_per_node_in_each_of_slurms_forms(per_node):
+    env = detect(SLURM_4_PER_NODE | {"SLURM_STEP_TASKS_PER_NODE": per_node})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 4, 1)
+    mpich = MPICH | {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "SLURM_STEP_TASKS_PER_NODE": per_node}
+    del mpich["MPI_LOCALNRANKS"]  # `srun --mpi=pmi2`: the tasks per node come from Slurm
+    env = detect(mpich | {"SLURM_JOB_NODELIST": "gpu[1-2]"})
+    assert (env.launcher, env.local_world_size, env.node_rank) == ("mpich", 4, 1)
+
+
+def test_slurm_step_tasks_need_no_job_task_count():
+    """SLURM_STEP_NUM_TASKS is the step's own count: SLURM_NTASKS (set only with --ntasks) is not needed."""
+    step = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_NTASKS"}
+    assert detect(step).world_size == 2
+    assert detect(SLURM_TASK | {"SLURM_NTASKS": "6"}).world_size == 2  # the step's count wins
+
+
+MAP_BY_NODE = {"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": "h"}
+BAD_ENVIRONMENTS = {
+    "uneven slurm": (SLURM_4_PER_NODE | {"SLURM_STEP_TASKS_PER_NODE": "4,2"}, "SLURM_STEP_TASKS_PER_NODE='4,2': the"),
+    "uneven slurm repeat": (
+        SLURM_4_PER_NODE | {"SLURM_STEP_TASKS_PER_NODE": "2(x3),1"},
+        "nodes run different numbers of tasks",
+    ),
+    "uneven job counts": (
+        {k: v for k, v in SLURM_4_PER_NODE.items() if k != "SLURM_STEP_TASKS_PER_NODE"}
+        | {"SLURM_TASKS_PER_NODE": "4,3"},
+        "SLURM_TASKS_PER_NODE='4,3': the nodes run different numbers of tasks",
+    ),
+    "uneven mpich": (
+        {k: v for k, v in MPICH.items() if k != "MPI_LOCALNRANKS"} | {"SLURM_STEP_TASKS_PER_NODE": "4,3"},
+        "srun --ntasks-per-node=N",
+    ),
+    "garbled slurm": (SLURM_TASK | {"SLURM_STEP_TASKS_PER_NODE": "4(2)"}, "is not Slurm's tasks per node"),
+    "no slurm tasks per node": (
+        {k: v for k, v in SLURM_TASK.items() if "TASKS_PER_NODE" not in k},
+        "SLURM_STEP_TASKS_PER_NODE is missing",
+    ),
+    "no slurm task count": (
+        {k: v for k, v in SLURM_TASK.items() if "NUM_TASKS" not in k and k != "SLURM_NTASKS"},
+        "SLURM_STEP_NUM_TASKS or SLURM_NTASKS is missing",
+    ),
+    "mpich without a local rank": (
+        {k: v for k, v in MPICH.items() if k != "MPI_LOCALRANKID"},
+        "MPI_LOCALRANKID or SLURM_LOCALID is missing",
+    ),
+    "openmpi --map-by node": (
+        OPENMPI | MAP_BY_NODE,
+        "ranks are not placed in blocks per node (rank 1 has local rank 0",
+    ),
+    "srun --distribution=cyclic": (
+        SLURM_4_PER_NODE | {"SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_LOCALID": "2", "SLURM_NODEID": "1"},
+        "srun --distribution=block",
+    ),
+    "torchrun without its local world size": (
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"},
+        "rank 3 has local rank 1 of 4",
+    ),
+    "bad step nodelist": (SLURM_TASK | {"SLURM_STEP_NODELIST": "gpu[01-"}, "SLURM_STEP_NODELIST='gpu[01-' is not"),
+    "empty job nodelist": (
+        SLURM_BATCH_STEP | OPENMPI | {"SLURM_JOB_NODELIST": ","},
+        "SLURM_JOB_NODELIST=',' is not a Slurm host list (it names no host)",
+    ),
+    "port too high": (SLURM_TASK | {"MASTER_PORT": "70000"}, "MASTER_PORT: port 70000 is outside 1..65535"),
+    "port zero": (OPENMPI | {"MASTER_PORT": "0"}, "MASTER_PORT: port 0 is outside 1..65535"),
+    "port not a number": ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an int"),
+    "azureml port": (OPENMPI | {"AZ_BATCH_MASTER_NODE": "10.0.0.4:x1"}, "its port 'x1' is not a number"),
+    "azureml port too high": (
+        OPENMPI | {"AZ_BATCH_MASTER_NODE": "10.0.0.4:65536"},
+        "AZ_BATCH_MASTER_NODE: port 65536 is outside 1..65535",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENVIRONMENTS))
+def test_bad_launch_environments_are_refused_in_one_line(case):
+    env, fragment = BAD_ENVIRONMENTS[case]
+    with pytest.raises(MeshtrainError) as refused:
+        detect(env)
+    assert fragment in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_nproc_refuses_a_slurm_node_count_that_is_not_a_number(cli_env, tmp_path):
+    result = run_cli(
+        ["train", "--nproc", "2", "--run.dir", str(tmp_path / "run")], cli_env | {"SLURM_STEP_NUM_NODES": "2x"}
+    )
+    assert_user_error(result, "SLURM_STEP_NUM_NODES='2x' is not an integer")
+    assert not (tmp_path / "run").exists()  # refused before the launcher prepared anything
 
 
 def test_rendezvous_options():

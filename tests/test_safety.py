@@ -169,3 +169,36 @@ def test_one_job_per_run_directory(corpus, cli_env, tmp_path):
     result = run_cli([*train_args(corpus, tmp_path), "--training.steps", "12"], cli_env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not lock.exists()
+
+
+def test_a_second_run_in_the_same_allocation_is_refused_and_the_job_itself_comes_back(tmp_path, monkeypatch):
+    """Runs in one Slurm allocation share its job id: a live process of it on this host that is not
+    this process's launcher holds the directory for another run (refused); the launcher above this
+    process, or a holder that died (a requeue), is this job's own lock."""
+    from meshtrain.lock import RunDirLocked, RunLock, _start_time
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    lock = tmp_path / LOCK_NAME
+
+    def held_by(pid):
+        lock.write_text(
+            json.dumps(
+                {"host": os.uname().nodename, "pid": pid, "started": _start_time(pid), "job": "SLURM_JOB_ID=4242"}
+            )
+        )
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        held_by(other.pid)
+        with pytest.raises(RunDirLocked, match="in use by another process of this job"):
+            RunLock(tmp_path).acquire()
+        with pytest.raises(RunDirLocked, match="in use by another process of this job"):
+            RunLock(tmp_path).held_by_this_job()
+    finally:
+        other.kill()
+        other.wait()
+    for holder in (os.getppid(), other.pid):  # the launcher above; the requeued job's dead process
+        held_by(holder)
+        assert RunLock(tmp_path).held_by_this_job()
+        RunLock(tmp_path).acquire().release()  # the job's own lock: kept as it is
+        assert json.loads(lock.read_text())["pid"] == holder

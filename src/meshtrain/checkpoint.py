@@ -194,6 +194,12 @@ def refuse_overwriting_results(resume: str, root: Path, run_dir: Path) -> None:
             )
     own = [p.resolve() for p in committed]
     continuing = (resume == "auto" and committed) or (start is not None and start.resolve() in own)
+    if start is not None and not continuing and committed:  # another run's checkpoint into this root
+        raise CheckpointError(
+            f"checkpoint.resume = {resume} is not one of {root}'s checkpoints, which hold an earlier run (newest "
+            f"{committed[-1].name}): this run's saves would mix with them and pruning would delete them; save "
+            "elsewhere (a new run.dir or checkpoint.dir), or move them away"
+        )
     if not continuing and (run_dir / "model.safetensors").is_file():
         raise CheckpointError(
             f"run.dir {run_dir} holds an earlier run's trained weights (model.safetensors) and no checkpoint of it "

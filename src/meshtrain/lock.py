@@ -54,6 +54,25 @@ def _holder_alive(holder: dict) -> bool:
     return started is not None and started == holder.get("started")
 
 
+def _ancestors() -> set[int]:
+    """This process and the ones above it (a launcher holding the lock for its workers)."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
+def _same_job_elsewhere(holder: dict) -> bool:
+    """A live process of this job on this host that is not this process nor its launcher: a second
+    `meshtrain train` started in the same scheduler allocation, not the job coming back."""
+    here = holder.get("host") == socket.gethostname()
+    return here and _holder_alive(holder) and int(holder.get("pid", -1)) not in _ancestors()
+
+
 class RunLock:
     def __init__(self, run_dir: Path | str):
         self.path = Path(run_dir) / LOCK_NAME
@@ -71,39 +90,47 @@ class RunLock:
             "job": self.token,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        for _ in range(10):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-            except FileExistsError:
-                holder = self._read()
-                if holder is None:
-                    time.sleep(0.05)  # being written by its taker
+        # written whole beside the lock, then linked into place: a lock is never seen empty
+        mine = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}")
+        try:
+            with writing(mine):
+                mine.write_text(json.dumps(me))
+            for _ in range(10):
+                try:
+                    os.link(mine, self.path)
+                except FileExistsError:
                     holder = self._read()
-                if holder is not None and holder.get("job") == self.token:
-                    return self  # this job's own lock (an elastic restart, a requeued job)
-                self._refuse(holder)
-                self._set_aside()  # stale: its holder died
-                continue
-            except OSError as e:
-                from meshtrain.files import write_error
+                    if holder is not None and holder.get("job") == self.token and not _same_job_elsewhere(holder):
+                        return self  # this job's own lock (an elastic restart, a requeued job)
+                    self._refuse(holder)
+                    self._set_aside()  # stale: its holder died (or an unreadable lock)
+                    continue
+                except OSError as e:
+                    from meshtrain.files import write_error
 
-                raise write_error(self.path, e) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return self
+                    raise write_error(self.path, e) from None
+                self.held = True
+                return self
+        finally:
+            mine.unlink(missing_ok=True)
         raise RunDirLocked(f"could not take {self.path}: other processes keep replacing it")
 
     def held_by_this_job(self) -> bool:
         """Whether this job (an earlier start of it: an elastic restart, a requeue) holds the lock;
         RunDirLocked if another live job does (checked without taking the lock)."""
         holder = self._read()
-        if holder is not None and holder.get("job") == self.token:
+        if holder is not None and holder.get("job") == self.token and not _same_job_elsewhere(holder):
             return True
         self._refuse(holder)
         return False
 
     def _refuse(self, holder: dict | None) -> None:
+        same_job = holder is not None and holder.get("job") == self.token
+        if same_job and _same_job_elsewhere(holder):
+            raise RunDirLocked(
+                f"{self.path.parent} is in use by another process of this job (pid {holder.get('pid')}, since "
+                f"{holder.get('since')}): give each run of the allocation its own run.dir"
+            ) from None
         if holder is not None and _holder_alive(holder):
             raise RunDirLocked(
                 f"{self.path.parent} is in use by another job (host {holder.get('host')}, pid "

@@ -96,7 +96,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     launcher); start the workers."""
     from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage, refuse_overwriting_results
     from meshtrain.launch.distributed import require_device
-    from meshtrain.launch.env import chosen_launcher
+    from meshtrain.launch.env import chosen_launcher, env_int
     from meshtrain.launch.local import launch_workers
     from meshtrain.lock import TOKEN_VARIABLE, RunLock
     from meshtrain.logs import setup_logging
@@ -117,13 +117,13 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
             "limit's clock again, and the stop at the limit (exit 75) would count as a failure to restart; leave "
             "restarts to the scheduler's requeue (docs/launching.md), or drop one of them"
         )
+    nodes = o.nnodes or env_int(os.environ, "SLURM_STEP_NUM_NODES", default=1)
     require_device(cfg.launch.device)
     refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
     lock = RunLock(cfg.run.dir)  # node 0's launcher holds it for the job; it alone checks the run dir
     if not o.node_rank and not lock.held_by_this_job():  # else this is the job itself, requeued
         refuse_overwriting_results(cfg.checkpoint.resume, checkpoint_root(cfg), Path(cfg.run.dir))
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
-    nodes = o.nnodes or int(os.environ.get("SLURM_STEP_NUM_NODES", 1))
     preflight(cfg, o.nproc * nodes, dataset)
     check_device(cfg, workers_device(cfg), launcher=True)
     if not o.node_rank:

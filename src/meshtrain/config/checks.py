@@ -34,8 +34,26 @@ def check_across_keys(cfg: Config) -> None:
             "it needs parallel.pp > 1 (without a pipeline, training.micro_batch_size sets the accumulation)"
         )
     check_peft_keys(cfg)
+    check_run_dir_apart(cfg)
     if not cfg.model.init_from:
         check_model_args(cfg.model_args(), cfg)
+
+
+def check_run_dir_apart(cfg: Config) -> None:
+    """run.dir receives the run's config, tokenizer files, checkpoints and weights: the directory of
+    the model it starts from or of its data would have its own files replaced, so either is refused."""
+    from meshtrain.config.grammar import parse_data_path
+
+    run_dir = Path(cfg.run.dir).resolve()
+    inputs = [("data.path", path) for path, _ in parse_data_path(cfg.data.path)] if cfg.data.path else []
+    if cfg.model.init_from:
+        inputs.append(("model.init_from", cfg.model.init_from.removeprefix("hf:")))
+    for key, path in inputs:
+        if Path(path).resolve() == run_dir:
+            raise ConfigError(
+                f"run.dir = {cfg.run.dir!r} is the {key} directory: the run would write its tokenizer, config and "
+                "weights over that directory's own; choose another run.dir"
+            )
 
 
 def check_precision_keys(cfg: Config) -> None:
@@ -122,6 +140,11 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
         raise ConfigError(
             f"training.seq_len ({cfg.training.seq_len}) is longer than the model allows "
             f"(model.max_seq_len = {args.max_seq_len}); lower it or raise model.max_seq_len"
+        )
+    if cfg.run.sample_prompt and cfg.run.sample_tokens >= args.max_seq_len:
+        raise ConfigError(
+            f"run.sample_tokens = {cfg.run.sample_tokens} would not fit the model's context beside the prompt "
+            f"(model.max_seq_len = {args.max_seq_len}): lower it"
         )
     explicit_vocab = cfg.model.vocab_size is not None or cfg.model.init_from
     if data_vocab_size is not None and explicit_vocab and args.vocab_size < data_vocab_size:

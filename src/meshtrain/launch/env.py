@@ -17,6 +17,7 @@ SGE_JOB_HOSTLIST, PBS_NODEFILE); MASTER_ADDR/MASTER_PORT, when set, always win.
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
@@ -70,15 +71,15 @@ class ClusterEnvironment(ABC):
     def detect(env: dict[str, str]) -> bool:
         """Whether this launcher started the process."""
 
-    def int(self, key: str, default: int | None = None) -> int:
-        if key not in self.env:
-            if default is None:
-                raise MeshtrainError(f"{self.name}: environment variable {key} is missing")
-            return default
-        try:
-            return int(self.env[key])
-        except ValueError:
-            raise MeshtrainError(f"environment variable {key}={self.env[key]!r} is not an integer") from None
+    def int(self, *keys: str, default: int | None = None) -> int:
+        return env_int(self.env, *keys, default=default, launcher=self.name)
+
+    def tasks_per_node(self) -> int | None:
+        """Slurm's tasks on each node of the step (None: not under Slurm)."""
+        for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            if self.env.get(key):
+                return tasks_per_node(key, self.env[key])
+        return None
 
     @property
     def node_rank(self) -> int:
@@ -121,7 +122,7 @@ class ClusterEnvironment(ABC):
     @property
     def master_port(self) -> int:
         if self.env.get("MASTER_PORT"):
-            return self.int("MASTER_PORT")
+            return checked_port(self.int("MASTER_PORT"), "MASTER_PORT")
         return port_from_job_id(self.job_id)
 
     def resolve(self) -> LaunchEnv:
@@ -164,9 +165,9 @@ class TorchElastic(ClusterEnvironment):
 
     rank = property(lambda self: self.int("RANK"))
     world_size = property(lambda self: self.int("WORLD_SIZE"))
-    local_rank = property(lambda self: self.int("LOCAL_RANK", 0))
-    local_world_size = property(lambda self: self.int("LOCAL_WORLD_SIZE", self.world_size))
-    node_rank = property(lambda self: self.int("GROUP_RANK", self.rank // self.local_world_size))
+    local_rank = property(lambda self: self.int("LOCAL_RANK", default=0))
+    local_world_size = property(lambda self: self.int("LOCAL_WORLD_SIZE", default=self.world_size))
+    node_rank = property(lambda self: self.int("GROUP_RANK", default=self.rank // self.local_world_size))
     job_id = property(lambda self: self.env.get("TORCHELASTIC_RUN_ID", "") or ClusterEnvironment.job_id.fget(self))
 
 
@@ -200,12 +201,15 @@ class AzureML(OpenMPI):
 
     @property
     def master_port(self) -> int:
-        host_port = self.env["AZ_BATCH_MASTER_NODE"].split(":")
-        return (
-            self.int("MASTER_PORT")
-            if self.env.get("MASTER_PORT")
-            else (int(host_port[1]) if len(host_port) > 1 else port_from_job_id(self.job_id))
-        )
+        _, _, port = self.env["AZ_BATCH_MASTER_NODE"].partition(":")
+        if self.env.get("MASTER_PORT") or not port:
+            return super().master_port
+        if not port.isdigit():
+            raise MeshtrainError(
+                f"environment variable AZ_BATCH_MASTER_NODE={self.env['AZ_BATCH_MASTER_NODE']!r}: its port "
+                f"{port!r} is not a number; export MASTER_PORT=<port> to every rank"
+            )
+        return checked_port(int(port), "AZ_BATCH_MASTER_NODE")
 
 
 class MPICH(ClusterEnvironment):
@@ -219,12 +223,15 @@ class MPICH(ClusterEnvironment):
 
     rank = property(lambda self: self.int("PMI_RANK"))
     world_size = property(lambda self: self.int("PMI_SIZE"))
-    local_rank = property(lambda self: self.int("MPI_LOCALRANKID", self.int("SLURM_LOCALID", 0)))
-    local_world_size = property(lambda self: self.int("MPI_LOCALNRANKS", self._slurm_tasks_on_node()))
+    local_rank = property(lambda self: self.int("MPI_LOCALRANKID", "SLURM_LOCALID"))
 
-    def _slurm_tasks_on_node(self) -> int:
-        per_node = self.env.get("SLURM_STEP_TASKS_PER_NODE") or self.env.get("SLURM_TASKS_PER_NODE")
-        return int(per_node.split("(")[0]) if per_node else self.world_size
+    @property
+    def local_world_size(self) -> int:
+        """Hydra's count, else Slurm's (`srun --mpi=pmi2`), else one node of every rank."""
+        if "MPI_LOCALNRANKS" in self.env:
+            return self.int("MPI_LOCALNRANKS")
+        per_node = self.tasks_per_node()
+        return self.world_size if per_node is None else per_node
 
 
 class Slurm(ClusterEnvironment):
@@ -237,19 +244,16 @@ class Slurm(ClusterEnvironment):
         return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
 
     rank = property(lambda self: self.int("SLURM_PROCID"))
-    world_size = property(lambda self: self.int("SLURM_STEP_NUM_TASKS", self.int("SLURM_NTASKS")))
+    world_size = property(lambda self: self.int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
     local_rank = property(lambda self: self.int("SLURM_LOCALID"))
     node_rank = property(lambda self: self.int("SLURM_NODEID"))
 
     @property
     def local_world_size(self) -> int:
-        per_node = self.env.get("SLURM_STEP_TASKS_PER_NODE") or self.env.get("SLURM_TASKS_PER_NODE", "")
-        # "4(x2),3": tasks on each node; this node's entry, by node id
-        counts = []
-        for item in per_node.split(","):
-            count, _, times = item.partition("(x")
-            counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
-        return counts[self.node_rank] if self.node_rank < len(counts) else self.world_size
+        per_node = self.tasks_per_node()
+        if per_node is None:
+            raise MeshtrainError("slurm: environment variable SLURM_STEP_TASKS_PER_NODE is missing (srun sets it)")
+        return per_node
 
 
 class Single(ClusterEnvironment):
@@ -278,11 +282,22 @@ assert ("auto", *ENVIRONMENTS) == LAUNCHERS
 
 def first_scheduler_host(env: dict[str, str]) -> str:
     """The first host of the allocation, from Slurm, SGE or PBS."""
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if nodelist:
+    key = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if env.get(k)), None)
+    if key:
         import hostlist
 
-        return hostlist.expand_hostlist(nodelist)[0]
+        try:
+            hosts = hostlist.expand_hostlist(env[key])
+        except hostlist.BadHostlist as e:
+            hosts, reason = [], str(e)
+        else:
+            reason = "it names no host"
+        if not hosts:
+            raise MeshtrainError(
+                f"environment variable {key}={env[key]!r} is not a Slurm host list ({reason}): it should look "
+                "like gpu[01-04],cpu7; unset it or export MASTER_ADDR=<first host>"
+            )
+        return hosts[0]
     for key in ("PE_HOSTFILE", "SGE_JOB_HOSTLIST", "PBS_NODEFILE"):
         path = env.get(key)
         if path and Path(path).is_file():
@@ -290,6 +305,50 @@ def first_scheduler_host(env: dict[str, str]) -> str:
             if lines:
                 return lines[0][0]
     return ""
+
+
+def env_int(env: dict[str, str], *keys: str, default: int | None = None, launcher: str = "") -> int:
+    """The first of `keys` set in `env`, as an integer; `default` where none is set (None: required)."""
+    key = next((k for k in keys if k in env), None)
+    if key is None:
+        if default is None:
+            raise MeshtrainError(f"{launcher or 'launcher'}: environment variable {' or '.join(keys)} is missing")
+        return default
+    try:
+        return int(env[key])
+    except ValueError:
+        raise MeshtrainError(
+            f"environment variable {key}={env[key]!r} is not an integer: set it to a whole number or unset it"
+        ) from None
+
+
+_PER_NODE = re.compile(r"(\d+)(?:\(x\d+\))?")  # a count, repeated on N nodes: "4(xN)"
+
+
+def tasks_per_node(key: str, text: str) -> int:
+    """The tasks on every node, from Slurm's per-node counts ("4", "4(x2)", "4,2", "2(x3),1", also
+    MPICH under srun). Ranks sit in blocks of one count per node (node_rank = rank // count), so
+    nodes with different counts are refused rather than read from the first one."""
+    items = [_PER_NODE.fullmatch(item.strip()) for item in text.split(",")]
+    if not all(items):
+        raise MeshtrainError(
+            f"environment variable {key}={text!r} is not Slurm's tasks per node, such as 4 or 4(x2),3: "
+            "unset it or let srun set it"
+        )
+    counts = {int(m[1]) for m in items}
+    if len(counts) > 1:
+        raise MeshtrainError(
+            f"{key}={text!r}: the nodes run different numbers of tasks, but ranks are placed the same number "
+            "per node: start the same number on every node (srun --ntasks-per-node=N)"
+        )
+    return counts.pop()
+
+
+def checked_port(port: int, source: str) -> int:
+    """A rendezvous port, refused before any process group waits on one that cannot exist."""
+    if not 1 <= port <= 65535:
+        raise MeshtrainError(f"{source}: port {port} is outside 1..65535: set a free port in that range")
+    return port
 
 
 def port_from_job_id(job_id: str) -> int:
@@ -307,6 +366,12 @@ def check_consistent(launch: LaunchEnv) -> None:
         raise MeshtrainError(
             f"{launch.launcher}: local rank {launch.local_rank} of {launch.local_world_size} per node does not fit "
             f"world size {launch.world_size}; start the same number of tasks on every node"
+        )
+    if launch.local_rank != launch.rank % launch.local_world_size:
+        raise MeshtrainError(
+            f"{launch.launcher}: ranks are not placed in blocks per node (rank {launch.rank} has local rank "
+            f"{launch.local_rank} of {launch.local_world_size}), so a node's tensor-parallel group would span "
+            "nodes: use mpirun --map-by slot / srun --distribution=block"
         )
 
 

@@ -215,13 +215,20 @@ def check_nodes(spec: JobSpec) -> None:
             f"--gpus-per-node {spec.gpus_per_node}: a {spec.instance} node runs one rank per logical NeuronCore "
             f"({TRAINIUM[spec.instance].cores}) by itself: leave --gpus-per-node out"
         )
-    given = [
-        arg.split("=", 1)[1] if "=" in arg else value
-        for arg, value in zip(spec.train_args, [*spec.train_args[1:], ""])
-        if arg.split("=", 1)[0] == "--launch.device"
-    ]
-    if other := [device for device in given if device != "neuron"]:
-        raise MeshtrainError(
-            f"--launch.device {other[0]} after --: --accelerator trainium trains on the NeuronCores "
-            "(--launch.device neuron, which the job sets): leave it out"
-        )
+    _check_neuron_device(spec)
+
+
+def _check_neuron_device(spec: JobSpec) -> None:
+    """A Trainium job trains with --launch.device neuron, put before the arguments after --: another
+    device in the config file would be silently replaced by it, and one after -- would override it."""
+    from meshtrain.config import load_config, parse_overrides
+
+    device = load_config(spec.config, spec.train_args).launch.device
+    if device in ("auto", "neuron"):
+        return
+    after = any(key == "launch.device" for key, _ in parse_overrides(spec.train_args))
+    where = f"--launch.device {device} after --" if after else f"launch.device = {device!r} in --config {spec.config}"
+    raise MeshtrainError(
+        f"{where}: --accelerator trainium trains on the NeuronCores (the job sets --launch.device neuron): "
+        "leave it out, or make it auto or neuron"
+    )

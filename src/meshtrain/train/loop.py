@@ -90,8 +90,11 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
     return bool(flags[0]), bool(flags[1]), ckpt.pending is not None and not flags[2]
 
 
-def announce(s: TrainState) -> None:
-    t, run_dir = s.cfg.training, Path(s.cfg.run.dir)
+def record_run(s: TrainState) -> None:
+    """The run's record: its resolved config, arithmetic, tokenizer (and template) and the pretrained
+    model's files, for serve and export. Written once the start is known to go ahead, so that a
+    refused resume (another base, shape or step count) leaves the record of the run as it was."""
+    run_dir = Path(s.cfg.run.dir)
     write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
     write_json(
         run_dir / "arithmetic.json",
@@ -100,6 +103,10 @@ def announce(s: TrainState) -> None:
     copy_tokenizer(s.dataset.tokenizer_path, run_dir, s.dataset.template_path)
     if s.cfg.model.init_from:  # the pretrained model's config, tokenizer files and end tokens, for export
         keep_source_files(s.cfg.model.init_from.removeprefix("hf:"), run_dir)
+
+
+def announce(s: TrainState) -> None:
+    t = s.cfg.training
     log.info(
         f"meshtrain | {s.cfg.model.source()}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
         f"({s.dims.describe()}) | {s.device.type} {s.arithmetic.name} | global batch {t.global_batch_size} x "
@@ -158,6 +165,10 @@ def resume(s: TrainState) -> tuple[int, int]:
     restore_schedule(s.scheduler, state["scheduler"])
     if s.scaler is not None and "loss_scale" in state:
         s.scaler.load_state_dict(state["loss_scale"])
+        log.info(
+            f"fp16 loss scale {s.scaler.factor().item():g} continues from the checkpoint "
+            "(training.initial_loss_scale is where a new run starts)"
+        )
     elif s.scaler is not None or "loss_scale" in state:  # the precision changed between runs: a fresh scale
         log.info(
             "the checkpoint was saved without fp16's loss scale: it starts at training.initial_loss_scale"
@@ -390,6 +401,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         announce(s)
     start_step, skipped = resume(s)
     check_steps_ahead(start_step, t)
+    if env.rank == 0:
+        record_run(s)
     metrics = MetricsLogger(
         Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress, start_step
     )
