@@ -395,7 +395,24 @@ def test_bad_chat_data_gets_one_line(rows, extra, fragments, corpus, cli_env, tm
     assert_user_error(result, *fragments)
     if rows is not None and "messages" in json.dumps(rows):
         assert ":1" in result.stderr  # the line is named
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial"))
+    assert not (tmp_path / "out").exists()
+    # only a finished unit is kept, to resume from: the one whose every conversation was too long
+    assert (tmp_path / ".out.partial").exists() == ("--max-tokens" in extra)
+
+
+def test_a_malformed_tokenizer_config_is_named_in_one_line(tmp_path):
+    from meshtrain.data.chat import template_of
+
+    config = tmp_path / "tokenizer_config.json"
+    for text, problem in (('{"chat_template": ', "is not valid JSON"), ("[1, 2]", "is not a JSON object")):
+        config.write_text(text)
+        with pytest.raises(DataError) as refused:
+            template_of(tmp_path)
+        assert f"{config} {problem}" in str(refused.value) and "fix or remove it" in str(refused.value)
+        assert "\n" not in str(refused.value)
+    config.write_bytes(b'{"chat_template": "\xff"}')
+    with pytest.raises(DataError, match="is not valid JSON"):
+        template_of(tmp_path)
 
 
 def test_chat_options_without_format_chat_are_refused(corpus, cli_env, tmp_path):

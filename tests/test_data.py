@@ -1,5 +1,8 @@
+import errno
 import gzip
+import importlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +18,9 @@ from tokenizers import Tokenizer
 from conftest import assert_user_error, faulty, run_cli
 from meshtrain.data import Blend, Dataset, DistributedLoader, TokenWindows, prepare, stdlib_sources
 from meshtrain.errors import ConfigError, DataError
+from meshtrain.files import WriteError
+
+prep = importlib.import_module("meshtrain.data.prepare")  # `meshtrain.data.prepare` is the function
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 20
 
@@ -210,7 +216,150 @@ def test_bad_data_gets_one_clear_line(tmp_path, cli_env, case, fragments):
             "uint16",
         ]
     assert_user_error(run_cli(args, cli_env), *fragments)
-    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+    assert not (tmp_path / "out").exists()
+    # only a unit finished (the empty one, refused at the end) is kept, to resume from
+    assert (tmp_path / ".out.partial").exists() == (case == "empty")
+
+
+def test_a_datasets_directory_saved_with_an_indices_mapping_is_refused(tmp_path):
+    """An earlier `datasets` saved a select, shuffle or filter as an indices file beside the rows from
+    before it: read without it, the rows left out would be tokenized too."""
+    import datasets
+
+    from meshtrain.data.sources import expand_inputs
+
+    datasets.Dataset.from_dict({"text": ["kept", "left out"]}).save_to_disk(str(tmp_path / "hf"))
+    state = json.loads((tmp_path / "hf" / "state.json").read_text())
+    for indices in (None, []):  # no mapping
+        (tmp_path / "hf" / "state.json").write_text(json.dumps({**state, "_indices_data_files": indices}))
+        assert [f.kind for f in expand_inputs([tmp_path / "hf"])] == ["arrow"]
+    (tmp_path / "hf" / "state.json").write_text(
+        json.dumps({**state, "_indices_data_files": [{"filename": "indices.arrow"}]})
+    )
+    with pytest.raises(DataError, match=r"hf was saved with an indices mapping .* ds.flatten_indices\(\).save_to_disk"):
+        expand_inputs([tmp_path / "hf"])
+
+
+def _four_units(tmp_path, monkeypatch) -> list:
+    """Four text files, a work unit each."""
+    monkeypatch.setattr(prep, "UNIT_BYTES", (1, 256 << 20))
+    for i in range(4):
+        (tmp_path / "in" / f"{i}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "in" / f"{i}.txt").write_text(f"document {i}\n" + TEXT)
+    return [tmp_path / "in"]
+
+
+def test_a_failed_prepare_keeps_its_finished_units_and_resumes_from_them(tmp_path, monkeypatch):
+    """A read error in the third of four units (it may pass: a network file system) is named, and the
+    two units done stay for the same command, which goes on from them (also from a partial directory
+    of an earlier meshtrain) and ends with the bytes of a prepare never interrupted."""
+    inputs = _four_units(tmp_path, monkeypatch)
+    prepare(inputs, tmp_path / "whole", vocab_size=300, val_fraction=0, progress=False, workers=1)
+    tokenizer = tmp_path / "whole" / "tokenizer.json"
+    text_unit = prep._text_unit
+
+    def unreadable(job, unit, tok, shards):
+        if unit.index == 2:
+            raise DataError(f"cannot read {unit.pieces[0].file.path}: Input/output error")
+        return text_unit(job, unit, tok, shards)
+
+    monkeypatch.setattr(prep, "_text_unit", unreadable)
+    with pytest.raises(DataError, match=r"cannot read .*2.txt: Input/output error"):
+        prepare(inputs, tmp_path / "out", tokenizer=tokenizer, val_fraction=0, progress=False, workers=1)
+    partial = tmp_path / ".out.partial"
+    assert sorted(p.name for p in partial.glob(".unit-*.json")) == [".unit-00000.json", ".unit-00001.json"]
+    first_unit = (partial / "train-00000.bin").stat().st_mtime_ns
+    for record in [*partial.glob(".unit-*.json"), partial / ".spec.json"]:  # as an earlier meshtrain named them
+        record.rename(partial / record.name[1:])
+    monkeypatch.setattr(prep, "_text_unit", text_unit)
+    prepare(inputs, tmp_path / "out", tokenizer=tokenizer, val_fraction=0, progress=False, workers=1)
+    assert (tmp_path / "out" / "train-00000.bin").stat().st_mtime_ns == first_unit  # kept, not redone
+    assert tree(tmp_path / "out") == tree(tmp_path / "whole") and not partial.exists()
+
+
+class Killed(Exception):
+    """Where a prepare killed at that moment would stop."""
+
+
+@pytest.mark.parametrize("stop", ["killed while syncing", "rename refused", "output changed"])
+def test_a_prepare_stopped_at_the_end_is_finished_by_the_next(stop, tmp_path, monkeypatch):
+    """Stopped after its manifest is written (killed while its files are synced, its rename refused,
+    or someone's file put into --out meanwhile, which the check just before the rename finds and
+    keeps): the partial directory stays resumable, the earlier output stays whole, and the same
+    command then only renames the partial into place."""
+    import meshtrain.data.partial
+
+    inputs, out, partial = _four_units(tmp_path, monkeypatch), tmp_path / "out", tmp_path / ".out.partial"
+    prepare(inputs, tmp_path / "whole", vocab_size=300, val_fraction=0, progress=False, workers=1)
+    args = {"tokenizer": tmp_path / "whole" / "tokenizer.json", "val_fraction": 0, "progress": False, "workers": 1}
+    prepare([inputs[0] / "0.txt"], out, **args)  # an earlier output, to be replaced
+    earlier = tree(out)
+    with monkeypatch.context() as fault:
+        if stop == "killed while syncing":
+
+            def killed(directory):
+                raise Killed
+
+            fault.setattr(meshtrain.data.partial, "sync_tree", killed)
+        elif stop == "rename refused":
+            rename = type(out).rename
+
+            def refuse(self, target):
+                if self.name == ".out.partial":
+                    raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+                return rename(self, target)
+
+            fault.setattr(type(out), "rename", refuse)
+        else:
+            run_units = prep.run_units
+
+            def meanwhile(*args):
+                run_units(*args)
+                (out / "notes.txt").write_text("mine")
+
+            fault.setattr(prep, "run_units", meanwhile)
+        with pytest.raises(Killed if stop == "killed while syncing" else WriteError):
+            prepare(inputs, out, **args)
+    assert (partial / "manifest.json").is_file() and (partial / ".spec.json").is_file()
+    if stop == "output changed":
+        assert (out / "notes.txt").read_text() == "mine"
+        (out / "notes.txt").unlink()
+    assert tree(out) == earlier
+    shard = (partial / "train-00000.bin").stat().st_mtime_ns
+    prepare(inputs, out, **args)
+    assert (out / "train-00000.bin").stat().st_mtime_ns == shard  # finished, not redone
+    assert tree(out) == tree(tmp_path / "whole") and not partial.exists()
+
+
+def test_a_symlinked_output_is_kept_and_the_directory_it_names_replaced(tmp_path):
+    """--out a symlink (to a bigger disk): the directory it points to is checked, written beside and
+    replaced; the link stays."""
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "disk").mkdir()
+    link = tmp_path / "data"
+    link.symlink_to(tmp_path / "disk" / "data")
+    for vocab_size in (270, 280):
+        prepare([tmp_path / "a.txt"], link, vocab_size=vocab_size, progress=False)
+        assert link.is_symlink() and json.loads((link / "manifest.json").read_text())["vocab_size"] == vocab_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "data", "disk"]
+    assert [p.name for p in (tmp_path / "disk").iterdir()] == ["data"]
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="holds no text"):  # its unit is kept: in the target's file system
+        prepare([tmp_path / "empty.txt"], link, vocab_size=270, progress=False)
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [".data.partial", "data"]
+
+
+def test_a_vocabulary_the_sample_cannot_fill_is_said(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("meshtrain"), "propagate", True)  # off once a CLI set up logging
+    (tmp_path / "a.txt").write_text(TEXT)
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        manifest = prepare([tmp_path / "a.txt"], tmp_path / "big", vocab_size=5000, progress=False)
+    assert manifest["vocab_size"] < 5000
+    assert f"the tokenizer has {manifest['vocab_size']} tokens, not the 5000 of --vocab-size" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        assert prepare([tmp_path / "a.txt"], tmp_path / "small", vocab_size=280, progress=False)["vocab_size"] == 280
+    assert "--vocab-size" not in caplog.text
 
 
 def test_fewer_tokens_than_one_sequence(tmp_path):
@@ -337,8 +486,8 @@ def test_workers_and_a_killed_prepare_give_the_same_bytes(three_units, cli_env, 
     assert len(json.loads((tmp_path / "one" / "manifest.json").read_text())["shards"]) >= 6  # 3 units x 2 splits
     assert tree(tmp_path / "two") == tree(tmp_path / "one")
     partial = tmp_path / ".killed.partial"
-    assert not (tmp_path / "killed").exists() and (partial / "unit-00000.json").is_file()
-    assert not (partial / "unit-00001.json").exists() and list(partial.glob(".train-00001.bin.tmp-*"))
+    assert not (tmp_path / "killed").exists() and (partial / ".unit-00000.json").is_file()
+    assert not (partial / ".unit-00001.json").exists() and list(partial.glob(".train-00001.bin.tmp-*"))
     first_unit = (partial / "train-00000.bin").stat().st_mtime_ns
     result = run_cli([*args, "--out", str(tmp_path / "killed"), "--workers", "1"], cli_env)
     assert result.returncode == 0, result.stderr
@@ -473,6 +622,33 @@ def test_a_blend_needs_one_tokenizer_and_positive_weights(tmp_path):
         Blend(f"{tmp_path / 'web'}:0.7,{tmp_path / 'code'}:0.3", seq_len=16)
     with pytest.raises(ConfigError, match="above 0"):
         Blend(f"{tmp_path / 'web'}:0.7,{tmp_path / 'code'}:0", seq_len=16)
+
+
+def test_a_blend_needs_one_document_start(tmp_path):
+    """Two tokenizers alike but for the post-processor (one begins each text with a BOS) have one
+    fingerprint, but their data would teach the model two starts of a document. A manifest of an
+    earlier meshtrain records no start: not compared."""
+    from tokenizers import processors
+
+    (tmp_path / "a.txt").write_text(TEXT)
+    prepare([tmp_path / "a.txt"], tmp_path / "plain", vocab_size=300, val_fraction=0, progress=False)
+    tok = Tokenizer.from_file(str(tmp_path / "plain" / "tokenizer.json"))
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    (tmp_path / "bos").mkdir()
+    tok.save(str(tmp_path / "bos" / "tokenizer.json"))
+    prepare([tmp_path / "a.txt"], tmp_path / "with_bos", tokenizer=tmp_path / "bos" / "tokenizer.json", progress=False)
+    spec = f"{tmp_path / 'plain'}:0.5,{tmp_path / 'with_bos'}:0.5"
+    with pytest.raises(
+        DataError, match=rf"with_bos begins each document with the tokens \[{bos}\] and .*plain with \[\]"
+    ):
+        Blend(spec, seq_len=16)
+    manifest = json.loads((tmp_path / "with_bos" / "manifest.json").read_text())
+    del manifest["document_prefix"]
+    (tmp_path / "with_bos" / "manifest.json").write_text(json.dumps(manifest))
+    assert len(Blend(spec, seq_len=16).sources) == 2
 
 
 def test_damaged_shards_are_found_before_training(tmp_path):

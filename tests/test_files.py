@@ -2,6 +2,7 @@
 
 import errno
 import os
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,43 @@ def test_a_directory_is_replaced_only_by_a_finished_one(tmp_path):
             (tmp / "a").write_text("2")
             raise RuntimeError("interrupted")
     assert (out / "a").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_a_failed_rename_puts_the_finished_directory_back(tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    with atomic_directory(out) as tmp:
+        (tmp / "a").write_text("1")
+    rename = Path.rename
+
+    def cross_device(self, target):
+        if self.name.startswith(".data.tmp-"):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", cross_device)
+    with pytest.raises(WriteError, match=os.strerror(errno.EXDEV)):
+        with atomic_directory(out) as tmp:
+            (tmp / "a").write_text("2")
+    assert (out / "a").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_a_symlinked_directory_keeps_its_link_and_files_put_there_meanwhile(tmp_path):
+    """A symlink to the output stays one (its target is replaced, from beside the target), and a file
+    put into the output while its replacement was written is kept: the replacement is refused."""
+    (tmp_path / "disk").mkdir()
+    link = tmp_path / "export"
+    link.symlink_to(tmp_path / "disk" / "export")
+    for content in ("1", "2"):
+        with atomic_directory(link) as tmp:
+            (tmp / "a").write_text(content)
+        assert link.is_symlink() and (link / "a").read_text() == content
+    assert [p.name for p in (tmp_path / "disk").iterdir()] == ["export"]
+    with pytest.raises(WriteError, match="gained notes.txt while its replacement was written"):
+        with atomic_directory(link) as tmp:
+            (tmp / "a").write_text("3")
+            (link / "notes.txt").write_text("mine")
+    assert (link / "a").read_text() == "2" and (link / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["export"]
 
 
 def test_no_room_is_refused_before_writing(tmp_path):

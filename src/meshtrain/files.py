@@ -125,8 +125,12 @@ def copy_file(src: Path | str, dst: Path | str) -> Path:
 @contextlib.contextmanager
 def atomic_directory(out: Path | str) -> Iterator[Path]:
     """Yield a temporary directory beside `out` to fill; on success it replaces `out` (a finished
-    directory is only ever replaced by a finished one); on failure it is removed."""
-    out = Path(out)
+    directory is only ever replaced by a finished one); on failure it is removed. `out` is resolved:
+    a symlink to the output keeps pointing at it and its target is replaced, on the target's file
+    system. A file put into `out` while the directory was filled (checked before, by
+    check_output_dir) is not deleted: the replacement is refused."""
+    out = Path(out).resolve()
+    before = _files_under(out) if out.is_dir() else set()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     with writing(out):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,24 +138,49 @@ def atomic_directory(out: Path | str) -> Iterator[Path]:
     try:
         with writing(out):
             yield tmp
+        _check_unchanged(out, before)
         replace_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def replace_directory(tmp: Path, out: Path) -> None:
-    """Make the finished directory `tmp` the directory `out`: its files synced and given the user's
-    permissions, then renamed into place (an existing `out`, a finished one, is replaced only now)."""
-    with writing(out):
-        for f in [tmp, *tmp.rglob("*")]:
+def _check_unchanged(out: Path, before: set[str]) -> None:
+    """Refuse to replace `out` if it holds a file it did not hold when the work began."""
+    if out.exists() and not out.is_dir():
+        raise WriteError(f"{out} became a file while its replacement was written: move it away and run again")
+    new = sorted(_files_under(out) - before) if out.is_dir() else []
+    if new:
+        raise WriteError(
+            f"{out} gained {new[0]} while its replacement was written, and replacing it would delete that: "
+            "move it away and run again, or choose another directory; nothing was changed"
+        )
+
+
+def sync_tree(directory: Path) -> None:
+    """Give `directory` and everything under it the user's permissions, and sync its files to disk."""
+    with writing(directory):
+        for f in [directory, *directory.rglob("*")]:
             _user_mode(f)
             if f.is_file():
                 with open(f, "rb+") as handle:
                     os.fsync(handle.fileno())
+
+
+def replace_directory(tmp: Path, out: Path) -> None:
+    """Make the finished directory `tmp` the directory `out` (resolved: a symlink is kept, its target
+    replaced): its files synced and given the user's permissions, then renamed into place (an
+    existing `out`, a finished one, is replaced only now, and put back if the rename fails)."""
+    out = Path(out).resolve()
+    sync_tree(tmp)
+    with writing(out):
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except OSError:
+                old.rename(out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)

@@ -39,7 +39,13 @@ def template_of(directory: Path) -> str:
     if (directory / TEMPLATE_FILE).is_file():
         return (directory / TEMPLATE_FILE).read_text()
     config = directory / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    try:
+        settings = json.loads(config.read_text()) if config.is_file() else {}
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise DataError(f"{config} is not valid JSON ({e}): fix or remove it") from None
+    if not isinstance(settings, dict):
+        raise DataError(f"{config} is not a JSON object: fix or remove it")
+    template = settings.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...], as transformers reads it
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if not isinstance(named.get("default"), str):

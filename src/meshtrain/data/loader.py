@@ -234,6 +234,20 @@ class Dataset:
         return problems
 
 
+def _check_document_starts(sources: list[Dataset]) -> None:
+    """Text sources begin each document with their tokenizer's prefix (`document_prefix`: a BOS or
+    nothing), which the fingerprint leaves out (the post-processor): a blend mixing the two would train
+    the model on two starts. Chat data records none, nor do manifests of an earlier meshtrain: skipped."""
+    known = [s for s in sources if isinstance(s.manifest.get("document_prefix"), list)]
+    for other in known[1:]:
+        if other.manifest["document_prefix"] != known[0].manifest["document_prefix"]:
+            raise DataError(
+                f"data.path: {other.path} begins each document with the tokens {other.manifest['document_prefix']} "
+                f"and {known[0].path} with {known[0].manifest['document_prefix']} (their tokenizers' post-processors "
+                f"differ); prepare both with one, `meshtrain data prepare --tokenizer {known[0].tokenizer_path} ...`"
+            )
+
+
 class Blend:
     """data.path: one prepared directory, or several with weights, all tokenized alike (and all
     preference data, `preference`, or none). `document_masking`: see Dataset."""
@@ -250,6 +264,7 @@ class Blend:
                     f"data.path: {other.path} and {first.path} were prepared with different tokenizers; prepare "
                     f"both with one, `meshtrain data prepare --tokenizer {first.tokenizer_path} ...`"
                 )
+        _check_document_starts(self.sources)
         self.vocab_size, self.eos_id, self.tokenizer_path = first.vocab_size, first.eos_id, first.tokenizer_path
         self.preference = first.preference
         for other in self.sources[1:]:

@@ -23,19 +23,18 @@ Output directory:
   manifest.json    dtype, vocabulary, tokenizer hash, counts, shards with their SHA-256, the splits
   chat_template.jinja  chat data: the template the conversations were rendered with
 
-The work happens in `.<out>.partial` beside the output: a killed prepare started again with the same
-inputs and options keeps the units already done and ends with the same bytes. The finished directory
-is renamed into place, so a dataset is only ever replaced by a complete one.
+The work happens in `.<out>.partial` beside the output (`data.partial`): a killed or failed prepare
+started again with the same inputs and options keeps the units already done and ends with the same
+bytes. The finished directory is renamed into place, so a dataset is only ever replaced by a complete
+one. A symlink given as `out` is kept: the directory it points to is replaced.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import itertools
 import json
-import shutil
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +42,15 @@ from pathlib import Path
 
 from meshtrain.data.chat import TEMPLATE_FILE, ChatTemplate, conversation, preference_pair, tokenize_conversations
 from meshtrain.data.format import FORMAT_VERSION, MANIFEST, ShardWriter, resolve_dtype
+from meshtrain.data.partial import (
+    after_failure,
+    finished_manifest,
+    install,
+    make_spec,
+    open_partial,
+    unit_done,
+    unit_record,
+)
 from meshtrain.data.sources import LongDocument, Piece, expand_inputs, pieces, preference_rows, read_piece, read_rows
 from meshtrain.data.tokenizer import (
     begin_of_text,
@@ -56,11 +64,11 @@ from meshtrain.data.tokenizer import (
 )
 from meshtrain.data.workers import Ranks, default_workers, run_units
 from meshtrain.errors import DataError
-from meshtrain.files import atomic_write, check_output_dir, mark_output, replace_directory, write_json, writing
-from meshtrain.lock import LOCK_NAME, RunLock
+from meshtrain.files import atomic_write, check_output_dir, mark_output, write_json
+from meshtrain.lock import RunLock
 from meshtrain.logs import log
 
-SPEC = "spec.json"  # in the partial directory: what it was started with
+COMMAND = "meshtrain data prepare"
 UNIT_BYTES = (1 << 20, 256 << 20)  # a work unit holds 1/64 of the input, within these bounds
 BATCH_CHARS = 1 << 20  # characters tokenized per encode_batch call (a worker's memory bound)
 
@@ -176,10 +184,6 @@ class UnitJob:
 _TOKENIZERS: dict[str, object] = {}
 
 
-def _unit_record(work: Path, index: int) -> Path:
-    return work / f"unit-{index:05d}.json"
-
-
 def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
     """Tokenize one unit into its train and val shards, then write its record (the commit mark)."""
     if job.tokenizer not in _TOKENIZERS:
@@ -198,7 +202,7 @@ def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
         raise
     records = {split: shard.close() for split, shard in shards.items()}
     record = {"index": unit.index, "bytes": unit.size, **records, "skipped": skipped}
-    write_json(_unit_record(work, unit.index), record)
+    write_json(unit_record(work, unit.index), record)
     return record
 
 
@@ -283,57 +287,7 @@ def _chat_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) ->
     return skipped + flush()
 
 
-# --- the job: ranks, the partial directory, the manifest ---------------------------------------
-
-
-def _spec(units: list[Unit], tokenizer, vocab_size, val_fraction, dtype, text_field, sample_bytes, chat) -> dict:
-    """What decides the output bytes: a partial prepare started with another spec is not resumed."""
-    files = {p.file.path: [p.file.size, p.file.mtime_ns] for u in units for p in u.pieces}
-    return json.loads(
-        json.dumps(
-            {
-                "format_version": FORMAT_VERSION,
-                "units": [[[p.file.path, p.start, p.stop] for p in u.pieces] for u in units],
-                "files": files,
-                "tokenizer": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer else None,
-                "vocab_size": None if tokenizer else vocab_size,
-                "sample_bytes": None if tokenizer else sample_bytes,
-                "val_fraction": val_fraction,
-                "dtype": dtype,
-                "text_field": text_field,
-                "format": chat.format if chat else "text",
-                "chat": dataclasses.asdict(chat) if chat else None,
-            }
-        )
-    )
-
-
-def _open_partial(work: Path, spec: dict) -> RunLock:
-    """Take the partial directory `work` (one prepare at a time) and resume what it holds if it was
-    started with this spec; else empty it (only if it is a prepare's) and start afresh."""
-    with writing(work):
-        work.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(work).acquire()
-    spec_path = work / SPEC
-    try:
-        same = json.loads(spec_path.read_text()) == spec
-    except (OSError, ValueError):
-        same = False
-    if same:
-        for leftover in work.glob(".*.tmp-*"):  # a killed worker's half-written shard
-            leftover.unlink()
-        done = len(list(work.glob("unit-*.json")))
-        log.info(f"resuming the prepare in {work}: {done} of {len(spec['units'])} units done")
-        return lock
-    entries = [p for p in work.iterdir() if p.name != LOCK_NAME]
-    if entries and not spec_path.is_file():
-        raise DataError(f"{work} holds files that `meshtrain data prepare` did not write: move it away")
-    if entries:
-        log.info(f"{work}: a partial prepare of other inputs or options; starting afresh")
-    for entry in entries:
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    write_json(spec_path, spec)
-    return lock
+# --- the job: ranks, the tokenizer, the manifest (the partial directory: data.partial) ----------
 
 
 def _make_tokenizer(
@@ -347,6 +301,12 @@ def _make_tokenizer(
     if tokenizer:
         return copy_tokenizer(tokenizer, work)
     tok = train_bpe(tokenizer_sample(units, text_field, sample, chat), vocab_size)
+    if (trained := tok.get_vocab_size(with_added_tokens=True)) < vocab_size:  # no pair left to merge
+        log.warning(
+            f"the tokenizer has {trained} tokens, not the {vocab_size} of --vocab-size: the text it learned from (a "
+            f"sample of the input, at most --tokenizer-sample {sample:,} bytes) has no more pairs to merge; give more "
+            "text or a smaller --vocab-size"
+        )
     return atomic_write(path, lambda tmp: tok.save(str(tmp)))
 
 
@@ -374,10 +334,14 @@ def _splits(records: list[dict], val_fraction: float) -> tuple[dict, dict]:
 
 
 def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) -> dict:
+    """The manifest, written into the partial directory from the units' records (or read back, where
+    a prepare stopped after writing it)."""
+    if (manifest := finished_manifest(work)) is not None:
+        return manifest
     records = []
     for unit in units:
         try:
-            records.append(json.loads(_unit_record(work, unit.index).read_text()))
+            records.append(json.loads(unit_record(work, unit.index).read_text()))
         except (OSError, ValueError):
             raise DataError(f"unit {unit.index} of the prepare in {work} is missing: run the prepare again") from None
     splits, docs = _splits(records, val_fraction)  # preference data: a document is a pair
@@ -427,9 +391,7 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
         }
     if preference:
         manifest["pairs"] = docs
-    for path in [*work.glob("unit-*.json"), work / SPEC]:
-        path.unlink()
-    mark_output(work, MANIFEST, manifest)
+    mark_output(work, MANIFEST, manifest)  # the bookkeeping is hidden: not listed, and gone before the rename
     return manifest
 
 
@@ -449,17 +411,14 @@ def prepare(
 ) -> dict:
     """Prepare `inputs` into `out` (see the module docstring). With `distributed`, every rank of the
     process group calls this and each tokenizes its share of the units."""
-    out = Path(out)
+    out = Path(out).resolve()  # a symlink's target is checked and replaced, from beside it
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
     workers = workers or default_workers()
     ranks = Ranks(distributed)
     work = out.parent / f".{out.name}.partial"
-    ranks.everyone(
-        lambda: check_output_dir(
-            out, [*inputs, *([tokenizer] if tokenizer else [])], MANIFEST, "meshtrain data prepare"
-        )
-    )
+    check = functools.partial(check_output_dir, out, [*inputs, *([tokenizer] if tokenizer else [])], MANIFEST, COMMAND)
+    ranks.everyone(check)
 
     locks: list[RunLock] = []  # rank 0's hold on the partial directory
 
@@ -467,8 +426,8 @@ def prepare(
         if tokenizer:
             load_tokenizer(tokenizer)  # a clear error if it is missing or not one
         units = plan_units(inputs, "text" if chat else text_field)  # chat rows have no text field
-        spec = _spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes, chat)
-        locks.append(_open_partial(work, spec))
+        spec = make_spec(units, tokenizer, vocab_size or 8192, val_fraction, dtype, text_field, sample_bytes, chat)
+        locks.append(open_partial(work, spec))
         tok_path = _make_tokenizer(work, units, tokenizer, vocab_size or 8192, text_field, sample_bytes, chat)
         tok = load_tokenizer(tok_path)
         resolved = resolve_dtype(dtype, tok.get_vocab_size(with_added_tokens=True))
@@ -482,17 +441,19 @@ def prepare(
 
     try:
         units, job = ranks.from_first(start)
-        mine = [u for u in units if u.index % ranks.world == ranks.rank and not _unit_record(work, u.index).is_file()]
+        mine = [u for u in units if u.index % ranks.world == ranks.rank and not unit_done(work, u.index)]
         ranks.everyone(lambda: run_units(functools.partial(tokenize_unit, job), mine, workers, progress))
 
         def finish() -> dict:
             manifest = _finish(work, units, val_fraction, job)
-            locks[0].release()
-            replace_directory(work, out)
+            install(work, out, locks[0], check)  # `out` checked again: hours may have passed
             return manifest
 
         return ranks.from_first(finish)
     except DataError:
-        if locks:  # the input is at fault: nothing in the partial directory is worth resuming
-            shutil.rmtree(work, ignore_errors=True)
+        if locks:  # the input is at fault, or could not be read: finished units are kept to resume from
+            after_failure(work)
         raise
+    finally:
+        for lock in locks:
+            lock.release()

@@ -84,12 +84,20 @@ def _is_hf_dataset(path: Path) -> bool:
 
 
 def _hf_dataset_files(path: Path) -> list[Path]:
-    """The Arrow files of a `datasets` save_to_disk directory, in the order its state.json lists."""
+    """The Arrow files of a `datasets` save_to_disk directory, in the order its state.json lists. One
+    saved with an indices mapping (select, shuffle, filter or sort, saved by an earlier `datasets`)
+    is refused: its Arrow files hold the rows from before, which would be read unselected."""
     try:
         state = json.loads((path / "state.json").read_text())
         names = [f["filename"] for f in state["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        indices = state.get("_indices_data_files")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path}/state.json is not a Hugging Face datasets state file ({e})") from None
+    if indices:
+        raise DataError(
+            f"{path} was saved with an indices mapping (a select, shuffle, filter or sort not written out): its "
+            "Arrow files hold the rows from before it; save a flattened copy: ds.flatten_indices().save_to_disk(...)"
+        )
     return [path / name for name in names]
 
 
