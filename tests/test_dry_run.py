@@ -191,7 +191,7 @@ def test_plan_verify_adds_what_the_built_job_holds(cli_env):
     assert "built" in layouts[0] and "built" in layouts[1] and "built" not in layouts[2]
     for layout in layouts[:2]:
         planned, built = layout["memory_gib"], layout["built"]
-        assert set(built) == {*planned, "rank", "planned"} and set(built["planned"]) == set(planned)
+        assert set(built) == {*planned, "rank", "planned", "notes"} and set(built["planned"]) == set(planned)
         for key in ("params", "grads", "optimizer"):
             assert built[key] == pytest.approx(planned[key], rel=0.01, abs=2e-3), (layout["layout"], key)
             assert built[key] == pytest.approx(built["planned"][key], rel=1e-3, abs=1e-3), (layout["layout"], key)
@@ -200,6 +200,39 @@ def test_plan_verify_adds_what_the_built_job_holds(cli_env):
         w = Workload(Shape.from_args(PRESETS["small"]), 1024, "bf16", device="cpu")
         cpu_kernels = activation_bytes(w, lay, lay.coordinates(built["rank"])["pp"])["saved"]
         assert built["activations"] * 2**30 == pytest.approx(cpu_kernels, rel=0.05), layout["layout"]
+
+
+def test_a_qlora_base_is_built_in_bf16_and_says_so(corpus, capsys, tmp_path):
+    """NF4 quantizes real weights (train's load_base), not fake ones, so the dry run builds QLoRA's
+    base in bf16: a note says what that adds, the whole difference between the built params and the
+    NF4 planned. `plan --verify` shows the notes beside its figures, and builds the vocabulary it
+    planned (the data's, not the preset's)."""
+    from meshtrain.cli import main
+    from meshtrain.data import read_manifest
+    from meshtrain.model.args import LoraSpec
+    from meshtrain.model.lora import target_weights
+    from meshtrain.plan import nf4_bytes
+
+    config = tmp_path / "qlora.toml"
+    config.write_text(
+        f'[model]\npreset = "tiny"\nn_layers = 4\n[data]\npath = "{corpus}"\n[training]\ndtype = "bf16"\n'
+        'seq_len = 256\nglobal_batch_size = 2\nmicro_batch_size = 2\n[peft]\nmethod = "qlora"\n'
+    )
+    vocab = read_manifest(corpus)["vocab_size"]
+    shape = Shape.from_args(dataclasses.replace(PRESETS["tiny"], n_layers=4, vocab_size=vocab))
+    bf16_over_nf4 = sum(2 * p.numel - nf4_bytes(p.numel) for p in target_weights(shape, LoraSpec("qlora")))
+    (report,) = dry_run(load_config(config), 1)
+    assert report.built["params"] - report.planned["params"] == bf16_over_nf4
+    (note,) = [n for n in report.notes if n.startswith("qlora: the base built in bf16")]
+    assert f"hold {bf16_over_nf4 / 2**20:.1f} MiB more than what runs" in note
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", "--config", str(config), "--gpu", "h100-80gb", "--verify", "--json"])
+    out = capsys.readouterr()
+    assert exit.value.code == 0, out.err
+    planned = json.loads(out.out)
+    (layout,) = planned["layouts"]
+    assert planned["model"]["vocab_size"] == vocab and layout["built"]["notes"] == [note]
+    assert layout["built"]["params"] == pytest.approx(layout["memory_gib"]["params"] + bf16_over_nf4 / 2**30, abs=2e-3)
 
 
 def test_the_plan_covers_every_rank_of_uneven_stages(tmp_path):

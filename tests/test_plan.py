@@ -547,8 +547,9 @@ def test_a_comm_file_is_read_only_where_it_measured_training_traffic(tmp_path):
     """A broadcast's bus bandwidth, one process's (which moves nothing) or a zero would each set a
     bandwidth the plan cannot trust: refused; a file measured across nodes where every GPU fits
     on one node is refused as --network is."""
-    from meshtrain.cli.plan import PlanOptions, check_one_node_links
+    from meshtrain.cli.plan import PlanOptions
     from meshtrain.errors import MeshtrainError
+    from meshtrain.plan.checks import check_links
     from meshtrain.plan.hardware import read_comm
 
     row = {"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0, "world_size": 8, "nodes": 1}
@@ -566,5 +567,134 @@ def test_a_comm_file_is_read_only_where_it_measured_training_traffic(tmp_path):
             read_comm(str(path))
     path.write_text(json.dumps([{**row, "nodes": 2, "world_size": 16, "busbw_GBps": 20.0}]))
     with pytest.raises(MeshtrainError, match=f"--comm {path} sets the bandwidth between nodes"):
-        check_one_node_links(PlanOptions(gpu="h100-80gb", comm=[str(path)]), 8, 8)
-    check_one_node_links(PlanOptions(gpu="h100-80gb", comm=[str(path)]), 16, 8)
+        check_links(PlanOptions(gpu="h100-80gb", comm=[str(path)]), 8, 8)
+    check_links(PlanOptions(gpu="h100-80gb", comm=[str(path)]), 16, 8)
+
+
+def test_a_bandwidth_within_a_node_needs_two_gpus_on_a_node(capsys, tmp_path):
+    """Where no node holds two GPUs the speed model reads only the inter-node bandwidth, so
+    --intra-node-gbps or a one-node --comm file would change nothing: refused, as an inter-node
+    bandwidth is on one node."""
+    from meshtrain.cli.plan import PlanOptions
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.plan.checks import check_links
+
+    one_node = tmp_path / "one-node.json"
+    one_node.write_text(json.dumps([{"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0, "world_size": 8}]))
+    for options, flag in [
+        (PlanOptions(gpu="h100-80gb", intra_node_gbps=100.0), "--intra-node-gbps"),
+        (PlanOptions(gpu="h100-80gb", comm=[str(one_node)]), f"--comm {one_node}"),
+    ]:
+        for gpus, per_node, why in [(1, 8, "the plan has one GPU"), (4, 1, "each node holds one GPU")]:
+            with pytest.raises(
+                MeshtrainError, match=f"{flag} sets the bandwidth between the GPUs of a node, but {why}"
+            ):
+                check_links(options, gpus, per_node)
+        check_links(options, 2, 2)
+        check_links(options, 16, 8)
+    code, _, err = plan_here(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--intra-node-gbps",
+        "100",
+    )
+    assert code == 2 and "each node holds one GPU" in err and err.count("\n") == 1, err
+
+
+def plan_here(capsys, *args) -> tuple[int, str, str]:
+    """`meshtrain plan ARGS` in this process (meshtrain.cli.main): exit code, stdout, stderr."""
+    from meshtrain.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", *args])
+    out = capsys.readouterr()
+    return exit.value.code, out.out, out.err
+
+
+def test_an_explained_config_keeps_its_data_parallel_degrees(capsys, tmp_path):
+    """parallel.dp_shard and dp_replicate are part of the layout --config explains: its whole world is
+    planned (not tp x pp x cp), a --gpus that contradicts dp_shard is refused as train refuses that
+    world size, and a dp_replicate whose shards derive from the world needs --gpus."""
+    config = tmp_path / "job.toml"
+    model = '[model]\npreset = "tiny"\nvocab_size = 8192\n[training]\nglobal_batch_size = 16\nmicro_batch_size = 1\n'
+
+    def explain(parallel: str, *args: str):
+        config.write_text(f"{model}[parallel]\nzero = 3\n{parallel}")
+        code, out, err = plan_here(capsys, "--config", str(config), "--gpu", "h100-80gb", "--json", *args)
+        if code:
+            assert code == 2 and err.count("\n") == 1, err
+            return err
+        report = json.loads(out)
+        (layout,) = report["layouts"]
+        return report["gpus"], layout["tp"], layout["dp_replicate"], layout["dp_shard"]
+
+    assert explain("dp_shard = 4\n") == (4, 1, 1, 4)  # was planned as 1 GPU
+    assert explain("dp_shard = 4\n", "--gpus", "4") == (4, 1, 1, 4)
+    assert "--gpus 8 contradicts" in explain("dp_shard = 4\n", "--gpus", "8")
+    assert explain("tp = 2\ndp_replicate = 2\ndp_shard = 2\n") == (8, 2, 2, 2)
+    assert "give --gpus, or set parallel.dp_shard" in explain("dp_replicate = 2\n")
+    assert explain("dp_replicate = 2\n", "--gpus", "8") == (8, 1, 2, 4)
+    assert explain("tp = 2\n", "--gpus", "8") == (8, 2, 1, 4)  # dp_shard 0: derived from --gpus
+
+
+def test_the_search_checks_a_layout_against_the_dp_shard_its_base_sets():
+    """A layout of another shard degree than the base config's parallel.dp_shard is dropped with the
+    trainer's words, not validated with dp_shard derived."""
+    from meshtrain.model.presets import PRESETS
+    from meshtrain.plan import device, search
+
+    base = load_config(None, ["--model.preset", "tiny", "--parallel.zero", "3", "--parallel.dp_shard", "4"])
+    w = Workload(Shape.from_args(PRESETS["tiny"]), 256, "bf16")
+    dev, inter = device("h100-80gb", 8)
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "dp_replicate": 1}
+    estimates, refused = search(w, dev, inter, 8, 16, fixed, base, PRESETS["tiny"])
+    assert not estimates and any("parallel.dp_shard = 4 does not fit 8 ranks" in why for why in refused), refused
+    assert search(w, dev, inter, 4, 16, fixed, base, PRESETS["tiny"])[0]
+
+
+def test_an_explained_config_plans_the_vocabulary_of_its_data(corpus, capsys, tmp_path):
+    """train fills an unset model.vocab_size with the data's: --config plans that vocabulary (the
+    prepared data's, or the default corpus's train would prepare; nothing is prepared), refuses
+    data that is not here unless the model has its own, and checks the model's against the data's."""
+    from meshtrain.data import read_manifest
+
+    config = tmp_path / "job.toml"
+
+    def vocab(data: str, model: str = ""):
+        config.write_text(f'[model]\npreset = "llama3.2-1b"\n{model}[training]\nseq_len = 1024\n[data]\n{data}')
+        code, out, err = plan_here(capsys, "--config", str(config), "--gpu", "h100-80gb", "--gpus", "8", "--json")
+        assert code in (0, 2) and err.count("\n") == code // 2, err
+        return json.loads(out)["model"]["vocab_size"] if code == 0 else err
+
+    prepared = read_manifest(corpus)["vocab_size"]
+    assert vocab(f'path = "{corpus}"\n') == prepared != 128256  # not the preset's
+    fresh = tmp_path / "fresh"
+    assert vocab(f'path = "{fresh}"\n') == 8192 and vocab(f'path = "{fresh}"\nvocab_size = 4096\n') == 4096
+    assert not fresh.exists()
+    missing = f'path = "{tmp_path / "none"}"\ncorpus = ""\n'
+    assert "holds no prepared data" in vocab(missing) and "or set model.vocab_size" in vocab(missing)
+    assert vocab(missing, "vocab_size = 1024\n") == 1024
+    assert "is smaller than the data's" in vocab(f'path = "{corpus}"\n', "vocab_size = 256\n")
+
+
+def test_heads_on_the_command_line_keep_the_config_files_key_value_heads(tmp_path):
+    """--heads without --kv-heads plans multi-head attention, unless the --config file sets
+    model.n_kv_heads: then the file's stand (they were replaced)."""
+    from meshtrain.cli.plan import PlanOptions, _load
+
+    config = tmp_path / "gqa.toml"
+    config.write_text('[model]\npreset = "tiny"\nn_kv_heads = 2\n')
+    options = PlanOptions(gpu="h100-80gb", config=str(config))
+    assert _load(options, ["--model.n_heads", "16"])[0].model.n_kv_heads == 2
+    assert _load(options, ["--model.n_heads", "16", "--model.n_kv_heads", "4"])[0].model.n_kv_heads == 4
+    config.write_text('[model]\npreset = "tiny"\n')
+    assert _load(options, ["--model.n_heads", "16"])[0].model.n_kv_heads == 16
+    flags = ["--model.preset", "tiny", "--model.n_heads", "16"]
+    assert _load(PlanOptions(gpu="h100-80gb"), flags)[0].model.n_kv_heads == 16

@@ -71,6 +71,35 @@ def test_fp8_all_gather_halves_the_gathered_block_weights():
     assert block_linear <= old["total"] - new["total"] <= 2 * block_linear
 
 
+def test_mfu_divides_by_the_peak_train_divides_by(monkeypatch, capsys):
+    """MFU against train's peak (hardware.mfu_peak_tflops): the training dtype's data-sheet peak, with
+    FP8 the FP8 peak. training.peak_tflops (--peak-tflops) is that one divisor, which a plan with FP8
+    (a bf16 peak and an FP8 peak) cannot take for both: refused, never applied to one of them."""
+    import torch
+
+    from meshtrain import hardware
+    from meshtrain.cli import main
+    from meshtrain.plan.checks import check_peak
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    dev, inter = device("h100-80gb", 8)
+    layout = Layout(dp_shard=8, zero=3, global_batch_size=16, micro_batch_size=2)
+    for fp8 in ("off", "tensorwise", "rowwise"):
+        w = Workload(Shape.from_args(PRESETS["llama3.1-8b"]), 8192, "bf16", fp8=fp8)
+        speed = step_time(w, layout, dev, inter)
+        trains = hardware.mfu_peak_tflops(torch.device("cuda"), "bf16", fp8=fp8)
+        assert speed["mfu"] == pytest.approx(speed["tflops_per_gpu"] / trains), fp8
+    assert trains == dev.peak("fp8") > dev.peak("bf16")
+    with pytest.raises(MeshtrainError, match="--peak-tflops .training.peak_tflops. 500 with --fp8 rowwise"):
+        check_peak(500.0, "rowwise")
+    check_peak(500.0, "off")
+    check_peak(0.0, "tensorwise")
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", "--model", "tiny", "--gpu", "h100-80gb", "--fp8", "tensorwise", "--peak-tflops", "500"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "the plan also needs the bf16 peak" in err and err.count("\n") == 1, err
+
+
 def offload_case(**changes):
     shape = Shape.from_args(PRESETS["tiny"])
     layout = Layout(dp_shard=4, zero=3, global_batch_size=4, micro_batch_size=1, cpu_offload=True)

@@ -19,12 +19,23 @@ BUS_FACTOR = {
 }
 
 
+# Large messages run fewer timed calls: at most this many bytes of messages a size (at least one
+# call), so that a sweep up to 1 GiB takes seconds, not minutes; --iters' help and the table say so.
+ITER_BYTES = 64 * 2**20
+
+
 def sizes_between(low: int, high: int) -> list[int]:
+    """`low`, x4 each step, and `high` last (measured even where it is not low x 4^k)."""
     sizes, size = [], low
-    while size <= high:
+    while size < high:
         sizes.append(size)
         size *= 4
-    return sizes
+    return [*sizes, high]
+
+
+def iterations(iters: int, size: int) -> int:
+    """Timed calls for a message of `size` bytes: `iters`, capped at ITER_BYTES / size (at least 1)."""
+    return max(1, min(iters, ITER_BYTES // size))
 
 
 def _run(op: str, buf: torch.Tensor, out: torch.Tensor) -> None:
@@ -64,6 +75,7 @@ def bench_collective(op: str, nbytes: int, device: torch.device, iters: int, war
     return {
         "op": op,
         "bytes": size,
+        "iters": iters,
         "time_us": elapsed * 1e6,
         "algbw_GBps": algbw,
         "busbw_GBps": algbw * BUS_FACTOR[op](world),
@@ -88,10 +100,9 @@ def run_comm_bench(ops: list[str], low: int, high: int, iters: int) -> list[dict
     rows = []
     for op in ops:
         for size in sizes_between(low, high):
-            iterations = max(1, min(iters, (64 * 2**20) // max(size, 1) or 1))  # fewer calls for big messages
             rows.append(
                 {
-                    **bench_collective(op, size, device, iterations),
+                    **bench_collective(op, size, device, iterations(iters, size)),
                     "nodes": max(1, env.world_size // max(1, env.local_world_size)),
                 }
             )
@@ -100,11 +111,12 @@ def run_comm_bench(ops: list[str], low: int, high: int, iters: int) -> list[dict
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        f"{'op':>15} {'size':>12} {'time (us)':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}"
-        f"   (world {rows[0]['world_size']})"
+        f"{'op':>15} {'size':>12} {'iters':>6} {'time (us)':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+        f"   (world {rows[0]['world_size']}; iters: --iters, at most {ITER_BYTES // 2**20} MiB / size)"
     ]
     for r in rows:
         lines.append(
-            f"{r['op']:>15} {r['bytes']:>12,} {r['time_us']:>12.1f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}"
+            f"{r['op']:>15} {r['bytes']:>12,} {r['iters']:>6} {r['time_us']:>12.1f} {r['algbw_GBps']:>11.3f} "
+            f"{r['busbw_GBps']:>11.3f}"
         )
     return "\n".join(lines)

@@ -29,7 +29,7 @@ class CommOptions:
     max_bytes: int = option(1 << 30, parse=parse_size, ge=4)
     """Largest message (default 1G)."""
     iters: int = option(20, ge=1)
-    """Timed iterations per size."""
+    """Timed iterations per size, at most 64 MiB / size (at least 1): large messages run fewer (the table's iters)."""
     json: bool = False
     """Print JSON rows instead of a table."""
     out: str | None = None

@@ -31,14 +31,14 @@ from meshtrain.config import (
     section_of,
     to_toml,
 )
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import DataError, MeshtrainError
 from meshtrain.files import check_output
 from meshtrain.layout import Layout
 from meshtrain.model import PRESETS, ModelArgs
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import KINDS, Workload, device, search
-from meshtrain.plan.hardware import read_comm
+from meshtrain.plan.checks import check_cp, check_links, check_peak, check_peft, check_precision
 
 # The config keys plan reads, with their short spellings.
 PLAN_HEADER = "# a meshtrain training config written by `meshtrain plan --write-config`"
@@ -88,7 +88,8 @@ class PlanOptions:
     config: str | None = None
     """Explain the layout of this training config (model, batch, [parallel]); not with --model."""
     gpus: int | None = option(None, ge=1)
-    """GPUs (processes) in all (default: the config's tp x pp, else 8)."""
+    """GPUs (processes) in all (default: the world the --config sets, tp x pp x cp x dp_replicate x dp_shard, else
+    8)."""
     gpus_per_node: int | None = option(None, ge=1)
     """Default: 8 (cpu: the --gpus processes on this machine)."""
     arch: Literal["llama", "gpt"] = "llama"
@@ -137,7 +138,8 @@ def add_parser(sub) -> None:
 def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
     """The config (a file, else the defaults) with the config-key flags, through the config loader;
     and the keys given on the command line. Two rules of sizing a model by flags: heads without
-    key/value heads are multi-head attention, and the model covers the sequence it is planned for."""
+    key/value heads (on the command line or in the --config file) are multi-head attention, and the
+    model covers the sequence it is planned for."""
     given = {overrides[i][2:] for i in range(0, len(overrides), 2)}
     if o.config and "model.preset" in given:
         raise MeshtrainError("plan: argument --config: not allowed with argument --model.preset/--model")
@@ -146,7 +148,8 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
         hint = " (a config file is --config FILE)" if Path(preset).is_file() else ""
         raise MeshtrainError(f"--model.preset {preset!r} is not a preset: use one of {', '.join(PRESETS)}{hint}")
     values = dict(zip(overrides[::2], overrides[1::2]))
-    if "model.n_heads" in given and "model.n_kv_heads" not in given:  # multi-head attention, as GPT sizes it
+    # multi-head attention, as GPT sizes it, unless the flags or the --config file set key/value heads
+    if "model.n_heads" in given and "model.n_kv_heads" not in given and not _file_sets_kv_heads(o):
         overrides += ["--model.n_kv_heads", values["--model.n_heads"]]
     if values.get("--peft.method") == "qlora" and "training.dtype" not in given and not o.config:
         overrides += ["--training.dtype", "bf16"]  # QLoRA computes in bf16
@@ -155,6 +158,11 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
         seq_len = config_keys()["training.seq_len"].from_text(values["--training.seq_len"])
         overrides += ["--model.max_seq_len", str(max(seq_len, model.max_seq_len))]
     return load_config(o.config, overrides), given
+
+
+def _file_sets_kv_heads(o: PlanOptions) -> bool:
+    """The --config file sets model.n_kv_heads: --heads then keeps it (no multi-head default)."""
+    return bool(o.config) and load_config(o.config, []).model.n_kv_heads is not None
 
 
 def check_gpt_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> None:
@@ -195,25 +203,61 @@ def planned_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> Shape:
     return Shape.gpt(model.dim, model.n_layers, model.n_heads, model.padded_vocab_size, model.max_seq_len)
 
 
-def check_one_node_links(o: PlanOptions, gpus: int, gpus_per_node: int) -> None:
-    """A bandwidth between nodes where every GPU fits on one node would change nothing: refused."""
-    given = [flag for flag, value in (("--network", o.network), ("--inter-node-gbps", o.inter_node_gbps)) if value]
-    given += [f"--comm {path}" for path in o.comm if "inter" in read_comm(path)]  # measured across nodes
-    if gpus <= gpus_per_node and given:
-        raise MeshtrainError(
-            f"{given[0]} sets the bandwidth between nodes, but the {gpus} GPUs fit on one node of {gpus_per_node}: "
-            "drop it, or plan more --gpus (or fewer --gpus-per-node)"
-        )
-
-
-def planned_model(cfg: Config) -> ModelArgs:
+def planned_model(cfg: Config, data: bool = False) -> ModelArgs:
     """The shape `meshtrain train` would build from `cfg`: model.init_from's config.json where it
-    names one (not the preset it replaces), checked against the sequence length as the trainer does."""
+    names one (not the preset it replaces), checked against the sequence length as the trainer does;
+    with `data` (an explained config), the vocabulary of its data where model.vocab_size is unset."""
     from meshtrain.train.preflight import model_args
 
-    model = model_args(cfg)
-    check_model_args(model, cfg)
+    vocab = data_vocab_size(cfg) if data else None
+    model = model_args(cfg, vocab)
+    check_model_args(model, cfg, vocab)
     return model
+
+
+def data_vocab_size(cfg: Config) -> int | None:
+    """The data's vocabulary, as `train` takes it (nothing is prepared here): the prepared data's, or
+    where the default corpus is not prepared yet, the one train prepares it with (data.vocab_size,
+    else 8192). It fills an unset model.vocab_size, so data that is neither gets the trainer's error;
+    a model with its own vocabulary (model.vocab_size, model.init_from) is only checked against it."""
+    from meshtrain.train.build import DEFAULT_VOCAB
+    from meshtrain.train.preflight import default_corpus_pending, prepared_dataset
+
+    if default_corpus_pending(cfg):
+        return cfg.data.vocab_size or DEFAULT_VOCAB
+    try:
+        return prepared_dataset(cfg).vocab_size
+    except DataError as e:
+        if cfg.model.vocab_size is not None or cfg.model.init_from:
+            return None
+        raise DataError(
+            f"{e} (plan takes the model's vocabulary from it, as train does; or set model.vocab_size)"
+        ) from None
+
+
+def planned_gpus(o: PlanOptions, cfg: Config) -> int:
+    """The GPUs planned: --gpus, else 8; an explained config's own world where it sets one (tp x pp x
+    cp x dp_replicate x dp_shard, with parallel.dp_shard > 0), else its tp x pp x cp. A --gpus that
+    contradicts the config's dp_shard, or a dp_replicate with no world to derive the shards from, is
+    refused in one line (train refuses that world size)."""
+    if not o.config:
+        return o.gpus or 8
+    p = cfg.parallel
+    model_ranks = p.tp * p.pp * p.cp
+    if not p.dp_shard:
+        if p.dp_replicate > 1 and not o.gpus:
+            raise MeshtrainError(
+                f"--config {o.config} sets parallel.dp_replicate = {p.dp_replicate} and derives parallel.dp_shard "
+                "from the world size: give --gpus, or set parallel.dp_shard"
+            )
+        return o.gpus or model_ranks
+    world = model_ranks * p.dp_replicate * p.dp_shard
+    if o.gpus and o.gpus != world:
+        raise MeshtrainError(
+            f"--gpus {o.gpus} contradicts --config {o.config}: its parallel.dp_shard = {p.dp_shard} makes tp x pp x cp "
+            f"x dp_replicate x dp_shard = {world} GPUs; plan --gpus {world}, or set parallel.dp_shard = 0 to derive it"
+        )
+    return world
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -225,22 +269,23 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     cfg, given = _load(o, list(getattr(args, "overrides", None) or []))
     explain = bool(o.config)
     t = cfg.training
-    model = planned_model(cfg)
+    model = planned_model(cfg, data=explain)
     llama = o.arch == "llama"
     seq_len = t.seq_len if explain or "training.seq_len" in given else min(2048, model.max_seq_len)
     shape = planned_shape(o, model, given)
-    gpus = o.gpus or (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp if explain else 8)
+    gpus = planned_gpus(o, cfg)
     global_batch = t.global_batch_size if explain or "training.global_batch_size" in given else 4 * gpus
     gpus_per_node = o.gpus_per_node or (gpus if o.gpu == "cpu" else min(gpus, 8))
     peak = t.peak_tflops or None
     links = (o.network, o.intra_node_gbps, o.inter_node_gbps)
     dev, inter = device(o.gpu, gpus_per_node, *links, o.memory_gib, peak, o.efficiency, o.comm, o.host_memory_gib)
-    check_one_node_links(o, gpus, dev.gpus_per_node)
+    check_links(o, gpus, dev.gpus_per_node)
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
     dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
     dev.peak(dtype)  # a clear error for bf16 on a V100
     check_precision(dev, t.fp8, cfg.parallel.cpu_offload, o.host_memory_gib)
+    check_peak(t.peak_tflops, t.fp8)
     compiled = t.compile if explain or "training.compile" in given else False
     if compiled and not llama:
         raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
@@ -249,18 +294,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if "cp" in pinned:
         check_cp(shape, cfg.parallel.cp, cfg.parallel.tp if "tp" in pinned else 1, gpus, seq_len)
     check_peft(peft, o.arch, dtype, gpus, {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "zero") if k in pinned})
+    kernels = "cpu" if o.gpu == "cpu" else "cuda"
     w = Workload(
-        shape,
-        seq_len,
-        dtype,
-        fp32_gemm,
-        o.attention,
-        "cpu" if o.gpu == "cpu" else "cuda",
-        compiled,
-        fp32_attention,
-        peft,
-        t.objective,
-        t.fp8,
+        shape, seq_len, dtype, fp32_gemm, o.attention, kernels, compiled, fp32_attention, peft, t.objective, t.fp8
     )
     fixed = {k: getattr(getattr(cfg, section_of(k)), k) for k in KNOBS if k in pinned}
     training = dataclasses.replace(t, seq_len=seq_len, global_batch_size=global_batch, compile=compiled)
@@ -314,6 +350,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         cells = ", ".join(f"{k} {gib[k]:.2f}/{gib['planned'][k]:.2f}" for k in KEYS if gib[k] is not None)
         where = f"#{i + 1} {estimates[i].layout.describe()}"
         print(f"built (dry run) {where}: {cells} GiB built/planned on rank {gib['rank']}")
+        for note in gib["notes"]:
+            print(f"  {note}")
     return 0
 
 
@@ -331,61 +369,6 @@ def pinned_knobs(cfg: Config, given: set[str], explain: bool) -> set[str]:
             setattr(getattr(probe, section), key, getattr(getattr(cfg, section), key))
     check_keys_in_force(probe)
     return pinned
-
-
-def check_precision(dev, fp8: str, cpu_offload: bool, host_memory_gib: float | None = None) -> None:
-    """FP8 on a device without FP8 units, CPU offload without a GPU, and a host memory that nothing
-    would fill (no offload), refused in one line."""
-    if host_memory_gib and not cpu_offload:
-        raise MeshtrainError(
-            f"--host-memory-gib {host_memory_gib:g} sizes the host memory that CPU offload fills: add --cpu-offload, "
-            "or drop it"
-        )
-    if fp8 != "off" and dev.peak_tflops["fp8"] <= 0:
-        raise MeshtrainError(
-            f"--fp8 {fp8}: {dev.name} has no FP8 units (FP8 GEMMs need compute capability 8.9: Ada, Hopper, "
-            "Blackwell); plan it without --fp8"
-        )
-    if cpu_offload and dev.name == "cpu":
-        raise MeshtrainError("--cpu-offload moves a GPU's model states to host memory: on --gpu cpu they are there")
-
-
-def check_cp(shape: Shape, cp: int, tp: int, gpus: int, seq_len: int) -> None:
-    """A pinned context-parallel degree that no layout can take, refused in one line: Ulysses splits
-    each TP rank's query heads over the cp ranks, and each sequence into cp equal slices; and the
-    world is tp x pp x cp x dp. (The trainer's other rules, key/value heads and sequence parallelism's
-    slice, drop layouts in the search, which says why.)"""
-    if cp == 1:
-        return
-    heads = shape.n_heads // tp
-    if heads % cp:
-        where = f"{heads} query heads per tensor-parallel rank (tp {tp})" if tp > 1 else f"{heads} query heads"
-        raise MeshtrainError(
-            f"--cp {cp}: context parallelism splits the attention heads over its ranks (an all-to-all), and "
-            f"the model's {where} are not divisible by {cp}; use a cp that divides them"
-        )
-    if seq_len % cp:
-        raise MeshtrainError(f"--cp {cp}: the sequence of {seq_len} tokens does not split into {cp} equal slices")
-    if gpus % (cp * tp):
-        raise MeshtrainError(f"--cp {cp}: {gpus} GPUs are not divisible by cp x tp = {cp * tp}")
-
-
-def check_peft(peft: LoraSpec | None, arch: str, dtype: str, gpus: int, pinned: dict) -> None:
-    """What meshtrain cannot train with [peft], refused in one line: adapters on a GPT shape; QLoRA
-    outside bf16, or with a pinned TP, PP or FSDP (it runs on one process or plain DDP)."""
-    if peft is None:
-        return
-    if arch != "llama":
-        raise MeshtrainError(f"--peft {peft.method} plans meshtrain's adapters on its Llama: drop it with --arch gpt")
-    if not peft.quantized:
-        return
-    if dtype != "bf16":
-        raise MeshtrainError(f"--peft qlora computes in bf16 (NF4 weights dequantize to bf16): not {dtype}")
-    used = [f"--{k} {v}" for k, v in pinned.items() if (k != "zero" and v > 1) or (k == "zero" and v >= 2 and gpus > 1)]
-    if used:
-        raise MeshtrainError(
-            f"--peft qlora runs on one process or plain DDP (zero 0/1), not with {', '.join(used)} (no FSDP/TP/PP)"
-        )
 
 
 def planned_peft(cfg: Config, peft: LoraSpec | None):
@@ -419,7 +402,8 @@ def planned_arithmetic(cfg: Config, model: ModelArgs, dtype: str, seq_len: int, 
 def _verify(o: PlanOptions, estimates, base: Config, model: ModelArgs) -> dict[int, dict]:
     """`train --dry-run` of the best `--verify` layouts: what the busiest built rank holds (`built`,
     GiB, None where the dry run does not measure it), beside the planner's figures for that rank and
-    the kernels the dry run executed (`planned`)."""
+    the kernels the dry run executed (`planned`), and the dry run's notes on where what it built is
+    not what runs (a QLoRA base in bf16, CPU offload's states on the GPU, rules it added)."""
     from meshtrain.train.dry_run import KEYS, dry_run
 
     if o.arch != "llama":
@@ -434,7 +418,7 @@ def _verify(o: PlanOptions, estimates, base: Config, model: ModelArgs) -> dict[i
         def gib(values: dict) -> dict:
             return {k: round(values[k] / 2**30, 3) if values.get(k) is not None else None for k in KEYS}
 
-        out[i] = {"rank": busiest.rank, **gib(busiest.built), "planned": gib(busiest.planned)}
+        out[i] = {"rank": busiest.rank, **gib(busiest.built), "planned": gib(busiest.planned), "notes": busiest.notes}
     return out
 
 

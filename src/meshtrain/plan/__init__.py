@@ -9,6 +9,7 @@ states.py    model states per rank (exact), on the GPU or, under CPU offload, in
 saved.py     what a block saves for backward, per token, in each precision path
 memory.py    model states, activations (per saved tensor), in-flight micro-batches, buffers
 speed.py     matmuls (FP8 too), memory-bound work, TP/PP/DP communication, bubble, optimizer, PCIe
+checks.py    what is refused before the search: links nothing crosses, precision and peaks, pinned CP, adapters
 search.py    enumerate, check with the trainer's own rules, estimate, rank
 report.py    the table
 """

@@ -195,7 +195,7 @@ def device(
             if value <= 0:
                 raise MeshtrainError(f"--{key.replace('_', '-')} must be positive, got {value}")
             changes[key] = value
-    if peak_tflops is not None:  # the training dtype's peak (FP8 units keep the data sheet's)
+    if peak_tflops is not None:  # the training dtype's peak; FP8's stays the data sheet's (refused: checks.check_peak)
         changes["peak_tflops"] = {k: peak_tflops if v > 0 and k != "fp8" else v for k, v in dev.peak_tflops.items()}
     if inter_node_gbps is not None:
         if inter_node_gbps <= 0:

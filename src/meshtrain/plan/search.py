@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import asdict, dataclass
 
@@ -72,8 +73,9 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
     refusal = workload_refusal(w, layout)
     if refusal:
         return refusal
-    if base is not None:
+    if base is not None:  # a dp_shard the base sets (an explained config's) is kept, for the trainer to check
         cfg = layout.apply_to(base)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_shard=base.parallel.dp_shard))
         try:
             Layout.from_config(cfg, layout.world).validate(args, cfg)
         except ConfigError as e:

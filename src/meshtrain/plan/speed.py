@@ -199,7 +199,7 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
         "step_time_s": step,
         "tokens_per_s_per_gpu": tokens_per_s,
         "tflops_per_gpu": tflops,
-        "mfu": tflops / dev.peak("fp32" if w.dtype == "fp32" else w.dtype),
+        "mfu": tflops / mfu_peak(w, dev),
         "seconds": {
             "compute": m * slowest["compute"],
             "memory_bound": m * slowest["memory_bound"],
@@ -212,6 +212,13 @@ def step_time(w: Workload, layout: Layout, dev: Device, inter_gbps: float) -> di
             "pcie": pcie,
         },
     }
+
+
+def mfu_peak(w: Workload, dev: Device) -> float:
+    """What MFU divides by, as `train` divides it (hardware.mfu_peak_tflops): the dense peak of the
+    training's arithmetic, with training.fp8 the larger of it and the FP8 peak."""
+    peak = dev.peak("fp32" if w.dtype == "fp32" else w.dtype)
+    return max(peak, dev.peak("fp8")) if w.fp8 != "off" else peak
 
 
 # AdamW on the host under CPU offload, GB/s of host memory traffic one rank's optimizer step moves: a

@@ -23,6 +23,8 @@ process group (its alltoall_base returns at once, the output a fake tensor of th
 A CPU-offload job (parallel.cpu_offload) is built without FSDP2's CPUOffloadPolicy, whose pinned
 host memory has no fake tensor: the same shards, measured and planned as if they stayed on the GPU
 (on the job's GPUs they are host memory, which `meshtrain plan` reports per node).
+A QLoRA job (peft.method = qlora) keeps its base in bf16, as LoRA's: NF4 quantizes real weights
+(train's load_base), not fake ones; a note says how much more that built than the NF4 planned.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from meshtrain.config import Config
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.layout import Layout
+from meshtrain.model.args import LoraSpec
 from meshtrain.train.arithmetic import resolve as resolve_arithmetic
 from meshtrain.train.preflight import check_device, model_args, preflight, prepared_dataset, workload_of
 
@@ -137,6 +140,8 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> Rank
         args, layout = model_args(cfg, vocab), Layout.from_config(cfg, world)  # preflight passed in the parent
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         _, model, optimizer, _, _ = build_model(cfg, args, layout, device, materialize=fake)
+        if (lora := LoraSpec.from_config(cfg.peft)) is not None and lora.quantized:
+            notes.append(_qlora_note(model))
         c = layout.coordinates(rank)
         workload = workload_of(cfg, args, device)
         report = RankReport(rank, c, {}, rank_memory(workload, layout, c["pp"]), notes)
@@ -150,6 +155,26 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> Rank
         return report
     finally:
         dist.destroy_process_group()
+
+
+def _qlora_note(model) -> str:
+    """QLoRA's base is built as LoRA's, in bf16: NF4 quantizes real weights (train's load_base), not
+    fake ones. What that adds to the built params and total, beside the NF4 bytes planned."""
+    from meshtrain.model.lora import lora_modules
+    from meshtrain.plan import nf4_bytes
+
+    weights = [m.weight for part in model.parts for m in lora_modules(part)]
+    built = sum(w.numel() * w.element_size() for w in weights)
+    nf4 = sum(nf4_bytes(w.numel()) for w in weights)
+
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    return (
+        f"qlora: the base built in bf16 on fake tensors (NF4 quantizes real weights only), planned in NF4: its target "
+        f"linears' {size(built)} are {size(nf4)} in NF4, so built params and total hold {size(built - nf4)} more "
+        "than what runs"
+    )
 
 
 @contextlib.contextmanager
