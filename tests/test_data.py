@@ -449,6 +449,12 @@ def test_resume_continues_exactly_even_on_another_dp_degree(tmp_path):
     other = DistributedLoader(_windows(tmp_path / "..", 2000), 8, 0, 1, seed=5)
     with pytest.raises(DataError, match="data or training.seq_len changed"):
         other.load_state_dict(state)
+    # as many windows, other tokens (data prepared again from other text): the checksums tell
+    saved = DistributedLoader(w, 8, 0, 1, seed=5, content_ids=["a1"]).state_dict()
+    with pytest.raises(DataError, match="trained on other data: data.path source 1's tokens"):
+        DistributedLoader(w, 8, 0, 1, seed=5, content_ids=["b2"]).load_state_dict(saved)
+    DistributedLoader(w, 8, 0, 1, seed=5, content_ids=["a1"]).load_state_dict(saved)
+    DistributedLoader(w, 8, 0, 1, seed=5, content_ids=["b2"]).load_state_dict(state)  # saved before it was recorded
 
 
 def _stdlib_jsonl(path, n_bytes: int) -> None:

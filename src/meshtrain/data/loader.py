@@ -39,6 +39,7 @@ class DistributedLoader:
         seed: int,
         pin_memory: bool = False,
         weights: list[float] | None = None,
+        content_ids: list[str | None] | None = None,
     ):
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by DP degree {dp_size}")
@@ -47,6 +48,7 @@ class DistributedLoader:
         self.global_batch, self.seed = global_batch, seed
         self.dp_rank, self.local_batch = dp_rank, global_batch // dp_size
         self.pin_memory = pin_memory
+        self.content_ids = content_ids or [None] * len(self.sources)  # each source's Dataset.content_id
         self.consumed = 0  # global samples handed out so far, over all ranks
         self.taken = np.zeros(len(self.sources), dtype=np.int64)  # of them, from each source
         self._perms: dict[tuple[int, int], np.ndarray] = {}
@@ -91,6 +93,7 @@ class DistributedLoader:
             "n_windows": [len(s) for s in self.sources],
             "weights": self.weights.tolist(),
             "taken": self.taken.tolist(),
+            "content_ids": self.content_ids,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -100,6 +103,13 @@ class DistributedLoader:
                 f"the data loader state was saved for {windows} windows of {state['seq_len']} tokens, "
                 f"but the data now has {[len(s) for s in self.sources]} of {self.sources[0].seq_len}: the data "
                 "or training.seq_len changed"
+            )
+        saved_ids = state.get("content_ids") or [None] * len(self.content_ids)  # recorded since 2026-11
+        changed = [i for i, (a, b) in enumerate(zip(saved_ids, self.content_ids)) if a and b and a != b]
+        if changed:
+            raise DataError(
+                f"the checkpoint was trained on other data: data.path source {changed[0] + 1}'s tokens (or tokenizer) "
+                "differ from the ones it read, though their counts agree; resume with that data, or start a new run"
             )
         weights = state.get("weights", [1.0])
         if not np.allclose(weights, self.weights):
@@ -191,6 +201,16 @@ class Dataset:
         if self.chat:
             return PackedConversations(segments, dtype, seq_len, self.eos_id or 0, name, self.document_masking)
         return TokenWindows(segments, dtype, seq_len, name, self.eos_id if self.document_masking else None)
+
+    @property
+    def content_id(self) -> str | None:
+        """What the data's tokens are: its tokenizer's and shards' checksums from the manifest,
+        hashed (the same input prepared again gives the same id); None for the first format, which
+        has no shard checksums. A checkpoint records it, so a resume on other data is refused."""
+        if "shards" not in self.manifest:
+            return None
+        sums = [self.manifest["tokenizer_sha256"], *(shard["sha256"] for shard in self.manifest["shards"])]
+        return hashlib.sha256(" ".join(sums).encode()).hexdigest()[:16]
 
     def _files(self, shard: dict) -> list[tuple[Path, str, int | None]]:
         """(path, manifest checksum, expected size or None) of a shard's files."""
@@ -295,5 +315,12 @@ class Blend:
 
     def loader(self, global_batch: int, dp_rank: int, dp_size: int, seed: int, pin_memory: bool = False):
         return DistributedLoader(
-            [s.train for s in self.sources], global_batch, dp_rank, dp_size, seed, pin_memory, self.weights
+            [s.train for s in self.sources],
+            global_batch,
+            dp_rank,
+            dp_size,
+            seed,
+            pin_memory,
+            self.weights,
+            [s.content_id for s in self.sources],
         )
