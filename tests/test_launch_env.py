@@ -256,3 +256,5 @@ def test_rendezvous_options():
         "--rdzv-id",
         "7",
     ]
+    with pytest.raises(MeshtrainError, match="SLURM_STEP_NUM_NODES='two' is not an integer"):
+        rendezvous_args(None, None, None, None, per_node_task | {"SLURM_STEP_NUM_NODES": "two"})

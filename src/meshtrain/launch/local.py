@@ -23,11 +23,11 @@ def rendezvous_args(
     """torchrun's rendezvous options. One node: standalone, or at --master-port where one is given
     (two jobs on a shared node apart). --node-rank given: static rendezvous at --master-addr (like
     torchrun). One srun task per node: c10d rendezvous on the first Slurm host, keyed by the job id."""
-    from meshtrain.launch.env import first_scheduler_host, port_from_job_id
+    from meshtrain.launch.env import env_int, first_scheduler_host, port_from_job_id
 
     in_slurm_step = "SLURM_STEP_ID" in env and "SLURM_JOB_ID" in env
     if nnodes is None:
-        nnodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1))) if in_slurm_step else 1
+        nnodes = env_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", default=1) if in_slurm_step else 1
     if nnodes == 1 and master_addr is None and master_port is None:
         return ["--standalone"]
     job_id = env.get("SLURM_JOB_ID", "meshtrain")
