@@ -366,3 +366,212 @@ def test_a_long_context_model_is_served_with_a_bounded_cache(models, tmp_path):
         assert engine.cache.k[0].shape[2] == 8192
     finally:
         engine.close()
+
+
+def copied(source: Path, out: Path) -> Path:
+    out.mkdir()
+    for f in source.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def test_a_directory_transformers_loads_as_another_model_is_refused(models, corpus, cli_env, tmp_path):
+    """A stale index beside model.safetensors (transformers takes the file) and peft adapters beside
+    the model (transformers with peft applies them) are refused by import, serve and train alike."""
+    from meshtrain.serve.loading import load_served_model
+
+    args = hf_model_args(models["llama2"])
+    stale = copied(models["llama2"], tmp_path / "stale")
+    index = {"weight_map": dict.fromkeys(load_file(stale / "model.safetensors"), "model.safetensors")}
+    (stale / "model.safetensors.index.json").write_text(json.dumps(index))
+    both = "holds both model.safetensors and model.safetensors.index.json: remove the stale one"
+    with pytest.raises(MeshtrainError, match=both):
+        hf_model_args(stale)
+    with pytest.raises(MeshtrainError, match=both):
+        load_hf_weights([Llama(args)], stale, args)
+
+    adapted = copied(models["llama2"], tmp_path / "adapted")
+    (adapted / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    beside = r"holds peft adapters \(adapter_config.json\) beside the model: merge them"
+    for read in (hf_model_args, lambda d: load_hf_weights([Llama(args)], d, args)):
+        with pytest.raises(MeshtrainError, match=beside) as refusal:
+            read(adapted)
+        assert "\n" not in str(refusal.value)
+    with pytest.raises(MeshtrainError, match=beside):
+        load_served_model(adapted, torch.device("cpu"), torch.float32)
+    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", f"hf:{adapted}", model=()), cli_env)
+    assert_user_error(result, "holds peft adapters (adapter_config.json)", "merge_and_unload")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_index_lists_exactly_the_tensors_of_its_shards(models, tmp_path):
+    """A tensor in a shard the index does not list would be loaded by transformers and never seen by
+    meshtrain's check for weights it cannot place; one the index puts in a shard that lacks it, a bad
+    weight_map or a field no index has are refused in one line."""
+    from safetensors.torch import save_file
+
+    source = models["llama3.1"]  # two shards and an index
+    args = hf_model_args(source)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    shard = load_file(source / first)
+    name = next(iter(shard))
+
+    def refused(directory: Path, message: str) -> None:
+        with pytest.raises(MeshtrainError, match=message) as refusal:
+            load_hf_weights([Llama(args)], directory, args)
+        assert "\n" not in str(refusal.value)
+
+    unlisted = copied(source, tmp_path / "unlisted")
+    save_file(shard | {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, unlisted / first)
+    refused(unlisted, f"{first} holds model.layers.0.self_attn.q_proj.bias, which model.safetensors.index.json")
+    missing = copied(source, tmp_path / "missing")
+    save_file({k: v for k, v in shard.items() if k != name}, missing / first)
+    refused(missing, f"places {name} in {first}, which does not hold it")
+    for case, weight_map, message in (
+        ("not-a-map", list(index["weight_map"]), "has no weight_map of tensor names to shard files"),
+        ("not-a-file", index["weight_map"] | {name: 3}, f"weight_map's '{name}' is 3, not a shard file name"),
+    ):
+        directory = copied(source, tmp_path / case)
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index | {"weight_map": weight_map}))
+        refused(directory, message)
+    directory = copied(source, tmp_path / "extra-field")
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index | {"shards": 2}))
+    refused(directory, "shards: not a field of a safetensors index")
+
+
+def test_special_tokens_map_is_read_where_tokenizer_config_names_no_token(models, tmp_path):
+    """transformers takes eos_token and bos_token from special_tokens_map.json where
+    tokenizer_config.json has none; the two files naming different tokens are refused, and data
+    prepare keeps the file with the tokenizer so that a run stops where its data ends."""
+    from tokenizers import Tokenizer
+
+    from meshtrain.data.tokenizer import begin_of_text, copy_tokenizer, end_of_text
+    from meshtrain.errors import DataError
+
+    tokenizer_file = models["llama2"] / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    turn_end = tokenizer.id_to_token(300)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    (source / "tokenizer_config.json").write_text(json.dumps({"bos_token": None}))
+    special = {"eos_token": {"content": turn_end, "lstrip": False}, "bos_token": "<|endoftext|>"}
+    (source / "special_tokens_map.json").write_text(json.dumps(special))
+    assert end_of_text(tokenizer, source) == (turn_end, 300)
+    assert begin_of_text(tokenizer, source) == "<|endoftext|>"
+    assert end_tokens(source, tokenizer)[0] == turn_end
+    kept = tmp_path / "data"
+    copy_tokenizer(source / "tokenizer.json", kept)
+    assert end_of_text(tokenizer, kept) == (turn_end, 300)
+
+    (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": turn_end}))  # the same token: read
+    assert end_of_text(tokenizer, source) == (turn_end, 300)
+    (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    with pytest.raises(DataError, match=f"eos_token is '<\\|endoftext\\|>' in tokenizer_config.json but '{turn_end}'"):
+        end_of_text(tokenizer, source)
+    with pytest.raises(DataError, match="eos_token is '<"):  # checked whichever token is asked for
+        begin_of_text(tokenizer, source)
+    (source / "tokenizer_config.json").write_text("{}")
+    (source / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"lstrip": False}}))
+    with pytest.raises(DataError, match=r"special_tokens_map.json: eos_token is \{'lstrip': False\}: it should be"):
+        end_of_text(tokenizer, source)
+
+
+def tokenizer_like(corpus: Path, out: Path, specials: list[str], prefix: str | None, config: dict):
+    """The test tokenizer with a published model's special tokens, post-processor (`prefix`: the
+    token its TemplateProcessing puts before a text; None: Qwen2's ByteLevel, which adds none) and
+    tokenizer_config.json."""
+    from tokenizers import Tokenizer, processors
+
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    tokenizer.add_special_tokens(specials)
+    if prefix is None:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{prefix} $A",
+            pair=f"{prefix} $A {prefix} $B",
+            special_tokens=[(prefix, tokenizer.token_to_id(prefix))],
+        )
+    out.mkdir()
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_file(str(out / "tokenizer.json"))
+
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
+LLAMA3 = {"add_bos_token": True, "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+QWEN2 = {"add_bos_token": False, "bos_token": None, "eos_token": "<|im_end|>"}
+MISTRAL = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>"}
+PUBLISHED_TOKENIZERS = {
+    "llama3": (LLAMA3_SPECIALS, "<|begin_of_text|>", LLAMA3),
+    "qwen2": (["<|endoftext|>", "<|im_end|>"], None, QWEN2),
+    "qwen2-no-flag": (["<|endoftext|>", "<|im_end|>"], None, {"eos_token": "<|im_end|>"}),
+    "mistral": (["<s>", "</s>"], "<s>", MISTRAL),
+}
+FLAG_REFUSALS = {
+    "eos-added-by-none": (
+        ["<s>", "</s>"],
+        "<s>",
+        MISTRAL | {"add_eos_token": True},
+        "add_eos_token is true but tokenizer.json's post-processor puts nothing after a text: set add_eos_token "
+        "to false to match tokenizer.json",
+    ),
+    "bos-not-added": (
+        LLAMA3_SPECIALS,
+        "<|begin_of_text|>",
+        LLAMA3 | {"add_bos_token": False},
+        "add_bos_token is false but tokenizer.json's post-processor puts <|begin_of_text|> before a text: set "
+        "add_bos_token to true",
+    ),
+    "bos-added-by-none": (
+        ["<|endoftext|>", "<|im_end|>"],
+        None,
+        QWEN2 | {"add_bos_token": True},
+        "add_bos_token is true but tokenizer.json's post-processor puts nothing before a text: set add_bos_token "
+        "to false",
+    ),
+    "another-bos": (
+        ["<s>", "</s>"],
+        "<s>",
+        MISTRAL | {"bos_token": "</s>"},
+        "add_bos_token is true but tokenizer.json's post-processor puts <s> before a text, not bos_token </s>: make "
+        "bos_token the token tokenizer.json puts there",
+    ),
+    "not-a-bool": (
+        ["<s>", "</s>"],
+        "<s>",
+        MISTRAL | {"add_bos_token": "true"},
+        "add_bos_token is 'true': it must be true or false",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_TOKENIZERS)
+def test_published_add_bos_and_eos_flags_agree_with_their_post_processor(name, corpus, tmp_path):
+    from meshtrain.data.tokenizer import begin_of_text, document_prefix, end_of_text
+
+    specials, prefix, config = PUBLISHED_TOKENIZERS[name]
+    tokenizer = tokenizer_like(corpus, tmp_path / name, specials, prefix, config)
+    assert end_of_text(tokenizer, tmp_path / name)[0] == config["eos_token"]
+    assert begin_of_text(tokenizer, tmp_path / name) == config.get("bos_token")
+    assert document_prefix(tokenizer) == ([tokenizer.token_to_id(prefix)] if prefix else [])
+
+
+@pytest.mark.parametrize("name", FLAG_REFUSALS)
+def test_add_bos_and_eos_flags_that_contradict_the_post_processor_are_refused(name, corpus, tmp_path):
+    """transformers 4's Llama and Gemma tokenizers rebuild the post-processor from these flags, which
+    meshtrain follows from tokenizer.json: data prepare (and serve, generate, export) refuse to pick one."""
+    from meshtrain.data import prepare
+    from meshtrain.errors import DataError
+
+    specials, prefix, config, message = FLAG_REFUSALS[name]
+    tokenizer_like(corpus, tmp_path / "tokenizer", specials, prefix, config)
+    (tmp_path / "a.txt").write_text("text to tokenize\n" * 20)
+    with pytest.raises(DataError, match=f"tokenizer_config.json: {message}".replace("|", r"\|")) as refusal:
+        prepare(
+            [tmp_path / "a.txt"], tmp_path / "data", tokenizer=tmp_path / "tokenizer/tokenizer.json", progress=False
+        )
+    assert "\n" not in str(refusal.value)
+    assert not (tmp_path / "data").exists()

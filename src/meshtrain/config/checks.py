@@ -141,7 +141,8 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
             f"training.seq_len ({cfg.training.seq_len}) is longer than the model allows "
             f"(model.max_seq_len = {args.max_seq_len}); lower it or raise model.max_seq_len"
         )
-    if cfg.run.sample_prompt and cfg.run.sample_tokens >= args.max_seq_len:
+    given_tokens = cfg.run.sample_tokens != type(cfg.run)().sample_tokens  # the default is cut to fit
+    if cfg.run.sample_prompt and given_tokens and cfg.run.sample_tokens >= args.max_seq_len:
         raise ConfigError(
             f"run.sample_tokens = {cfg.run.sample_tokens} would not fit the model's context beside the prompt "
             f"(model.max_seq_len = {args.max_seq_len}): lower it"

@@ -15,6 +15,7 @@ from meshtrain.files import copy_file
 from meshtrain.logs import log
 
 TOKENIZER_CONFIG = "tokenizer_config.json"  # beside a tokenizer.json: its special tokens (kept with it)
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older transformers' file of them, read where the config lacks one
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 
@@ -24,11 +25,11 @@ CHECK_CHARS = 1 << 14  # how far a cut's tokens are compared with the window's o
 
 
 def end_of_text(tokenizer, directory: Path | None = None) -> tuple[str | None, int | None]:
-    """The tokenizer's end-of-text token and id, or (None, None): the `eos_token` of the
-    tokenizer_config.json beside it where there is one (a Hugging Face model's: Qwen2.5-Instruct's
-    <|im_end|>, Llama 3 instruct's <|eot_id|>), else meshtrain's, Llama 3's, SentencePiece's or Gemma's.
-    The one place that decides it: data prepare separates documents with it and ends chat turns at
-    it, training's sample, `generate` and `serve` stop on it, export names it."""
+    """The tokenizer's end-of-text token and id, or (None, None): the `eos_token` configured beside it
+    where there is one (a Hugging Face model's: Qwen2.5-Instruct's <|im_end|>, Llama 3 instruct's
+    <|eot_id|>), else meshtrain's, Llama 3's, SentencePiece's or Gemma's. The one place that decides
+    it: data prepare separates documents with it and ends chat turns at it, training's sample,
+    `generate` and `serve` stop on it, export names it."""
     token = _configured_token(tokenizer, directory, "eos_token")
     if token is None:
         token = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
@@ -36,37 +37,117 @@ def end_of_text(tokenizer, directory: Path | None = None) -> tuple[str | None, i
 
 
 def begin_of_text(tokenizer, directory: Path | None = None) -> str | None:
-    """The `bos_token` of the tokenizer_config.json beside the tokenizer (Llama 3's <|begin_of_text|>,
-    Mistral's <s>), or None: what a chat template's `bos_token` renders, in `data prepare` as in
-    `serve`, so that a fine-tuned conversation and a served one begin alike (as transformers'
-    apply_chat_template renders them)."""
+    """The `bos_token` configured beside the tokenizer (Llama 3's <|begin_of_text|>, Mistral's <s>),
+    or None: what a chat template's `bos_token` renders, in `data prepare` as in `serve`, so that a
+    fine-tuned conversation and a served one begin alike (as transformers' apply_chat_template
+    renders them)."""
     return _configured_token(tokenizer, directory, "bos_token")
 
 
 def _configured_token(tokenizer, directory: Path | None, key: str) -> str | None:
-    config = Path(directory, TOKENIZER_CONFIG) if directory is not None else None
-    if config is None or not config.is_file():
+    """`key` ("bos_token" or "eos_token") as transformers reads it beside a tokenizer.json:
+    tokenizer_config.json's, else special_tokens_map.json's (older models keep their special tokens
+    only there). Both files are checked whichever key is asked for, so that every command that reads
+    them refuses the same inconsistencies."""
+    if directory is None:
         return None
+    config = _json_object(Path(directory, TOKENIZER_CONFIG))
+    tokens = {name: _agreed_token(tokenizer, Path(directory), config, name) for name in ("bos_token", "eos_token")}
+    _check_added_tokens(tokenizer, Path(directory, TOKENIZER_CONFIG), config, tokens)
+    return tokens[key]
+
+
+def _json_object(path: Path) -> dict:
+    if not path.is_file():
+        return {}
     try:
-        token = json.loads(config.read_text()).get(key)
-    except (json.JSONDecodeError, AttributeError):
-        raise DataError(f"{config} is not a JSON object: fix or remove it") from None
-    token = token.get("content") if isinstance(token, dict) else token
-    if isinstance(token, str) and token and tokenizer.token_to_id(token) is None:
+        content = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        content = None
+    if not isinstance(content, dict):
+        raise DataError(f"{path} is not a JSON object: fix or remove it")
+    return content
+
+
+def _agreed_token(tokenizer, directory: Path, config: dict, key: str) -> str | None:
+    """`key`'s token where tokenizer_config.json and special_tokens_map.json name it: transformers'
+    versions give either file precedence, so two different tokens are refused."""
+    named = {}
+    for name, content in (
+        (TOKENIZER_CONFIG, config),
+        (SPECIAL_TOKENS_MAP, _json_object(directory / SPECIAL_TOKENS_MAP)),
+    ):
+        if (token := _token_of(content.get(key), directory / name, key)) is not None:
+            named[name] = token
+    if len(set(named.values())) > 1:
         raise DataError(
-            f"{config}: {key} {token!r} is not a token of the tokenizer beside it: correct {key} (or the tokenizer)"
+            f"{directory}: {key} is {named[TOKENIZER_CONFIG]!r} in {TOKENIZER_CONFIG} but "
+            f"{named[SPECIAL_TOKENS_MAP]!r} in {SPECIAL_TOKENS_MAP}: make both name the same token"
         )
-    return token or None if isinstance(token, str) else None
+    for name, token in named.items():
+        if tokenizer.token_to_id(token) is None:
+            raise DataError(
+                f"{directory / name}: {key} {token!r} is not a token of the tokenizer beside it: correct {key} "
+                "(or the tokenizer)"
+            )
+    return next(iter(named.values()), None)
+
+
+def _token_of(value, path: Path, key: str) -> str | None:
+    """A special token as the files write it: a string or an AddedToken's {"content": ...}; null or ""
+    for none."""
+    token = value.get("content") if isinstance(value, dict) else value
+    if (token is not None or isinstance(value, dict)) and not isinstance(token, str):
+        raise DataError(
+            f'{path}: {key} is {value!r}: it should be a token (a string or {{"content": ...}}); correct it'
+        )
+    return token or None
+
+
+def _check_added_tokens(tokenizer, path: Path, config: dict, tokens: dict[str, str | None]) -> None:
+    """tokenizer_config.json's add_bos_token and add_eos_token against what tokenizer.json's
+    post-processor adds to a text, which meshtrain follows (`document_prefix`): transformers 4's Llama
+    and Gemma tokenizers rebuild the post-processor from the flags, so where the two disagree the
+    model would be trained and served with other special tokens than transformers gives it."""
+    if config.get("add_bos_token") is None and config.get("add_eos_token") is None:
+        return
+    prefix, suffix = _affixes(tokenizer)
+    for flag, key, added, where in (
+        ("add_bos_token", "bos_token", prefix, "before"),
+        ("add_eos_token", "eos_token", suffix, "after"),
+    ):
+        value = config.get(flag)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise DataError(f"{path}: {flag} is {value!r}: it must be true or false")
+        token_id = tokenizer.token_to_id(tokens[key]) if tokens[key] else None
+        puts = " ".join(tokenizer.id_to_token(i) for i in added) or "nothing"
+        if value != bool(added):
+            problem, fix = "", f"set {flag} to {json.dumps(bool(added))} to match tokenizer.json"
+        elif value and token_id is not None and added != [token_id]:
+            problem, fix = f", not {key} {tokens[key]}", f"make {key} the token tokenizer.json puts there"
+        else:
+            continue
+        raise DataError(
+            f"{path}: {flag} is {json.dumps(value)} but tokenizer.json's post-processor puts {puts} {where} a "
+            f"text{problem}: {fix}"
+        )
+
+
+def _affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer's post-processor puts before a text and after it."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+    return (full[: starts[0]], full[starts[0] + len(plain) :]) if starts else ([], [])
 
 
 def document_prefix(tokenizer) -> list[int]:
     """The special tokens the tokenizer's post-processor puts before a text (Llama 3's
     <|begin_of_text|>; none for meshtrain's own BPE or Qwen's): `data prepare` begins each document
     with them, as `serve` and `generate` begin a prompt, so the model meets the start it was trained on."""
-    plain = tokenizer.encode("a", add_special_tokens=False).ids
-    full = tokenizer.encode("a", add_special_tokens=True).ids
-    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
-    return full[: starts[0]] if starts else []
+    return _affixes(tokenizer)[0]
 
 
 def encode_prompt(tokenizer, text: str, prefix: list[int] | None = None) -> list[int]:
@@ -77,11 +158,13 @@ def encode_prompt(tokenizer, text: str, prefix: list[int] | None = None) -> list
 
 
 def copy_tokenizer(source: str | Path, directory: Path, template: Path | None = None) -> Path:
-    """A tokenizer.json into `directory` with the tokenizer_config.json beside it (its eos and bos
-    tokens), and `template`, the chat template chat data was rendered with: data prepare keeps them
-    with the data, training with the run, so serve and export render and stop as the model learned."""
-    if (config := Path(source).parent / TOKENIZER_CONFIG).is_file():
-        copy_file(config, directory / TOKENIZER_CONFIG)
+    """A tokenizer.json into `directory` with the tokenizer_config.json and special_tokens_map.json
+    beside it (its eos and bos tokens), and `template`, the chat template chat data was rendered with:
+    data prepare keeps them with the data, training with the run, so serve and export render and stop
+    as the model learned."""
+    for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
+        if (config := Path(source).parent / name).is_file():
+            copy_file(config, directory / name)
     if template is not None:
         copy_file(template, directory / TEMPLATE_FILE)
     return copy_file(source, directory / "tokenizer.json")

@@ -27,6 +27,7 @@ from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
 from meshtrain.interop.families import config_to_args, export_config
+from meshtrain.interop.hf_dir import HFWeights, check_model_directory
 from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, run_weights
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
@@ -391,43 +392,13 @@ def keep_source_files(directory: str | Path, run_dir: Path) -> None:
 
 
 def hf_model_args(directory: str | Path, vocab_multiple: int = 64) -> ModelArgs:
+    """The shape of a Hugging Face directory's model: the first thing training, serving and generating
+    read from it, so a directory transformers would load as another model is refused before any work."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise MeshtrainError(f"model.init_from: {path} does not exist (expected a Hugging Face model directory)")
+    check_model_directory(Path(directory))
     return config_to_args(read_json_object(path), f"model.init_from: {path}", vocab_multiple)
-
-
-class HFWeights:
-    """The tensors of a Hugging Face directory (one safetensors file, or shards with an index), read
-    one at a time on demand: a rank pays for the tensors it asks for, not for the model."""
-
-    def __init__(self, directory: Path, stack: contextlib.ExitStack):
-        from safetensors import safe_open
-
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            self.where = dict(read_json_object(index).get("weight_map", {}))
-        else:
-            single = directory / "model.safetensors"
-            if not single.is_file():
-                raise MeshtrainError(f"model.init_from: {directory} has no model.safetensors (nor an index)")
-            with safe_open(single, framework="pt") as f:
-                self.where = {name: "model.safetensors" for name in f.keys()}
-        self.files = {}
-        for file in sorted(set(self.where.values())):
-            if not (directory / file).is_file():
-                raise MeshtrainError(f"model.init_from: {directory / file} is missing (named in the index)")
-            self.files[file] = stack.enter_context(safe_open(directory / file, framework="pt"))
-        self.directory = directory
-
-    def names(self) -> list[str]:
-        return list(self.where)
-
-    def get(self, name: str) -> torch.Tensor:
-        t = self.files[self.where[name]].get_tensor(name)
-        if not t.is_floating_point():
-            raise MeshtrainError(f"model.init_from: {name} is {t.dtype}: quantized weights cannot be imported")
-        return t.float()
 
 
 def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:

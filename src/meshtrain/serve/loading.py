@@ -64,13 +64,14 @@ def load_served_model(source: str | Path, device: torch.device, dtype: torch.dty
         load_full_model,
         load_hf_weights,
     )
+    from meshtrain.interop.hf_dir import PEFT_ADAPTERS
 
     path = Path(source)
     if not path.exists():
         raise MeshtrainError(
             f"{path} does not exist: serve a run directory, a checkpoint or an exported Hugging Face directory"
         )
-    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+    if (path / PEFT_ADAPTERS).is_file() and not (path / "config.json").is_file():  # beside one: hf_model_args refuses
         raise MeshtrainError(
             f"{path} holds LoRA adapters alone (peft's format): serve the run they came from, or its merged "
             "export (`meshtrain export RUN --out DIR`)"
