@@ -191,10 +191,6 @@ BAD_ENVIRONMENTS = {
         {k: v for k, v in SLURM_TASK.items() if "NUM_TASKS" not in k and k != "SLURM_NTASKS"},
         "SLURM_STEP_NUM_TASKS or SLURM_NTASKS is missing",
     ),
-    "mpich without a local rank": (
-        {k: v for k, v in MPICH.items() if k != "MPI_LOCALRANKID"},
-        "MPI_LOCALRANKID or SLURM_LOCALID is missing",
-    ),
     "openmpi --map-by node": (
         OPENMPI | MAP_BY_NODE,
         "ranks are not placed in blocks per node (rank 1 has local rank 0",
@@ -205,7 +201,7 @@ BAD_ENVIRONMENTS = {
     ),
     "torchrun without its local world size": (
         {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"},
-        "rank 3 has local rank 1 of 4",
+        "rank 3 has local rank 1 of 4), so a node's tensor-parallel group would span nodes: set LOCAL_RANK and",
     ),
     "bad step nodelist": (SLURM_TASK | {"SLURM_STEP_NODELIST": "gpu[01-"}, "SLURM_STEP_NODELIST='gpu[01-' is not"),
     "empty job nodelist": (
@@ -221,6 +217,18 @@ BAD_ENVIRONMENTS = {
         "AZ_BATCH_MASTER_NODE: port 65536 is outside 1..65535",
     ),
 }
+
+
+def test_local_ranks_where_a_launcher_leaves_them_out():
+    """env:// without torchrun (RANK and WORLD_SIZE alone) is one node, a device a rank; Cray PALS
+    names MPICH's local rank PMI_LOCAL_RANK; MPICH with no count per node is one node."""
+    plain = detect({"RANK": "1", "WORLD_SIZE": "2"})
+    assert (plain.local_rank, plain.local_world_size, plain.node_rank) == (1, 2, 0)
+    pals = {"PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "4", "MASTER_ADDR": "n1"}
+    cray = detect(pals)
+    assert (cray.launcher, cray.local_rank, cray.local_world_size, cray.node_rank) == ("mpich", 1, 4, 1)
+    alone = detect({"PMI_RANK": "1", "PMI_SIZE": "2"})
+    assert (alone.local_rank, alone.local_world_size, alone.node_rank) == (1, 2, 0)
 
 
 @pytest.mark.parametrize("case", list(BAD_ENVIRONMENTS))

@@ -2,6 +2,7 @@
 a fresh start never mixes with another run's checkpoints, one job per run directory, and files get
 the permissions of the user's umask."""
 
+import errno
 import json
 import os
 import signal
@@ -197,8 +198,29 @@ def test_a_second_run_in_the_same_allocation_is_refused_and_the_job_itself_comes
     finally:
         other.kill()
         other.wait()
-    for holder in (os.getppid(), other.pid):  # the launcher above; the requeued job's dead process
-        held_by(holder)
-        assert RunLock(tmp_path).held_by_this_job()
-        RunLock(tmp_path).acquire().release()  # the job's own lock: kept as it is
-        assert json.loads(lock.read_text())["pid"] == holder
+    held_by(os.getppid())  # the launcher above this process: its lock, kept as it is
+    assert RunLock(tmp_path).held_by_this_job()
+    RunLock(tmp_path).acquire().release()
+    assert json.loads(lock.read_text())["pid"] == os.getppid()
+    held_by(other.pid)  # the job's earlier start, dead (a requeue): taken over, so a live process holds it
+    assert RunLock(tmp_path).held_by_this_job()
+    taken = RunLock(tmp_path).acquire()
+    assert taken.held and json.loads(lock.read_text())["pid"] == os.getpid()
+    taken.release()
+    assert not lock.exists() and [p.name for p in tmp_path.iterdir()] == []  # no temporary file left
+
+
+def test_the_lock_is_taken_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    from meshtrain.lock import RunDirLocked, RunLock
+
+    def no_links(*args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    first = RunLock(tmp_path).acquire()
+    assert first.held and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock = json.loads((tmp_path / LOCK_NAME).read_text())
+    (tmp_path / LOCK_NAME).write_text(json.dumps({**lock, "job": "another job"}))
+    with pytest.raises(RunDirLocked, match="in use by another job"):
+        RunLock(tmp_path).acquire()
+    first.release()

@@ -102,8 +102,15 @@ def check_output(
         for each in given if isinstance(given, list) else [given]:
             if each and Path(each).exists() and out.samefile(each):
                 raise MeshtrainError(f"{flag} {out} is the {name} file it is made from: write it to another path")
-    with open(out, "rb") as f:
-        ours = signature.encode() in f.read(1 << 20)
+    if not out.is_file():
+        raise MeshtrainError(f"{flag} {out} is not a regular file: name a file to write")
+    try:
+        with open(out, "rb") as f:
+            ours = signature.encode() in f.read(1 << 20)
+    except OSError as e:
+        raise MeshtrainError(
+            f"{flag} {out} cannot be read ({e.strerror}): move it away or write to another path"
+        ) from None
     if not ours:
         raise MeshtrainError(
             f"{flag} {out} exists and was not written by `{command}`: move it away or write to another path"

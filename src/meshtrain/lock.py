@@ -11,6 +11,8 @@ over. A holder on another host cannot be checked from here: the error says how t
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
@@ -80,7 +82,9 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> RunLock:
-        """Take the lock, or raise RunDirLocked naming the holder. Idempotent for the same job."""
+        """Take the lock, or raise RunDirLocked naming the holder. Idempotent for the same job: a
+        launcher above this process keeps holding it; an earlier start of the job that died here
+        (a requeue, a retry) is taken over, so that the lock names a live holder."""
         with writing(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {
@@ -90,30 +94,50 @@ class RunLock:
             "job": self.token,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        # written whole beside the lock, then linked into place: a lock is never seen empty
-        mine = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}")
+        for _ in range(10):
+            if self._create(me):
+                self.held = True
+                return self
+            holder = self._read()
+            if holder is not None and holder.get("job") == self.token and not _same_job_elsewhere(holder):
+                if _holder_alive(holder):
+                    return self  # this job's own lock: its launcher, or its start on another host
+            else:
+                self._refuse(holder)
+            self._set_aside()  # stale: its holder died (or an unreadable lock)
+        raise RunDirLocked(f"could not take {self.path}: other processes keep replacing it")
+
+    def _create(self, me: dict) -> bool:
+        """Create the lock holding `me`, or False where one exists. Written whole beside it and
+        linked into place, so it is never seen empty; where the file system has no hard links
+        (SMB, FUSE object stores), created exclusively and then written."""
+        from meshtrain.files import write_error
+
+        mine = self.path.with_name(f"{LOCK_NAME}.{socket.gethostname()}-{os.getpid()}")
         try:
             with writing(mine):
                 mine.write_text(json.dumps(me))
-            for _ in range(10):
-                try:
-                    os.link(mine, self.path)
-                except FileExistsError:
-                    holder = self._read()
-                    if holder is not None and holder.get("job") == self.token and not _same_job_elsewhere(holder):
-                        return self  # this job's own lock (an elastic restart, a requeued job)
-                    self._refuse(holder)
-                    self._set_aside()  # stale: its holder died (or an unreadable lock)
-                    continue
-                except OSError as e:
-                    from meshtrain.files import write_error
-
+            try:
+                os.link(mine, self.path)
+                return True
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV):
                     raise write_error(self.path, e) from None
-                self.held = True
-                return self
         finally:
-            mine.unlink(missing_ok=True)
-        raise RunDirLocked(f"could not take {self.path}: other processes keep replacing it")
+            with contextlib.suppress(OSError):
+                mine.unlink(missing_ok=True)
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            time.sleep(0.05)  # it may be being written by its taker: read it after that
+            return False
+        except OSError as e:
+            raise write_error(self.path, e) from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return True
 
     def held_by_this_job(self) -> bool:
         """Whether this job (an earlier start of it: an elastic restart, a requeue) holds the lock;

@@ -162,7 +162,14 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
 
 def _file_sets_kv_heads(o: PlanOptions) -> bool:
     """The --config file sets model.n_kv_heads: --heads then keeps it (no multi-head default)."""
-    return bool(o.config) and load_config(o.config, []).model.n_kv_heads is not None
+    if not o.config:
+        return False
+    import tomllib
+
+    try:  # the file's own key, read before validation: the file may be valid only with the flags
+        return "n_kv_heads" in tomllib.loads(Path(o.config).read_text()).get("model", {})
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, AttributeError):
+        return load_config(o.config, []).model.n_kv_heads is not None  # its one-line error
 
 
 def check_gpt_shape(o: PlanOptions, model: ModelArgs, given: set[str]) -> None:

@@ -103,7 +103,7 @@ def _resume_or_empty(work: Path, spec: dict) -> None:
         done = n if (work / MANIFEST).is_file() else len(list(work.glob(".unit-*.json")))
         log.info(f"resuming the prepare in {work}: {done} of {n} units done")
         return
-    entries = [p for p in work.iterdir() if p.name != LOCK_NAME]
+    entries = [p for p in work.iterdir() if not p.name.startswith(LOCK_NAME)]  # the lock, its temporaries
     if entries and not spec_path.is_file():
         raise DataError(f"{work} holds files that `meshtrain data prepare` did not write: move it away")
     if entries:
@@ -133,6 +133,8 @@ def install(work: Path, out: Path, lock: RunLock, check: Callable[[], object]) -
     lock.release()
     with writing(work):
         spec = (work / SPEC).read_bytes()
+        for leftover in work.glob(f"{LOCK_NAME}*"):  # a launcher's lock, a killed start's temporaries: not data
+            leftover.unlink(missing_ok=True)
         for path in [*work.glob(".unit-*.json"), work / SPEC]:
             path.unlink()
     try:

@@ -165,8 +165,9 @@ class TorchElastic(ClusterEnvironment):
 
     rank = property(lambda self: self.int("RANK"))
     world_size = property(lambda self: self.int("WORLD_SIZE"))
-    local_rank = property(lambda self: self.int("LOCAL_RANK", default=0))
+    # env:// without torchrun (RANK and WORLD_SIZE alone): one node, each rank on its own device
     local_world_size = property(lambda self: self.int("LOCAL_WORLD_SIZE", default=self.world_size))
+    local_rank = property(lambda self: self.int("LOCAL_RANK", default=self.rank % self.local_world_size))
     node_rank = property(lambda self: self.int("GROUP_RANK", default=self.rank // self.local_world_size))
     job_id = property(lambda self: self.env.get("TORCHELASTIC_RUN_ID", "") or ClusterEnvironment.job_id.fget(self))
 
@@ -223,13 +224,19 @@ class MPICH(ClusterEnvironment):
 
     rank = property(lambda self: self.int("PMI_RANK"))
     world_size = property(lambda self: self.int("PMI_SIZE"))
-    local_rank = property(lambda self: self.int("MPI_LOCALRANKID", "SLURM_LOCALID"))
+
+    @property
+    def local_rank(self) -> int:
+        """Hydra's, Cray PALS's or Slurm's; with no count per node (one node of every rank), the rank."""
+        keys = ("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID")
+        return self.int(*keys) if any(k in self.env for k in keys) else self.rank % self.local_world_size
 
     @property
     def local_world_size(self) -> int:
-        """Hydra's count, else Slurm's (`srun --mpi=pmi2`), else one node of every rank."""
-        if "MPI_LOCALNRANKS" in self.env:
-            return self.int("MPI_LOCALNRANKS")
+        """Hydra's or Cray PALS's count, else Slurm's (`srun --mpi=pmi2`), else one node of every rank."""
+        for key in ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"):
+            if key in self.env:
+                return self.int(key)
         per_node = self.tasks_per_node()
         return self.world_size if per_node is None else per_node
 
@@ -368,10 +375,15 @@ def check_consistent(launch: LaunchEnv) -> None:
             f"world size {launch.world_size}; start the same number of tasks on every node"
         )
     if launch.local_rank != launch.rank % launch.local_world_size:
+        fix = (
+            "set LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun does (ranks in blocks of LOCAL_WORLD_SIZE per node)"
+            if launch.launcher == "torchrun"
+            else "use mpirun --map-by slot / srun --distribution=block"
+        )
         raise MeshtrainError(
             f"{launch.launcher}: ranks are not placed in blocks per node (rank {launch.rank} has local rank "
             f"{launch.local_rank} of {launch.local_world_size}), so a node's tensor-parallel group would span "
-            "nodes: use mpirun --map-by slot / srun --distribution=block"
+            f"nodes: {fix}"
         )
 
 
