@@ -195,6 +195,11 @@ OTHER = {
     ),
     "serve model": (["serve", "/nonexistent/model"], "/nonexistent/model"),
     "serve empty api key": (["serve", "/nonexistent/model", "--api-key", " "], "leave out --api-key"),
+    "serve null api key": (["serve", "/nonexistent/model", "--api-key", "null"], "--api-key 'null' is no key"),
+    "serve api key no client sends": (["serve", "/nonexistent/model", "--api-key", "clé"], "no client could send it"),
+    "serve api key with a space": (["serve", "/nonexistent/model", "--api-key", "abc "], "no client could send it"),
+    "serve empty host": (["serve", "/nonexistent/model", "--host", ""], "--host is empty"),
+    "serve context of one token": (["serve", "/nonexistent/model", "--max-context", "1"], "--max-context"),
     "generate temperature": (
         ["generate", "/nonexistent/model", "--prompt", "x", "--temperature", "5"],
         "--temperature",

@@ -154,3 +154,15 @@ def test_init_from_refuses_data_tokenized_with_another_tokenizer(trained, cli_en
         )
         assert_user_error(result, "another tokenizer", "--tokenizer")
     assert not (tmp_path / "run").exists()
+
+
+def test_export_of_a_hugging_face_directory_is_refused_in_one_line(tmp_path):
+    """export takes a run or a checkpoint: a Hugging Face directory (an earlier export) holds no
+    model.json, which the export read after a traceback-worthy miss."""
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.interop.weights import run_weights
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(MeshtrainError, match="is a Hugging Face directory: export takes a meshtrain run or checkpoint"):
+        run_weights(tmp_path)

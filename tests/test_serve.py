@@ -839,6 +839,10 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     assert _check(greedy, engine, given, [1, 2], chat=False).temperature == 0.7
     with pytest.raises(APIError, match="top_p shapes sampling, but this model decodes greedily"):
         _check(greedy, engine, CompletionRequest(model="m", prompt="x", top_p=0.5), [1, 2], chat=False)
+    with pytest.raises(APIError, match="seed shapes sampling, but this model decodes greedily"):
+        _check(greedy, engine, CompletionRequest(model="m", prompt="x", seed=3), [1, 2], chat=False)
+    seeded = CompletionRequest(model="m", prompt="x", temperature=0.0, seed=3)  # as lm-eval sends it
+    assert _check(greedy, engine, seeded, [1, 2], chat=False).temperature == 0.0
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": "no"}))
     with pytest.raises(MeshtrainError, match="do_sample = 'no': it should be true or false"):
         sampling_defaults(tmp_path)

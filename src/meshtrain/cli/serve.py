@@ -22,11 +22,11 @@ class ServeOptions:
     """Address to bind (default: loopback only)."""
     port: int = option(8000, ge=1, le=65535)
     """Port to listen on."""
-    api_key: str | None = None
-    """Require Authorization: Bearer KEY (an empty KEY is refused)."""
+    api_key: str | None = option(None, verbatim=True)
+    """Require Authorization: Bearer KEY (an empty KEY, or one no client can send, is refused)."""
     max_batch: int = option(16, ge=1)
     """Requests decoded together (KV-cache slots)."""
-    max_context: int | None = option(None, ge=1)
+    max_context: int | None = option(None, ge=2)
     """Prompt + completion tokens per request (default: the model's max_seq_len, at most 8192: the KV
     cache holds max-batch x this many tokens)."""
     device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
@@ -68,8 +68,22 @@ def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtrain.serve import serve
 
     o: ServeOptions = options_of(args, ServeOptions)
-    if o.api_key is not None and not o.api_key.strip():  # as from an unset variable in --api-key "$KEY"
-        raise MeshtrainError("--api-key is empty: give a key, or leave out --api-key to serve without one")
+    if o.api_key is not None and (not o.api_key.strip() or o.api_key.lower() in ("none", "null")):
+        # as from an unset variable in --api-key "$KEY", or `jq -r` printing a missing field
+        raise MeshtrainError(
+            f"--api-key {o.api_key!r} is no key: give the key, or leave out --api-key to serve without one"
+        )
+    if o.api_key is not None and not (
+        o.api_key == o.api_key.strip() and o.api_key.isascii() and o.api_key.isprintable()
+    ):
+        # HTTP drops a header's surrounding spaces and reads it as latin-1: no request could match
+        raise MeshtrainError(
+            "--api-key holds spaces at its ends or characters outside printable ASCII: no client could send it"
+        )
+    if not o.host.strip():
+        raise MeshtrainError(
+            "--host is empty (it would listen on every address): give one (127.0.0.1, 0.0.0.0), or leave it out"
+        )
     return serve(o.model, o.host, o.port, o.api_key, o.max_batch, o.max_context, o.device, o.dtype)
 
 

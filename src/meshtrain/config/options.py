@@ -37,14 +37,16 @@ def option(
     nargs: str | None = None,
     const: Any = None,
     exclusive: str | None = None,
+    verbatim: bool = False,
 ) -> Any:
     """A dataclass field with bounds (ge/gt/le/lt), a text grammar (`parse`: text -> value, such as
     a size "64M" -> bytes) and a check of the typed value (`check`: raises ValueError with the reason).
     For a command's own options: its flag spellings (default --field-name), or a positional; `nargs`
     "+" (a list in one flag) or "?" with `const` (the value of the bare flag); `exclusive`: a group
-    of options of which one at most may be given."""
+    of options of which one at most may be given; `verbatim`: the text as given, "none" and "null"
+    included (a secret, which must not silently read as unset)."""
     given = {"ge": ge, "gt": gt, "le": le, "lt": lt, "parse": parse, "check": check, "flags": flags}
-    given |= {"positional": positional, "nargs": nargs, "const": const, "exclusive": exclusive}
+    given |= {"positional": positional, "nargs": nargs, "const": const, "exclusive": exclusive, "verbatim": verbatim}
     meta = {k: v for k, v in given.items() if v is not None and v is not False and v != ()}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -124,7 +126,7 @@ class Declared:
 
     def from_text(self, text: str) -> Any:
         """Command-line text, parsed by the declared grammar or type, then checked."""
-        if self.optional and text.lower() in ("none", "null"):
+        if self.optional and not self.meta.get("verbatim") and text.lower() in ("none", "null"):
             return None
         base = typing.get_args(self.base)[0] if self.is_list else self.base
         if "parse" in self.meta:

@@ -89,8 +89,13 @@ def run_weights(source: Path) -> tuple[Path | None, Path]:
         return (None if _final_is_newer(final, ckpts[-1]) else ckpts[-1]), source
     if ckpts:
         return ckpts[-1], source
-    if final.is_file():
+    if final.is_file() and (source / "model.json").is_file():
         return None, source
+    if (source / "config.json").is_file():
+        raise MeshtrainError(
+            f"{source} is a Hugging Face directory: export takes a meshtrain run or checkpoint (train from it with "
+            f"model.init_from = 'hf:{source}', or serve it as it is)"
+        )
     raise MeshtrainError(
         f"{source} holds neither a committed checkpoint nor model.safetensors: pass a run "
         "directory or a checkpoints/step_N directory"

@@ -299,7 +299,8 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
     stop, stop_ids = _special_stops(served, stop)
     greedy_default = body.temperature is None and served.sampling_defaults.get("temperature") == 0
-    if greedy_default and (shaping := truncations_given(body.top_p, body.top_k)):
+    seeded = ["seed"] if body.seed is not None else []  # a seed draws nothing where decoding is greedy
+    if greedy_default and (shaping := truncations_given(body.top_p, body.top_k) + seeded):
         raise APIError(
             400,
             f"{shaping[0]} shapes sampling, but this model decodes greedily unless a request gives a temperature "
