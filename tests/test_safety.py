@@ -224,3 +224,27 @@ def test_the_lock_is_taken_where_the_file_system_has_no_hard_links(tmp_path, mon
     with pytest.raises(RunDirLocked, match="in use by another job"):
         RunLock(tmp_path).acquire()
     first.release()
+
+
+def test_a_checkpoint_dir_outside_the_run_dir_is_locked_too(tmp_path, monkeypatch):
+    """Two runs with their own run.dir but one checkpoint.dir would resume, retire and prune each
+    other's checkpoints: the second is refused, naming checkpoint.dir."""
+    from meshtrain.checkpoint import job_locks
+    from meshtrain.config import load_config
+    from meshtrain.lock import RunDirLocked
+
+    shared = str(tmp_path / "shared")
+    first = load_config(None, ["--run.dir", str(tmp_path / "a"), "--checkpoint.dir", shared])
+    second = load_config(None, ["--run.dir", str(tmp_path / "b"), "--checkpoint.dir", shared])
+    inside = load_config(None, ["--run.dir", str(tmp_path / "c"), "--checkpoint.dir", str(tmp_path / "c" / "ckpt")])
+    assert len(job_locks(first).locks) == 2 and len(job_locks(inside).locks) == 1
+    held = job_locks(first).acquire()
+    try:
+        monkeypatch.setenv("MESHTRAIN_RUN_LOCK", "another job")  # as a second job would start
+        lock = json.loads((tmp_path / "shared" / LOCK_NAME).read_text())
+        (tmp_path / "shared" / LOCK_NAME).write_text(json.dumps({**lock, "job": "the first job"}))
+        with pytest.raises(RunDirLocked, match="use another checkpoint.dir"):
+            job_locks(second).acquire()
+        assert not (tmp_path / "b" / LOCK_NAME).exists()  # taken all or none
+    finally:
+        held.release()

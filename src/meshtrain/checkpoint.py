@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from meshtrain.errors import CheckpointError
 from meshtrain.files import FIXES, ensure_room, write_json
 from meshtrain.launch.distributed import agreed
+from meshtrain.lock import JobLocks
 from meshtrain.logs import log
 from meshtrain.optim import local_optimizer
 
@@ -151,6 +152,13 @@ def retire(path: Path) -> None:
 def checkpoint_root(cfg) -> Path:
     """checkpoint.dir, by default <run.dir>/checkpoints."""
     return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+
+
+def job_locks(cfg) -> JobLocks:
+    """The locks a run takes: run.dir's, and checkpoint.dir's where it lies outside run.dir."""
+    root, run_dir = checkpoint_root(cfg).resolve(), Path(cfg.run.dir).resolve()
+    inside = root == run_dir or run_dir in root.parents
+    return JobLocks(cfg.run.dir, None if inside else root)
 
 
 def refuse_another_lineage(resume: str, root: Path) -> None:

@@ -76,8 +76,9 @@ def _same_job_elsewhere(holder: dict) -> bool:
 
 
 class RunLock:
-    def __init__(self, run_dir: Path | str):
+    def __init__(self, run_dir: Path | str, key: str = "run.dir"):
         self.path = Path(run_dir) / LOCK_NAME
+        self.key = key  # the setting that names the directory, for the fix a refusal gives
         self.token = job_token()
         self.held = False
 
@@ -153,13 +154,13 @@ class RunLock:
         if same_job and _same_job_elsewhere(holder):
             raise RunDirLocked(
                 f"{self.path.parent} is in use by another process of this job (pid {holder.get('pid')}, since "
-                f"{holder.get('since')}): give each run of the allocation its own run.dir"
+                f"{holder.get('since')}): give each run of the allocation its own {self.key}"
             ) from None
         if holder is not None and _holder_alive(holder):
             raise RunDirLocked(
                 f"{self.path.parent} is in use by another job (host {holder.get('host')}, pid "
                 f"{holder.get('pid')}, job {holder.get('job')}, since {holder.get('since')}): use another "
-                f"run.dir, or delete {self.path} if that job is gone"
+                f"{self.key}, or delete {self.path} if that job is gone"
             ) from None
 
     def _read(self) -> dict | None:
@@ -184,3 +185,39 @@ class RunLock:
             if holder is not None and holder.get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
             self.held = False
+
+
+class JobLocks:
+    """One job's locks on each directory a run writes: run.dir, and checkpoint.dir where it lies
+    outside it (two runs sharing it would resume, retire and prune each other's checkpoints). Taken
+    all or none; the first decides whether this start is the job coming back."""
+
+    def __init__(self, run_dir: Path | str, checkpoint_dir: Path | str | None = None):
+        self.locks = [RunLock(run_dir)]
+        if checkpoint_dir is not None:
+            self.locks.append(RunLock(checkpoint_dir, "checkpoint.dir"))
+        self.token = self.locks[0].token
+
+    @property
+    def held(self) -> bool:
+        return self.locks[0].held
+
+    def acquire(self) -> JobLocks:
+        taken = []
+        try:
+            for lock in self.locks:
+                taken.append(lock.acquire())
+        except BaseException:
+            for lock in taken:
+                lock.release()
+            raise
+        return self
+
+    def held_by_this_job(self) -> bool:
+        """The run directory's answer; RunDirLocked if another live job holds any of them."""
+        answers = [lock.held_by_this_job() for lock in self.locks]
+        return answers[0]
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()

@@ -94,11 +94,11 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     """Prepare the data and run the preflight once, before any worker starts; hold the run directory
     for the whole job, across its workers' restarts (on a multi-node job started by hand: node 0's
     launcher); start the workers."""
-    from meshtrain.checkpoint import checkpoint_root, refuse_another_lineage, refuse_overwriting_results
+    from meshtrain.checkpoint import checkpoint_root, job_locks, refuse_another_lineage, refuse_overwriting_results
     from meshtrain.launch.distributed import require_device
     from meshtrain.launch.env import chosen_launcher, env_int
     from meshtrain.launch.local import launch_workers
-    from meshtrain.lock import TOKEN_VARIABLE, RunLock
+    from meshtrain.lock import TOKEN_VARIABLE
     from meshtrain.logs import setup_logging
     from meshtrain.train import ensure_dataset, preflight
     from meshtrain.train.preflight import check_device, workers_device
@@ -120,7 +120,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     nodes = o.nnodes or env_int(os.environ, "SLURM_STEP_NUM_NODES", default=1)
     require_device(cfg.launch.device)
     refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
-    lock = RunLock(cfg.run.dir)  # node 0's launcher holds it for the job; it alone checks the run dir
+    lock = job_locks(cfg)  # node 0's launcher holds them for the job; it alone checks the run dir
     if not o.node_rank and not lock.held_by_this_job():  # else this is the job itself, requeued
         refuse_overwriting_results(cfg.checkpoint.resume, checkpoint_root(cfg), Path(cfg.run.dir))
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here

@@ -21,6 +21,7 @@ from meshtrain.checkpoint import (
     checkpoint_root,
     committed_checkpoints,
     find_resume,
+    job_locks,
     refuse_another_lineage,
     refuse_overwriting_results,
 )
@@ -34,7 +35,7 @@ from meshtrain.interop.hf import base_identity, keep_source_files
 from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
-from meshtrain.lock import RunLock
+from meshtrain.lock import JobLocks
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
 from meshtrain.model.lora import quantize_base
@@ -331,11 +332,11 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
         )
 
 
-def hold_run_dir(cfg: Config, rank: int) -> RunLock:
+def hold_run_dir(cfg: Config, rank: int) -> JobLocks:
     """Before anything is written: the run directory's lock (rank 0 takes it, or finds it held by
     the launcher of this job) and a fresh start that would mix lineages refused; every rank raises
     the same one-line error."""
-    lock = RunLock(cfg.run.dir)
+    lock = job_locks(cfg)
     error = None
     if rank == 0:
         try:
