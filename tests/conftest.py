@@ -232,3 +232,12 @@ def train_together(runs: list[list[str]], nproc: int, env: dict, timeout: int = 
         run_dir = Path(args[args.index("--run.dir") + 1])
         assert all((run_dir / f".done-rank{r}").exists() for r in range(nproc)), (run_dir, result.stdout[-3000:])
     return result
+
+
+def pretend_other_load(monkeypatch, share: float) -> None:
+    """Every look of the CPU probes reads `share` of the machine used by others, whatever /proc/stat
+    says (a clock tick inside a look would otherwise replace a patched class default with the
+    machine's real reading)."""
+    from meshtrain.train.probe_timing import OtherLoad
+
+    monkeypatch.setattr(OtherLoad, "__exit__", lambda self, *exc: setattr(self, "share", share))

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import pretend_other_load
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.layout import Layout
@@ -141,6 +142,7 @@ def test_a_compiled_run_s_arithmetic_probe_times_its_contenders_compiled(monkeyp
         return {n: (blocks if compiled is None else compiled_blocks)[n] for n in names}, heads
 
     monkeypatch.setattr(arithmetic, "probe", probe)
+    pretend_other_load(monkeypatch, 0.0)  # a fake probe takes no time: the machine's load in it is noise
     kinds = {torch.bfloat16: "recompute", torch.float32: "flash"}  # the bf16 backward recomputed, fp32's kept
     monkeypatch.setattr(
         attention_backward, "cpu_choice", lambda shape, dtype: attention_backward.AttentionBackward(kinds[dtype], "x")

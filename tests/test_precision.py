@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import pretend_other_load
 from meshtrain import hardware
 from meshtrain.errors import MeshtrainError
 from meshtrain.model import Llama
@@ -148,6 +149,7 @@ def fake_probe(monkeypatch, block_ms: dict, head_ms: dict, calls: list):
         return {n: block_ms[n] for n in names}, head_ms
 
     monkeypatch.setattr(arithmetic, "probe", probe)
+    pretend_other_load(monkeypatch, 0.0)  # a fake probe takes no time: the machine's load in it is noise
 
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -277,12 +279,6 @@ def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_r
         assert arithmetic.resolve(config(), config().model_args(), CPU)[1].how == "cached"
     finally:
         torch.set_num_threads(original)
-
-
-def pretend_other_load(monkeypatch, share: float) -> None:
-    """Every look reads `share`, whatever /proc/stat says (a clock tick inside a look would otherwise
-    replace a patched class default with the machine's real, idle reading)."""
-    monkeypatch.setattr(arithmetic.OtherLoad, "__exit__", lambda self, *exc: setattr(self, "share", share))
 
 
 def test_a_contender_near_its_margin_is_timed_again():
