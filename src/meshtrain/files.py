@@ -146,6 +146,7 @@ def atomic_directory(out: Path | str) -> Iterator[Path]:
         with writing(out):
             yield tmp
         _check_unchanged(out, before)
+        sync_tree(tmp)
         replace_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,11 +175,10 @@ def sync_tree(directory: Path) -> None:
 
 
 def replace_directory(tmp: Path, out: Path) -> None:
-    """Make the finished directory `tmp` the directory `out` (resolved: a symlink is kept, its target
-    replaced): its files synced and given the user's permissions, then renamed into place (an
-    existing `out`, a finished one, is replaced only now, and put back if the rename fails)."""
+    """Make the finished directory `tmp`, its files synced (`sync_tree`), the directory `out`
+    (resolved: a symlink is kept, its target replaced): renamed into place (an existing `out`, a
+    finished one, is replaced only now, and put back if the rename fails)."""
     out = Path(out).resolve()
-    sync_tree(tmp)
     with writing(out):
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
