@@ -23,6 +23,10 @@ Variants:
   hf                  the plain loop: torch.optim.AdamW with its defaults, clip_grad_norm_
   hf+fused            the plain loop with fused AdamW: isolates the model code from the optimizer
   hf+compile          the strongest peer: the whole HF model under torch.compile, fused AdamW
+  meshtrain+compile+cudagraphs, hf+compile+cudagraphs
+                      on a GPU: training.cuda_graphs, and the HF model under torch.compile's
+                      mode="reduce-overhead" (the same CUDA graphs): a small model's step waits on
+                      the host's kernel launches, which the graphs replace with one launch each
 
 Each row also compares meshtrain's best variant with the best HF variant. MFU is against the best
 dense peak the device has for the row's dtype (bf16 or fp16 on a CPU: the larger of its bf16 or
@@ -58,8 +62,10 @@ from meshtrain.train import build
 from meshtrain.train.arithmetic import resolve
 
 NATIVE = "meshtrain+compile/bf16-kernels"
-MESHTRAIN = ("meshtrain", "meshtrain+compile", NATIVE)
-HF = ("hf", "hf+fused", "hf+compile")
+GRAPHS = "meshtrain+compile+cudagraphs"
+HF_GRAPHS = "hf+compile+cudagraphs"
+MESHTRAIN = ("meshtrain", "meshtrain+compile", NATIVE, GRAPHS)
+HF = ("hf", "hf+fused", "hf+compile", HF_GRAPHS)
 VARIANTS = (*MESHTRAIN, *HF)
 EMULATED_BF16 = 4.0  # bf16 (or fp16) kernels this many times slower than fp32 arithmetic: not run in the bench
 FP8 = ("fp8-tensorwise", "fp8-rowwise")
@@ -100,7 +106,7 @@ def kernel_slowdown(dtype: str, dev: torch.device, preset: str) -> float:
     return bf16_kernel_slowdown(training_dtype(dtype), dev, preset)
 
 
-def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple):
+def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, batch: tuple, graphs: bool = False):
     inputs, _ = batch
     return load_config(
         overrides={
@@ -108,6 +114,7 @@ def meshtrain_config(preset: str, dtype: str, compile: bool, bf16_compute: str, 
             "training.dtype": training_dtype(dtype),
             "training.fp8": fp8_recipe(dtype),
             "training.compile": compile,
+            "training.cuda_graphs": graphs,
             "training.bf16_compute": bf16_compute,
             "training.seq_len": inputs.shape[1],
             "training.global_batch_size": len(inputs),
@@ -142,14 +149,24 @@ class HFStep:
     scales the loss, unscales the gradients before clipping, skips a step whose gradients overflowed
     and adjusts the scale (disabled, the same calls are the plain loop)."""
 
-    def __init__(self, args, dtype: str, fused: bool, batch: tuple, dev: torch.device, compiled: bool = False):
+    def __init__(
+        self,
+        args,
+        dtype: str,
+        fused: bool,
+        batch: tuple,
+        dev: torch.device,
+        compiled: bool = False,
+        graphs: bool = False,
+    ):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         exported = args_to_config(args, "float32", None, [])
         config = LlamaConfig(**{k: v for k, v in exported.items() if k not in ("architectures", "model_type")})
         config._attn_implementation = "sdpa"
         self.model = LlamaForCausalLM(config).to(dev)
-        self.forward = torch.compile(self.model) if compiled else self.model
+        mode = "reduce-overhead" if graphs else None
+        self.forward = torch.compile(self.model, mode=mode) if compiled else self.model
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True if fused else None
         )
@@ -196,6 +213,8 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
         skipped = fp8_refusal(dtype.removeprefix("fp8-"), dev)
     if dtype == "bf16" and not skipped:
         configs[NATIVE] = meshtrain_config(preset, dtype, True, "bf16", batch)
+    if dev.type == "cuda" and not skipped:
+        configs[GRAPHS] = meshtrain_config(preset, dtype, True, arithmetic, batch, graphs=True)
     # a skipped bf16 row still runs meshtrain's "auto" variants (they pick fp32 arithmetic); a skipped
     # fp16 or fp8 row has no variant without the skipped kernels
     fns = {name: MeshtrainStep(cfg, batch) for name, cfg in configs.items() if dtype == "bf16" or not skipped}
@@ -203,6 +222,8 @@ def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, roun
         fns["hf"] = HFStep(args, training_dtype(dtype), False, batch, dev)
         fns["hf+fused"] = HFStep(args, training_dtype(dtype), True, batch, dev)
         fns["hf+compile"] = HFStep(args, training_dtype(dtype), True, batch, dev, compiled=True)
+        if dev.type == "cuda":
+            fns[HF_GRAPHS] = HFStep(args, training_dtype(dtype), True, batch, dev, compiled=True, graphs=True)
     for fn in fns.values():  # warm-up: compilation, allocator, oneDNN primitive caches
         timed(fn, 2, dev)
     times = {name: [] for name in fns}

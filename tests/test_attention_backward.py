@@ -196,3 +196,39 @@ def test_recompute_is_refused_on_a_gpu_and_beyond_its_memory_bound():
     too_large = config(attention_backward="recompute", seq_len=64, micro_batch_size=MAX_SCORES // (4 * 64 * 64) + 1)
     with pytest.raises(ConfigError, match="over its bound"):
         attention_backward.resolve(too_large, args, Layout.from_config(config(), 1), CPU)
+
+
+# --- a DPO micro-batch holds two rows a sample (train/step.py's rows_per_sample) ---
+
+
+def test_a_dpo_micro_batch_counts_as_two_rows_a_pair_in_the_recompute_bound_and_the_probes(monkeypatch):
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
+    layout = Layout.from_config(config(), 1)
+    micro = MAX_SCORES // (2 * 4 * 64 * 64) + 1  # within the bound as plain rows, over it as pairs
+
+    def rows(n):  # a rank's q at run time: n rows of 4 heads x 64 tokens (expanded: no memory)
+        return torch.zeros(1, 4, 64, 16, requires_grad=True).expand(n, -1, -1, -1)
+
+    lm = config(attention_backward="recompute", seq_len=64, micro_batch_size=micro)
+    assert attention_backward.resolve(lm, args, layout, CPU)[1].kind == "recompute" and applies(rows(micro))
+    dpo = config(attention_backward="recompute", seq_len=64, micro_batch_size=micro, objective="dpo")
+    assert not applies(rows(2 * micro))  # what the step would find: the kernel, not what was configured
+    with pytest.raises(ConfigError, match=rf"{micro} x 2 \(DPO's pairs\) x heads x 64\^2 .* over its bound"):
+        attention_backward.resolve(dpo, args, layout, CPU)
+    auto = config(compile=True, seq_len=64, micro_batch_size=micro, objective="dpo")
+    assert attention_backward.resolve(auto, args, layout, CPU)[1].how == "too large"
+
+    shapes, micro_batches = [], []  # the probes time the step's rows: 2 x 3 for 3 pairs
+    monkeypatch.setattr(
+        attention_backward,
+        "cpu_choice",
+        lambda shape, dtype: shapes.append(shape) or attention_backward.AttentionBackward("flash", "x"),
+    )
+    monkeypatch.setattr(
+        arithmetic,
+        "cpu_choice",
+        lambda args, micro_batch, *_: micro_batches.append(micro_batch) or arithmetic.Choice("bf16", "bf16", "x"),
+    )
+    small = config(compile=True, dtype="auto", micro_batch_size=3, objective="dpo")
+    attention_backward.resolve(arithmetic.resolve(small, args, CPU, layout)[0], args, layout, CPU)
+    assert micro_batches == [6] and shapes == [(6, 4, 2, 32, 16)]

@@ -93,6 +93,7 @@ CASES = {
     "log level": (["--run.log_level", "verbose"], "run.log_level"),
     "sample tokens zero": (["--run.sample_tokens", "0"], "run.sample_tokens"),
     "save_model_max_gb zero": (["--run.save_model_max_gb", "0"], "run.save_model_max_gb"),
+    "cuda graphs without compile": (["--training.cuda_graphs", "true"], "training.compile is false"),
     # syntax
     "unknown key": (["--training.stepz", "3"], "training.stepz"),
     "unknown section": (["--trainer.steps", "3"], "sections are"),
@@ -148,6 +149,10 @@ DRY_RUN_ONLY = {
     "json without dry run": (["--json"], "--json goes with --dry-run WORLD"),
     "dry run and nproc": (["--dry-run", "2", "--nproc", "2"], "leave out --nproc"),
     "dry run world zero": (["--dry-run", "0"], "--dry-run"),
+    "cuda graphs on several ranks": (
+        ["--training.compile", "true", "--training.cuda_graphs", "true", "--dry-run", "2"],
+        "this layout has 2 ranks",
+    ),
 }
 
 
@@ -192,6 +197,14 @@ OTHER = {
     "prepare fraction": (
         ["data", "prepare", "--input", CONFIG, "--out", "/tmp/x", "--val-fraction", "2"],
         "--val-fraction",
+    ),
+    "plan cuda graphs uncompiled": (
+        ["plan", "--model", "small", "--gpu", "h100-80gb", "--gpus", "1", "--cuda-graphs"],
+        "training.compile is false",
+    ),
+    "plan cuda graphs on a cpu": (
+        ["plan", "--model", "small", "--gpu", "cpu", "--gpus", "1", "--compile", "--cuda-graphs"],
+        "--cuda-graphs replays kernels on a GPU",
     ),
     "serve model": (["serve", "/nonexistent/model"], "/nonexistent/model"),
     "serve empty api key": (["serve", "/nonexistent/model", "--api-key", " "], "leave out --api-key"),

@@ -524,3 +524,42 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
     with pytest.raises(MeshtrainError, match="started from a random initialisation, but this run's model.init_from"):
         check_same_base(run(f"hf:{base}"), checkpoint(init_from=None))
     check_same_base(run(f"hf:{other}"), checkpoint())  # saved before init_from was recorded
+
+
+def test_a_run_directory_resumes_its_newest_checkpoint_wherever_its_checkpoint_dir_is(tmp_path):
+    """checkpoint.resume = RUN takes that run's newest committed checkpoint (as documented): in
+    <run>/checkpoints, or in the checkpoint.dir its config.toml records (absolute, or relative to where
+    training ran, which its relative run.dir tells). It was looked for in RUN itself and refused as
+    "never committed"; a run directory without a checkpoint is refused naming where it looked."""
+    import json
+
+    from meshtrain.checkpoint import refuse_overwriting_results
+
+    def run(name: str, checkpoint_dir: str = "", run_dir: str | None = None):
+        directory = tmp_path / name
+        directory.mkdir(parents=True)
+        (directory / "config.toml").write_text(
+            f'[checkpoint]\ndir = "{checkpoint_dir}"\n\n[run]\ndir = "{run_dir or directory}"\n'
+        )
+        return directory
+
+    def commit(root, *steps):
+        for step in steps:
+            (root / f"step_{step:08d}").mkdir(parents=True)
+            (root / f"step_{step:08d}" / MARKER).write_text(json.dumps({"step": step, "files": {}}))
+        return root / f"step_{steps[-1]:08d}"
+
+    new = tmp_path / "new"
+    for source, newest in [
+        (run("plain"), commit(tmp_path / "plain" / "checkpoints", 2, 4)),
+        (run("absolute", str(tmp_path / "scratch")), commit(tmp_path / "scratch", 6)),
+        (run("runs/relative", "ck/relative", "runs/relative"), commit(tmp_path / "ck" / "relative", 8)),
+    ]:
+        assert find_resume(str(source), new / "checkpoints", print) == newest
+        refuse_overwriting_results(str(source), new / "checkpoints", new)  # another run's: a new run from it
+    with pytest.raises(
+        CheckpointError, match=r"run directory has no committed checkpoint \(none in .*empty/checkpoints"
+    ):
+        find_resume(str(run("empty")), new / "checkpoints", print)
+    with pytest.raises(CheckpointError, match="relative to the directory training ran in"):
+        find_resume(str(run("unknown", "ck/unknown", "/elsewhere/unknown")), new / "checkpoints", print)

@@ -249,3 +249,23 @@ def test_settings_a_short_schedule_leaves_idle_are_named_at_the_start(overrides,
     for fragment in warned:
         assert any(fragment in m for m in messages), messages
     assert bool(messages) == bool(warned), messages
+
+
+def test_a_sample_that_would_not_fit_the_context_is_refused_before_training(corpus):
+    """The end-of-run sample is the prompt and run.sample_tokens more in max_seq_len tokens: a given
+    length beside the prompt, or a prompt alone, that would not fit is refused at the start (the
+    default length is cut to fit the prompt)."""
+    from conftest import SMALL_MODEL
+    from meshtrain.data import Blend
+
+    def start(*sample):
+        cfg = load_config(None, [*SMALL_MODEL, "--data.path", str(corpus), "--training.seq_len", "32", *sample])
+        return preflight(cfg, 1, Blend(str(corpus), 32))
+
+    prompt = ["--run.sample_prompt", "import os\nimport sys\n"]
+    start(*prompt)  # the default length: cut to fit
+    start(*prompt, "--run.sample_tokens", "40")
+    with pytest.raises(ConfigError, match=r"run.sample_prompt \(\d+ tokens\) and run.sample_tokens = 60"):
+        start(*prompt, "--run.sample_tokens", "60")
+    with pytest.raises(ConfigError, match="shorten the prompt"):
+        start("--run.sample_prompt", "def f(x):\n    return x\n" * 20)

@@ -1,8 +1,9 @@
 """One GPU (skipped without CUDA; never needed by CI): every single-device feature trains on it.
 
 Each case is a short bf16 run of the test model on `--launch.device cuda`, held to the plain bf16
-run on the same GPU: compile, full and selective checkpointing and ZeRO-3 at world 1 give the same
-loss curve (within bf16/kernel-order tolerance); a stopped and resumed run continues the same
+run on the same GPU: compile (also with CUDA graphs, with one micro-batch a step and with two), full
+and selective checkpointing and ZeRO-3 at world 1 give the same loss curve (within bf16/kernel-order
+tolerance); a stopped and resumed run continues the same
 curve; the exported model gives transformers' logits; dtype auto takes bf16 from the device; document
 masking runs FlexAttention, equal to each document alone, and trains compiled like eager."""
 
@@ -21,6 +22,15 @@ pytestmark = [
 GPU = ["--launch.device", "cuda", "--training.dtype", "bf16", "--training.steps", "12"]
 VARIANTS = {
     "compile": ["--training.compile", "true"],
+    "cuda-graphs": ["--training.compile", "true", "--training.cuda_graphs", "true"],  # 2 micro-batches a step
+    "cuda-graphs-one-micro-batch": [
+        "--training.compile",
+        "true",
+        "--training.cuda_graphs",
+        "true",
+        "--training.micro_batch_size",
+        "8",
+    ],
     "ac-full": ["--training.activation_checkpointing", "full"],
     "ac-selective": ["--training.activation_checkpointing", "selective"],
     "zero3-world1": ["--parallel.zero", "3"],

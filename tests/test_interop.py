@@ -166,3 +166,43 @@ def test_export_of_a_hugging_face_directory_is_refused_in_one_line(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(MeshtrainError, match="is a Hugging Face directory: export takes a meshtrain run or checkpoint"):
         run_weights(tmp_path)
+
+
+def test_a_checkpoint_dir_outside_the_run_is_where_export_serve_and_generate_look(corpus, cli_env, tmp_path):
+    """A run saving to a checkpoint.dir outside run.dir: its weights were looked for in <run>/checkpoints
+    only, so the run directory gave the step-2 model.safetensors while the resumed run's step-3
+    checkpoint sat in checkpoint.dir; and a checkpoint there passed directly had its tokenizer looked for
+    two levels up. The run's config.toml leads to its checkpoints; a checkpoint finds its run by the
+    run.dir its train_state.json records, and one that records none outside its run is refused in one line."""
+    from meshtrain.checkpoint import MARKER, TRAIN_STATE, crc32
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.interop.weights import run_weights
+
+    def record_run_dir(ckpt, run_dir):
+        """The train state with (or, None, without) run_dir, committed again."""
+        state = {k: v for k, v in json.loads((ckpt / TRAIN_STATE).read_text()).items() if k != "run_dir"}
+        (ckpt / TRAIN_STATE).write_text(json.dumps(state | ({"run_dir": str(run_dir)} if run_dir else {})))
+        marker = json.loads((ckpt / MARKER).read_text())
+        marker["files"][TRAIN_STATE] = {
+            "bytes": (ckpt / TRAIN_STATE).stat().st_size,
+            "crc32": crc32(ckpt / TRAIN_STATE),
+        }
+        (ckpt / MARKER).write_text(json.dumps(marker))
+
+    run, root = tmp_path / "run", tmp_path / "scratch" / "ck"
+    args = train_args(corpus, run, *MODEL, "--checkpoint.dir", str(root), "--checkpoint.every", "2")
+    for extra in (["--training.steps", "2"], ["--training.steps", "4", "--training.stop_at_step", "3"]):
+        result = run_cli([*args, *extra], cli_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+    step3 = root / "step_00000003"
+    assert (run / "model.safetensors").is_file() and not (run / "checkpoints").exists()
+    assert run_weights(run) == (step3, run)  # not the step-2 model.safetensors
+
+    record_run_dir(step3, run)
+    assert run_weights(step3) == (step3, run)
+    result = run_cli(["export", str(step3), "--out", str(tmp_path / "hf")], cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    record_run_dir(step3, None)  # saved before run_dir was recorded
+    with pytest.raises(MeshtrainError, match=r"no run directory found for checkpoint .*pass the run directory"):
+        run_weights(step3)

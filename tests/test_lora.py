@@ -232,3 +232,95 @@ def test_dropout_draws_the_same_masks_when_a_checkpointed_block_is_recomputed(ac
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --- training.bf16_compute on LoRA's target linears (parallel/precision.py's Fp32ComputeLoRALinear) ---
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp32", "bf16-attention"])
+def test_bf16_compute_s_fp32_gemms_reach_the_adapted_linears(compute):
+    """The adapted linears compute as the configured arithmetic says: fp32 GEMMs (tests/test_precision.py
+    holds their numbers to fp32 products of the bf16 values) give the adapters gradients finer than
+    bf16, which the bf16 kernels cannot."""
+    from meshtrain.model.lora import LoRALinear, lora_modules
+    from meshtrain.parallel.precision import FP32_CLASSES, Fp32ComputeLinear, Fp32ComputeLoRALinear
+
+    overrides = {"peft.method": "lora", "training.dtype": "bf16", "training.bf16_compute": compute}
+    s = build_state(load_config(None, {**overrides, "run.dir": "unused", "model.n_layers": 2}), with_data=False)
+    part = s.model.parts[0]
+    fp32_gemm = FP32_CLASSES[compute][0]
+    adapted = lora_modules(part)
+    assert {type(m) for m in adapted} == {Fp32ComputeLoRALinear if fp32_gemm else LoRALinear}
+    assert len(adapted) == 7 * 2 and (type(part.output) is Fp32ComputeLinear) == fp32_gemm
+    with torch.no_grad():  # B starts at zero: give A a gradient
+        for m in adapted:
+            m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=torch.Generator().manual_seed(2)) * 0.01)
+    tokens = torch.randint(0, s.args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = part(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    grads = [p.grad for m in adapted for p in (m.lora_a, m.lora_b)]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+    in_bf16 = [torch.equal(g, g.to(torch.bfloat16).float()) for g in grads]
+    assert not any(in_bf16) if fp32_gemm else all(in_bf16)
+
+
+@pytest.fixture(scope="module")
+def lora_on_a_base_without_tokenizer(corpus, cli_env, tmp_path_factory):
+    """A LoRA run of 2 steps (a checkpoint at step 2) from a Hugging Face directory holding its config,
+    generation config and weights only: the run's tokenizer is the data's."""
+    base = make_model("llama2", tmp_path_factory.mktemp("base") / "base")
+    assert not (base / "tokenizer.json").exists()
+    run = tmp_path_factory.mktemp("lora-no-tokenizer") / "run"
+    args = train_args(corpus, run, *LORA, "--model.init_from", f"hf:{base}", model=())
+    result = run_cli([*args, "--training.steps", "2", "--checkpoint.every", "2"], cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_adapter_export_refuses_a_damaged_or_uncommitted_checkpoint(
+    lora_on_a_base_without_tokenizer, cli_env, tmp_path
+):
+    """`export --adapter` read a checkpoint's shards without checking them: changed bytes were written out
+    as adapters, an uncommitted save exported, and one without train_state.json a traceback. It verifies
+    the checkpoint as the merged export does, in one line."""
+    import shutil
+
+    from meshtrain.checkpoint import MARKER, TRAIN_STATE
+    from meshtrain.errors import CheckpointError
+    from meshtrain.interop.hf import export_adapter
+
+    run = shutil.copytree(lora_on_a_base_without_tokenizer, tmp_path / "run")
+    ckpt = run / "checkpoints" / "step_00000002"
+    assert export_adapter(ckpt, tmp_path / "good").is_dir()
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = bytes(range(16))
+    shard.write_bytes(bytes(data))
+    result = run_cli(["export", str(ckpt), "--out", str(tmp_path / "damaged"), "--adapter"], cli_env)
+    assert_user_error(result, "__0_0.distcp does not match its checksum")
+    (ckpt / MARKER).unlink()
+    for missing in ((), (TRAIN_STATE,)):
+        for name in missing:
+            (ckpt / name).unlink()
+        with pytest.raises(CheckpointError, match="was never committed"):
+            export_adapter(ckpt, tmp_path / "uncommitted")
+    assert not (tmp_path / "damaged").exists() and not (tmp_path / "uncommitted").exists()
+
+
+def test_export_of_a_run_from_a_base_without_tokenizer_writes_the_runs(lora_on_a_base_without_tokenizer, tmp_path):
+    """The run kept its base's files (hf_source/, no tokenizer among them) and the data's tokenizer; the
+    export copied the base's files only and wrote no tokenizer at all. It writes the run's, with its
+    tokenizer_config.json, as a fresh run's export does."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from meshtrain.interop import export_hf
+
+    run = lora_on_a_base_without_tokenizer
+    out = export_hf(run, tmp_path / "hf")
+    assert (out / "tokenizer_config.json").is_file() and (out / "generation_config.json").is_file()
+    text = "def f(x):\n    return x + 1\n"
+    want = Tokenizer.from_file(str(run / "tokenizer.json")).encode(text).ids
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode(text).ids == want
+    assert AutoTokenizer.from_pretrained(out, local_files_only=True)(text)["input_ids"] == want

@@ -312,3 +312,78 @@ def test_freed_memory_is_reused_without_page_faults():
     # pages are reused
     assert default[0] == "False" and default[1] >= 16
     assert kept[0] == "True" and kept[1] <= default[1] / 10
+
+
+# --- LoRA/QLoRA's target linears under fp32 GEMM arithmetic (parallel/precision.py's Fp32ComputeLoRALinear) ---
+
+
+def lora_linear(quantized: bool):
+    """A LoRA linear (64 -> 96, rank 8) on a bf16 frozen base (NF4 with `quantized`), B nonzero."""
+    from meshtrain.model.args import LoraSpec
+    from meshtrain.model.lora import LoRALinear, freeze_base, quantize_base
+
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(64, 96, bias=True), LoraSpec("qlora" if quantized else "lora", rank=8))
+    with torch.no_grad():
+        layer.lora_a.copy_(torch.randn(8, 64) * 0.1)
+        layer.lora_b.copy_(torch.randn(96, 8) * 0.1)
+    freeze_base(layer, BF16)
+    if quantized:
+        quantize_base(layer)
+    return layer
+
+
+def forward_backward(forward, x: torch.Tensor, adapters: list[torch.Tensor]):
+    """The output, x's gradient and the adapters' of one forward + backward under bf16 autocast."""
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=BF16):
+        out = forward(x)
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return [out, x.grad] + [p.grad for p in adapters]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lora_linears_compute_in_fp32_on_bf16_values_under_fp32_gemms(quantized):
+    """Base (QLoRA's dequantised) and adapters: each matmul Fp32ComputeLinear's, not the bf16 kernel."""
+    from meshtrain.model.lora import is_nf4
+
+    x = torch.randn(4, 32, 64)
+    native = lora_linear(quantized)
+    ours = lora_linear(quantized)
+    apply_fp32_compute(ours, gemm=True, attention=False)
+    assert type(ours) is precision.Fp32ComputeLoRALinear and is_nf4(ours.weight) == quantized
+
+    def saved(layer) -> list[tuple[bool, int]]:
+        keep = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep.append((is_nf4(t), t.numel())) or t, lambda t: t):
+            forward_backward(layer, x, [])
+        return sorted(keep)
+
+    # what autograd keeps, as the bf16 kernels do: NF4 stays NF4, a frozen base keeps no input
+    assert saved(ours) == saved(native)
+    native.zero_grad(), ours.zero_grad()
+    bf16_kernels = forward_backward(native, x, [native.lora_a, native.lora_b])
+    got = forward_backward(ours, x, [ours.lora_a, ours.lora_b])
+
+    def fp32_linear(weight, bias=None):
+        linear = Fp32ComputeLinear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        linear.weight, linear.bias = weight, bias
+        return linear
+
+    # the same module as three fp32-arithmetic linears on the bf16 (dequantised) base and the adapters
+    base = nn.Parameter(ours.weight.get_original_weight() if quantized else ours.weight.detach(), requires_grad=False)
+    assert base.dtype == BF16
+    a, b = (nn.Parameter(p.detach().clone()) for p in (ours.lora_a, ours.lora_b))
+    linears = fp32_linear(base, ours.bias), fp32_linear(a), fp32_linear(b)
+    want = forward_backward(lambda x: linears[0](x) + linears[2](linears[1](x)) * ours.scale, x, [a, b])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    x16 = x.to(BF16).float()  # and the forward is the fp32 product of the bf16-rounded operands
+    adapter = ((x16 @ a.to(BF16).float().t()).to(BF16).float() @ b.to(BF16).float().t()).to(BF16)
+    base_out = (x16 @ base.float().t() + ours.bias.to(BF16).float()).to(BF16)
+    torch.testing.assert_close(got[0], base_out + adapter * ours.scale, rtol=0, atol=0)
+    # the bf16 kernels' numbers up to summation order, but their weight gradients come rounded to bf16
+    torch.testing.assert_close(got[0].float(), bf16_kernels[0].float(), rtol=1e-2, atol=1e-2)
+    for g, native_g in zip(got[2:], bf16_kernels[2:], strict=True):
+        torch.testing.assert_close(g, native_g, rtol=2e-2, atol=1e-3)
+        assert torch.equal(native_g, native_g.to(BF16).float()) and not torch.equal(g, g.to(BF16).float())

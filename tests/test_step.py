@@ -140,3 +140,46 @@ def test_a_mask_built_before_the_whole_model_graph_keeps_one_graph_and_the_eager
     (loss, norm, _), (ref_loss, ref_norm, _) = results["true"], results["false"]
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0)
+
+
+def test_gradients_for_cuda_graphs_accumulate_in_buffers_of_their_own():
+    """With training.cuda_graphs and several micro-batches the gradients are zeroed in place, not set
+    to None: a CUDA graph's backward hands over gradients in its own memory pool, which the next
+    micro-batch's replay writes over. The buffers outlive the steps, and the steps equal the plain
+    ones bit for bit (the graphs themselves need a GPU: tests/test_gpu.py)."""
+    import dataclasses
+
+    runs = {}
+    for stable in (False, True):
+        cfg = load_config(None, MODEL)
+        state = build_state(cfg, with_data=False)
+        state.cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, cuda_graphs=stable))
+        model = state.model.parts[0]
+        buffers, losses = [], []
+        for tokens in batches(3):
+            losses.append(state.step(tokens[:, :-1], tokens[:, 1:])[0])
+            buffers.append({name: p.grad.data_ptr() for name, p in model.named_parameters()})
+        runs[stable] = losses, model.state_dict(), buffers
+    (plain_losses, plain_weights, _), (losses, weights, buffers) = runs[False], runs[True]
+    assert buffers[0] == buffers[1] == buffers[2]
+    assert [float(x) for x in losses] == [float(x) for x in plain_losses]
+    for name, value in weights.items():
+        assert torch.equal(value, plain_weights[name]), name
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run():
+    """Without compile (nothing to replay), on several ranks (no whole-model graph) and off CUDA."""
+    import pytest
+
+    from meshtrain.errors import ConfigError
+    from meshtrain.train.preflight import check_device, preflight
+
+    with pytest.raises(ConfigError, match="training.compile is false"):
+        load_config(None, [*MODEL, "--training.cuda_graphs", "true"])
+    cfg = load_config(None, [*MODEL, "--training.compile", "true", "--training.cuda_graphs", "true"])
+    preflight(cfg, 1)
+    with pytest.raises(ConfigError, match="this layout has 2 ranks"):
+        preflight(cfg, 2)
+    check_device(cfg, torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="this job trains on cpu"):
+        check_device(cfg, torch.device("cpu"))

@@ -154,3 +154,48 @@ def test_a_blended_run_reports_its_mix_and_each_source_s_validation_loss(corpus,
             by_source = m["val_loss_by_source"]
             assert by_source.keys() == {str(corpus), str(other)} and by_source[str(corpus)] != by_source[str(other)]
             assert m["val_loss"] == pytest.approx(0.75 * by_source[str(corpus)] + 0.25 * by_source[str(other)])
+
+
+# --- the LR schedule's keys changed on resume (optim.py's restore_schedule) ---
+
+
+def test_a_resume_with_another_lr_schedule_says_so_and_follows_it(corpus, cli_env, tmp_path):
+    """warmup_steps, min_lr_ratio and steps are read from this run's config: a resume that changes them
+    changes the LR from there on, and the start says which changed and what the next step's LR becomes."""
+    schedule = ["--training.lr", "1e-3", "--training.steps", "3", "--checkpoint.every", "1"]
+    first = train_args(corpus, tmp_path, *schedule, "--training.warmup_steps", "0", "--training.stop_at_step", "2")
+    assert run_cli(first, cli_env).returncode == 0
+    again = train_args(corpus, tmp_path, *schedule, "--training.warmup_steps", "5", "--training.min_lr_ratio", "0.9")
+    result = run_cli(again, cli_env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = " ".join((result.stdout + result.stderr).split())
+    assert "training.warmup_steps 0 -> 5, training.min_lr_ratio 0.1 -> 0.9" in said, said
+    assert "from step 3, 6.00e-04 where the checkpoint's gives 3.25e-04" in said, said
+    assert [m["lr"] for m in read_metrics(tmp_path) if m.get("step") == 3] == [pytest.approx(6e-4)]
+
+
+def test_a_resume_of_an_unchanged_or_unrecorded_schedule_says_nothing(caplog):
+    """The same schedule resumed: no warning; a checkpoint that predates the record (no "schedule"
+    in its state): nothing to compare, no warning, and the next save records this run's."""
+    import torch
+
+    from meshtrain.config import load_config
+    from meshtrain.optim import build_optimizer, restore_schedule
+
+    def scheduler(**training):
+        t = load_config(None, {f"training.{k}": v for k, v in training.items()}).training
+        return build_optimizer([torch.nn.Parameter(torch.ones(2, 2))], t)[1]
+
+    saved = scheduler(warmup_steps=0)
+    for _ in range(2):
+        saved.optimizer.step()
+        saved.step()
+    caplog.set_level("INFO", logger="meshtrain")
+    restore_schedule(scheduler(warmup_steps=0), saved.state_dict())
+    old = {k: v for k, v in saved.state_dict().items() if k != "schedule"}
+    resumed = scheduler(warmup_steps=5)
+    restore_schedule(resumed, old)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert resumed.state_dict()["schedule"] == {"warmup_steps": 5, "min_lr_ratio": 0.1, "steps": 100}
+    restore_schedule(scheduler(warmup_steps=3), resumed.state_dict())
+    assert "training.warmup_steps 5 -> 3 (this run's config" in caplog.text

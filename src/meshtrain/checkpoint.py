@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import warnings
@@ -30,7 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshtrain.errors import CheckpointError
-from meshtrain.files import FIXES, ensure_room, write_json
+from meshtrain.files import FIXES, ensure_room, os_error_in, write_json
 from meshtrain.launch.distributed import agreed
 from meshtrain.lock import JobLocks
 from meshtrain.logs import log
@@ -154,6 +155,45 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
 
 
+def run_checkpoint_root(run_dir: Path) -> Path:
+    """Where a run directory's checkpoints are: the checkpoint.dir its config.toml records (it may lie
+    outside run.dir), else <run>/checkpoints. A relative checkpoint.dir is relative to the directory
+    training ran in, which the relative run.dir recorded beside it tells."""
+    import tomllib
+
+    path = run_dir / "config.toml"
+    try:
+        recorded = tomllib.loads(path.read_text()) if path.is_file() else {}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid TOML ({e}): restore the run's config") from None
+    directory = recorded.get("checkpoint", {}).get("dir")
+    if not directory or Path(directory).is_absolute():
+        return Path(directory or run_dir / "checkpoints")
+    started, here = Path(recorded.get("run", {}).get("dir", "")), Path(os.path.abspath(run_dir)).parts
+    cwd = here[: len(here) - len(started.parts)]
+    if started.is_absolute() or ".." in started.parts or cwd + started.parts != here:
+        raise CheckpointError(
+            f"{path}: checkpoint.dir = {directory!r} is relative to the directory training ran in, which its run.dir "
+            "does not tell: pass the checkpoint itself"
+        )
+    return Path(*cwd, directory)
+
+
+def newest_checkpoint(path: Path) -> Path:
+    """What checkpoint.resume = PATH starts from: a checkpoint itself, else the newest committed one of a
+    checkpoint root, or of a run directory (in its checkpoint.dir)."""
+    if (path / MARKER).is_file():
+        return path
+    if committed := committed_checkpoints(path) or committed_checkpoints(root := run_checkpoint_root(path)):
+        return committed[-1]
+    if (path / "config.toml").is_file():
+        raise CheckpointError(
+            f"checkpoint.resume = {path}: that run directory has no committed checkpoint (none in {root}); name a "
+            "checkpoint, or set checkpoint.resume = none"
+        )
+    return path
+
+
 def job_locks(cfg) -> JobLocks:
     """The locks a run takes: run.dir's, and checkpoint.dir's where it lies outside run.dir."""
     root, run_dir = checkpoint_root(cfg).resolve(), Path(cfg.run.dir).resolve()
@@ -181,9 +221,7 @@ def refuse_overwriting_results(resume: str, root: Path, run_dir: Path) -> None:
     checkpoint left only metrics: starting it again is how it is recovered. Not called for the same
     job coming back (it holds the run directory's lock): that is the run itself, restarted."""
     committed = committed_checkpoints(root)
-    start = None if resume in ("auto", "none") else Path(resume)
-    if start is not None and not (start / MARKER).is_file() and committed_checkpoints(start):
-        start = committed_checkpoints(start)[-1]  # a checkpoint root or run dir: its newest
+    start = None if resume in ("auto", "none") else newest_checkpoint(Path(resume))
     if start is not None and (m := STEP_DIR.match(start.name)):
         newer = [p for p in committed if int(STEP_DIR.match(p.name).group(1)) > int(m.group(1))]
         if newer:
@@ -224,10 +262,7 @@ def find_resume(resume: str, root: Path, warn, retire_skipped: bool = False) -> 
         return None
     rank = _rank_world()[0]
     if resume != "auto":
-        path = Path(resume)
-        if not (path / MARKER).is_file() and committed_checkpoints(path):
-            path = committed_checkpoints(path)[-1]  # a checkpoint root or run dir
-        path = agreed(path)
+        path = agreed(newest_checkpoint(Path(resume)))
         problem = _agreed_problem(path)
         if problem:
             raise CheckpointError(problem)
@@ -321,7 +356,7 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            cause = _root_cause(e)
+            cause = os_error_in(e)
             fix = FIXES.get(getattr(cause, "errno", None), "check the file system")
             raise CheckpointError(
                 f"saving the checkpoint of step {step} to {path} failed: "
@@ -438,24 +473,6 @@ def _load_tied_copy_from_embedding(state: dict, path: Path):
         optim_state["output.weight"] = optim_state.pop("tok_embeddings.weight")
 
     return rename_back
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """The OSError behind DCP's wrappers (its CheckpointException holds each rank's failure), else e."""
-    seen = set()
-    stack = [e]
-    while stack:
-        err = stack.pop()
-        if id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, OSError):
-            return err
-        failures = getattr(err, "failures", None)
-        if isinstance(failures, dict):
-            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        stack += [x for x in (err.__cause__, err.__context__) if x is not None]
-    return e
 
 
 def rng_state() -> dict:

@@ -278,3 +278,21 @@ def read_json_object(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise MeshtrainError(f"{path} is not valid JSON ({e})") from None
     return value if isinstance(value, dict) else {}
+
+
+def os_error_in(e: BaseException) -> BaseException:
+    """The OSError behind wrappers such as DCP's (its CheckpointException holds each rank's failure), else e."""
+    seen = set()
+    stack = [e]
+    while stack:
+        err = stack.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        stack += [x for x in (err.__cause__, err.__context__) if x is not None]
+    return e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -33,10 +34,16 @@ def build_optimizer(
         optimizer = torch.optim.AdamW(
             [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}], **kwargs
         )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, t))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, t))
+    # in its state_dict (LambdaLR saves its attributes), so that a resume can say what changed
+    scheduler.schedule = {key: getattr(t, key) for key in SCHEDULE_KEYS}
+    return optimizer, scheduler
 
 
-def lr_factor(step: int, t: TrainingConfig) -> float:
+SCHEDULE_KEYS = ("warmup_steps", "min_lr_ratio", "steps")  # the training keys lr_factor reads
+
+
+def lr_factor(step: int, t: TrainingConfig | SimpleNamespace) -> float:
     """Linear warm-up over warmup_steps, then cosine decay to min_lr_ratio; step = updates so far."""
     if step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
@@ -50,14 +57,24 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict) -> None:
-    """The schedule's position from the checkpoint, its peak from this run's config: a resume with
-    another training.lr (as after a divergence) continues the same schedule at the new peak."""
-    configured = list(scheduler.base_lrs)
+    """The schedule's position from the checkpoint, its peak and shape from this run's config: a
+    resume with another training.lr (as after a divergence) continues the same schedule at the new
+    peak; one with other SCHEDULE_KEYS follows the new shape from there, with a warning (a
+    checkpoint that does not record them, saved before they were, is not compared)."""
+    configured, schedule = list(scheduler.base_lrs), scheduler.schedule
     scheduler.load_state_dict(saved)
     if configured != scheduler.base_lrs:
         log.info(f"training.lr: the checkpoint's peak {scheduler.base_lrs} -> {configured} (this run's config)")
-    scheduler.base_lrs = configured
+    scheduler.base_lrs, scheduler.schedule = configured, schedule
     step = scheduler.last_epoch
     scheduler._last_lr = [base * f(step) for base, f in zip(configured, scheduler.lr_lambdas, strict=True)]
     for group, base, lr in zip(scheduler.optimizer.param_groups, configured, scheduler._last_lr, strict=True):
         group["initial_lr"], group["lr"] = base, lr
+    recorded = saved.get("schedule", schedule)
+    changed = [f"training.{k} {recorded[k]} -> {v}" for k, v in schedule.items() if recorded.get(k, v) != v]
+    if changed:
+        before = configured[0] * lr_factor(step, SimpleNamespace(**(schedule | recorded)))
+        log.warning(
+            f"{', '.join(changed)} (this run's config, not the checkpoint's schedule): the LR follows the new "
+            f"schedule from step {step + 1}, {scheduler._last_lr[0]:.2e} where the checkpoint's gives {before:.2e}"
+        )

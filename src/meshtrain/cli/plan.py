@@ -38,7 +38,7 @@ from meshtrain.model import PRESETS, ModelArgs
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import KINDS, Workload, device, search
-from meshtrain.plan.checks import check_cp, check_links, check_peak, check_peft, check_precision
+from meshtrain.plan.checks import check_compiled, check_cp, check_links, check_peak, check_peft, check_precision
 
 # The config keys plan reads, with their short spellings.
 PLAN_HEADER = "# a meshtrain training config written by `meshtrain plan --write-config`"
@@ -56,6 +56,7 @@ PLAN_KEYS = {
     "training.dtype": ("--dtype",),
     "training.fp8": ("--fp8",),
     "training.compile": ("--compile",),
+    "training.cuda_graphs": ("--cuda-graphs",),
     "training.peak_tflops": ("--peak-tflops",),
     "training.micro_batch_size": ("--micro-batch",),
     "training.activation_checkpointing": ("--ac",),
@@ -77,6 +78,7 @@ PLAN_KEYS = {
     "peft.dropout": ("--lora-dropout",),
     "peft.targets": ("--lora-targets",),
 }
+COMPILE_KEYS = ("compile", "cuda_graphs")  # training keys plan takes from --config, else only when given
 # The layout's knobs plan searches over (every Layout field but the resolved ones).
 KNOBS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("dp_shard", "global_batch_size"))
 
@@ -293,9 +295,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     dev.peak(dtype)  # a clear error for bf16 on a V100
     check_precision(dev, t.fp8, cfg.parallel.cpu_offload, o.host_memory_gib)
     check_peak(t.peak_tflops, t.fp8)
-    compiled = t.compile if explain or "training.compile" in given else False
-    if compiled and not llama:
-        raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
+    compiled, cuda_graphs = (getattr(t, k) if explain or f"training.{k}" in given else False for k in COMPILE_KEYS)
+    check_compiled(compiled, cuda_graphs, llama, o.gpu)
     peft = LoraSpec.from_config(cfg.peft)
     pinned = pinned_knobs(cfg, given, explain)
     if "cp" in pinned:
@@ -305,8 +306,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     w = Workload(
         shape, seq_len, dtype, fp32_gemm, o.attention, kernels, compiled, fp32_attention, peft, t.objective, t.fp8
     )
+    w = dataclasses.replace(w, cuda_graphs=cuda_graphs)
     fixed = {k: getattr(getattr(cfg, section_of(k)), k) for k in KNOBS if k in pinned}
-    training = dataclasses.replace(t, seq_len=seq_len, global_batch_size=global_batch, compile=compiled)
+    training = dataclasses.replace(
+        t, seq_len=seq_len, global_batch_size=global_batch, compile=compiled, cuda_graphs=cuda_graphs
+    )
     training.dtype = dtype
     training.bf16_compute = t.bf16_compute if dtype == "bf16" else "auto"
     base = dataclasses.replace(cfg, training=training, peft=planned_peft(cfg, peft))

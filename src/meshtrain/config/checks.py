@@ -28,6 +28,11 @@ def check_across_keys(cfg: Config) -> None:
             f"is {t.dtype}: set training.dtype = bf16 (or auto), or leave bf16_compute = auto"
         )
     check_precision_keys(cfg)
+    if t.cuda_graphs and not t.compile:
+        raise ConfigError(
+            "training.cuda_graphs replays the compiled model's kernels as CUDA graphs, but training.compile is false: "
+            "set training.compile = true, or drop training.cuda_graphs"
+        )
     if cfg.parallel.pp_microbatches and cfg.parallel.pp == 1:
         raise ConfigError(
             f"parallel.pp_microbatches = {cfg.parallel.pp_microbatches} is the pipeline schedule's micro-batch count: "

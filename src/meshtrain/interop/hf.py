@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint import TRAIN_STATE, verify
+from meshtrain.checkpoint import TRAIN_STATE
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
@@ -132,8 +132,7 @@ def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
 def _load_model(ckpt: Path | None, run_dir: Path) -> tuple[Llama, ModelArgs]:
     from safetensors.torch import load_file
 
-    if ckpt is not None:
-        verify(ckpt)
+    if ckpt is not None:  # verified by run_weights
         train_state = json.loads((ckpt / TRAIN_STATE).read_text())
         args = ModelArgs(**train_state["model"])
         if train_state.get("peft"):
@@ -288,15 +287,18 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
         config = export_config(args, source_config, dtype, bos_id, eos_ids)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         template = run_dir / TEMPLATE_FILE  # what the run was fine-tuned with
-        if origin.is_dir():
-            for name in SOURCE_FILES[1:]:
+        source_tokenizer = (origin / "tokenizer.json").is_file()
+        if origin.is_dir():  # its tokenizer's files (and template) only with its tokenizer, which the run trained on
+            for name in SOURCE_FILES[1:] if source_tokenizer else ["generation_config.json"]:
                 if (origin / name).is_file():
                     shutil.copyfile(origin / name, tmp / name)
-            if template.is_file():
-                shutil.copyfile(template, tmp / TEMPLATE_FILE)
         else:
             generation = {"bos_token_id": bos_id, "eos_token_id": config["eos_token_id"], "do_sample": False}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        if source_tokenizer:
+            if template.is_file():
+                shutil.copyfile(template, tmp / TEMPLATE_FILE)
+        else:  # the run's own tokenizer: a fresh run's, or the data's where the source directory had none
             PreTrainedTokenizerFast(
                 tokenizer_file=str(tokenizer_file),
                 eos_token=eos,

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints
+from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, run_checkpoint_root, verify
 from meshtrain.errors import MeshtrainError
-from meshtrain.files import atomic_write, write_text
+from meshtrain.files import atomic_write, read_json_object, write_text
 from meshtrain.model import ModelArgs
 from meshtrain.parallel import ParallelDims, ParallelModel
 
@@ -78,17 +78,20 @@ def save_model(
 
 def run_weights(source: Path) -> tuple[Path | None, Path]:
     """(checkpoint dir or None for the run's model.safetensors, run dir). Of a run's newest committed
-    checkpoint and its model.safetensors, the later training step wins: with checkpoint.every = 0 a
-    run stopped at step N (preempted, training.time_limit, training.stop_at_step) and resumed to the
-    end keeps the checkpoint of step N beside the final weights."""
+    checkpoint (in its checkpoint.dir) and its model.safetensors, the later training step wins: with
+    checkpoint.every = 0 a run stopped at step N (preempted, training.time_limit,
+    training.stop_at_step) and resumed to the end keeps the checkpoint of step N beside the final
+    weights. A checkpoint is verified against its commit marker before anything reads it."""
     if (source / MARKER).is_file() or (source / ".metadata").is_file():
-        return source, source.parent.parent
-    ckpts = committed_checkpoints(source / "checkpoints")
+        verify(source)
+        return source, run_of(source)
+    newest = next(reversed(committed_checkpoints(run_checkpoint_root(source))), None)
     final = source / "model.safetensors"
-    if ckpts and final.is_file():
-        return (None if _final_is_newer(final, ckpts[-1]) else ckpts[-1]), source
-    if ckpts:
-        return ckpts[-1], source
+    if newest is not None and final.is_file() and _final_is_newer(final, newest):
+        return None, source
+    if newest is not None:
+        verify(newest)
+        return newest, source
     if final.is_file() and (source / "model.json").is_file():
         return None, source
     if (source / "config.json").is_file():
@@ -99,6 +102,21 @@ def run_weights(source: Path) -> tuple[Path | None, Path]:
     raise MeshtrainError(
         f"{source} holds neither a committed checkpoint nor model.safetensors: pass a run "
         "directory or a checkpoints/step_N directory"
+    )
+
+
+def run_of(ckpt: Path) -> Path:
+    """The run directory that wrote a checkpoint, where its tokenizer and record are: the one its
+    train_state.json names (checkpoint.dir may lie outside it), else the one holding it
+    (<run>/checkpoints/step_N)."""
+    recorded = read_json_object(ckpt / TRAIN_STATE).get("run_dir")
+    candidates = [Path(recorded)] if recorded else []
+    candidates.append(ckpt.parent.parent)
+    if found := next((d for d in candidates if (d / "config.toml").is_file()), None):
+        return found
+    raise MeshtrainError(
+        f"no run directory found for checkpoint {ckpt} (no config.toml in {', '.join(map(str, candidates))}; saved "
+        "to a checkpoint.dir outside it?): pass the run directory that wrote it instead"
     )
 
 

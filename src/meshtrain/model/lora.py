@@ -39,10 +39,15 @@ class LoRALinear(nn.Linear):
         self.adapters_on = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.linear(x, self.weight, self.bias)
         if not self.adapters_on:
             return y
-        return y + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
+        return y + self.linear(self.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Each of its three matmuls: the base's and the adapters' (parallel/precision.py's subclass
+        runs them in fp32 arithmetic under training.bf16_compute)."""
+        return F.linear(x, weight, bias)
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec, frozen_dtype: torch.dtype | None = None) -> None:

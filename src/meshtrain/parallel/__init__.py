@@ -136,7 +136,7 @@ def parallelize(
         apply_ac(part, layout.activation_checkpointing, layout.ac_every, random=bool(lora and lora.dropout))
         if training.compile:
             whole_model = layout.dp_cp == 1 and layout.pp == 1
-            apply_compile(part, whole_model, exact_casts=fp32_gemm)
+            apply_compile(part, whole_model, exact_casts=fp32_gemm, cuda_graphs=training.cuda_graphs)
         if layout.fsdp:
             apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)
         with materialize or contextlib.nullcontext():

@@ -21,6 +21,7 @@ from torch import nn
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.model.llama import Attention
+from meshtrain.model.lora import LoRALinear, is_nf4
 
 BF16 = torch.bfloat16
 
@@ -55,13 +56,16 @@ def arithmetic_label(training) -> str:
 
 
 class _Bf16LinearInFp32(torch.autograd.Function):
-    """y = round_bf16(x) @ round_bf16(w).T in fp32, returned in bf16; saves only the bf16 inputs."""
+    """y = round_bf16(x) @ round_bf16(w).T in fp32, returned in bf16; saves only the bf16 inputs that
+    backward needs: x for a weight that trains, w for an x that does (a frozen LoRA base keeps no
+    input; QLoRA's NF4 weight is kept as it is and dequantised again, as torchao's own linear does)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         with torch.autocast(x.device.type, enabled=False):
             x16, w16 = x.to(BF16), weight.to(BF16)
-            ctx.save_for_backward(x16, w16)
+            kept_w = weight if is_nf4(weight) else w16
+            ctx.save_for_backward(x16 if ctx.needs_input_grad[1] else None, kept_w if ctx.needs_input_grad[0] else None)
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
             out = x16.float() @ w16.float().t()
             if bias is not None:
@@ -70,11 +74,11 @@ class _Bf16LinearInFp32(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x16, w16 = ctx.saved_tensors
+        x16, kept_w = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch.autocast(grad_out.device.type, enabled=False):
             g = grad_out.float()
-            grad_x = (g @ w16.float()).to(x_dtype) if ctx.needs_input_grad[0] else None
+            grad_x = (g @ kept_w.float()).to(x_dtype) if ctx.needs_input_grad[0] else None
             g2d = g.flatten(0, -2)
             grad_w = (g2d.t() @ x16.float().flatten(0, -2)).to(w_dtype) if ctx.needs_input_grad[1] else None
             grad_b = g2d.sum(0).to(b_dtype) if ctx.needs_input_grad[2] else None
@@ -90,6 +94,21 @@ class Fp32ComputeLinear(nn.Linear):
         return super().forward(x)
 
 
+class Fp32ComputeLoRALinear(LoRALinear):
+    """LoRALinear whose bf16 matmuls, the frozen base's and the adapters', run in fp32 as
+    Fp32ComputeLinear's do. QLoRA's NF4 base is dequantised to its bf16 values for each of them
+    (and kept in NF4 for backward, as torchao's own linear keeps it)."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == BF16 or torch.is_autocast_enabled(x.device.type):
+            return _Bf16LinearInFp32.apply(x, weight, bias)
+        return super().linear(x, weight, bias)
+
+
+# the linears fp32 GEMM arithmetic swaps: exactly these classes (a subclass has forwards of its own)
+FP32_LINEARS = {nn.Linear: Fp32ComputeLinear, LoRALinear: Fp32ComputeLoRALinear}
+
+
 class Fp32ComputeAttention(Attention):
     """Attention whose scaled-dot-product kernel runs in fp32 on the (bf16) q, k and v."""
 
@@ -101,11 +120,11 @@ class Fp32ComputeAttention(Attention):
 
 
 def apply_fp32_compute(model: nn.Module, gemm: bool = True, attention: bool = True) -> None:
-    """Swap the classes of the model's linear (`gemm`) and attention (`attention`) modules in place
-    (parameters, names and hooks unchanged). Before tensor parallelism: its plans match nn.Linear
-    subclasses too."""
+    """Swap the classes of the model's linear (`gemm`: plain and LoRA's) and attention (`attention`)
+    modules in place (parameters, names and hooks unchanged). Before tensor parallelism: its plans
+    match nn.Linear subclasses too."""
     for module in model.modules():
-        if gemm and type(module) is nn.Linear:
-            module.__class__ = Fp32ComputeLinear
+        if gemm and type(module) in FP32_LINEARS:
+            module.__class__ = FP32_LINEARS[type(module)]
         elif attention and type(module) is Attention:
             module.__class__ = Fp32ComputeAttention

@@ -98,3 +98,13 @@ def check_peft(peft: LoraSpec | None, arch: str, dtype: str, gpus: int, pinned: 
         raise MeshtrainError(
             f"--peft qlora runs on one process or plain DDP (zero 0/1), not with {', '.join(used)} (no FSDP/TP/PP)"
         )
+
+
+def check_compiled(compiled: bool, cuda_graphs: bool, llama: bool, gpu: str) -> None:
+    """--compile plans meshtrain's compiled Llama blocks; --cuda-graphs replays them on a GPU."""
+    if compiled and not llama:
+        raise MeshtrainError("--compile plans meshtrain's compiled Llama blocks: drop it with --arch gpt")
+    if cuda_graphs and not compiled:
+        raise MeshtrainError("--cuda-graphs replays the compiled model's kernels: add --compile, or drop it")
+    if cuda_graphs and gpu == "cpu":
+        raise MeshtrainError("--cuda-graphs replays kernels on a GPU: drop it with --gpu cpu")

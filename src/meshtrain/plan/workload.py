@@ -19,8 +19,9 @@ class Workload:
     inductor keeps fewer, fused tensors for backward). `peft`: [peft] resolved
     (`LoraSpec.from_config(cfg.peft)`; None: every weight trains); `objective`: training.objective
     ("dpo": each batch element is a pair of sequences, and a no-grad reference forward runs per
-    micro-batch). `fp8`: training.fp8, the blocks' linears computed in FP8 (torchao). The batch, its
-    split and CPU offload are the layout's."""
+    micro-batch). `fp8`: training.fp8, the blocks' linears computed in FP8 (torchao). `cuda_graphs`:
+    training.cuda_graphs, which removes host launch time the estimate does not count, but holds the
+    job to one GPU. The batch, its split and CPU offload are the layout's."""
 
     shape: Shape
     seq_len: int
@@ -33,6 +34,7 @@ class Workload:
     peft: LoraSpec | None = None
     objective: str = "lm"
     fp8: str = "off"  # "tensorwise" or "rowwise"
+    cuda_graphs: bool = False
 
     @property
     def sequences(self) -> int:
@@ -44,10 +46,24 @@ class Workload:
         return self.peft is not None and self.peft.quantized
 
 
+def cuda_graphs_refusal(layout) -> str:
+    """CUDA graphs replay the whole-model graph, which only one process without TP or PP compiles
+    (parallel/compile.py): the per-block graphs of the other layouts interleave with DDP's and FSDP's
+    communication hooks, which a graph cannot capture."""
+    if layout.world == 1:
+        return ""
+    return (
+        f"training.cuda_graphs replays the whole-model graph of one process, but this layout has {layout.world} "
+        "ranks: drop training.cuda_graphs, or train on one GPU"
+    )
+
+
 def workload_refusal(w: Workload, layout) -> str:
     """Why meshtrain cannot train this workload on this layout ("" if it can), as its preflight
     says: DPO does not run in pipelines; QLoRA's NF4 weights run on one process or plain DDP
-    (ZeRO-0/1), not under FSDP, TP or PP."""
+    (ZeRO-0/1), not under FSDP, TP or PP; CUDA graphs run on one process."""
+    if w.cuda_graphs and (problem := cuda_graphs_refusal(layout)):
+        return problem
     if w.objective == "dpo" and layout.pp > 1:
         return "training.objective dpo is not implemented for pipelines (pp > 1)"
     if not w.quantized:
@@ -84,4 +100,5 @@ def workload_of_config(cfg, shape: Shape, device: str = "cuda") -> Workload:
         peft=LoraSpec.from_config(cfg.peft),
         objective=t.objective,
         fp8=t.fp8,
+        cuda_graphs=t.cuda_graphs,
     )

@@ -153,7 +153,8 @@ def resolve(cfg, args: ModelArgs, device: torch.device, layout: Layout | None = 
         shape = None
         if layout is not None and t.compile and t.attention_backward == "auto":
             shape = attention_backward.attention_shape(t, args, layout)
-        choice = agreed(cpu_choice(args, t.micro_batch_size, t.seq_len, names, shape) if rank0 else None)
+        micro_batch = t.micro_batch_size * attention_backward.rows_per_sample(t)  # the sequences a forward holds
+        choice = agreed(cpu_choice(args, micro_batch, t.seq_len, names, shape) if rank0 else None)
     training = dataclasses.replace(t, dtype=choice.dtype, bf16_compute=choice.bf16_compute)
     return dataclasses.replace(cfg, training=training), choice
 

@@ -6,10 +6,11 @@ elementwise work is not fused: 3x slower than the kernel for `small` on a Xeon w
 some shapes and arithmetics (same machine, compiled, forward + backward of one layer's attention,
 ms: 8 x 256 tokens, 10 heads of 64 over 5, bf16 kernel 26 / recomputed 15, fp32 21 / 29; 2 x 1024
 tokens, bf16 36 / 47). So on a CPU with training.compile the probe compiles both at the run's own
-attention shape (micro-batch, local heads, seq, head_dim) and arithmetic, times forward + backward in
-interleaved rounds, and takes the recomputation only where it is faster by more than MARGIN. Timed
-like train/arithmetic.py's probe (CPU time on one thread, the second-fastest of each, a busy
-machine's record not reused) and cached beside it. Elsewhere: the flash kernel (GPUs keep theirs).
+attention shape (micro-batch rows, two a DPO pair; local heads, seq, head_dim) and arithmetic, times
+forward + backward in interleaved rounds, and takes the recomputation only where it is faster by
+more than MARGIN. Timed like train/arithmetic.py's probe (CPU time on one thread, the second-fastest
+of each, a busy machine's record not reused) and cached beside it. Elsewhere: the flash kernel (GPUs
+keep theirs).
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def resolve(cfg, args: ModelArgs, layout: Layout, device: torch.device):
     """(the config with attention_backward resolved, the AttentionBackward). Every rank takes rank 0's."""
     t = cfg.training
     if t.attention_backward == "recompute" and attention_shape(t, args, layout) is None:
+        rows = f"{t.micro_batch_size} x 2 (DPO's pairs)" if rows_per_sample(t) == 2 else f"{t.micro_batch_size}"
         raise ConfigError(
-            f"training.attention_backward = 'recompute' would hold {t.micro_batch_size} x heads x {t.seq_len}^2 "
+            f"training.attention_backward = 'recompute' would hold {rows} x heads x {t.seq_len}^2 "
             f"attention scores a layer, over its bound of {MAX_SCORES:,}: set it to auto or flash, or lower "
             "training.micro_batch_size"
         )
@@ -81,13 +83,20 @@ def resolve(cfg, args: ModelArgs, layout: Layout, device: torch.device):
 
 
 def attention_shape(t, args: ModelArgs, layout: Layout) -> tuple[int, int, int, int, int] | None:
-    """(micro-batch, local heads, local kv heads, seq, head_dim) of a rank's attention, or None where
-    the recomputed backward's scores would exceed MAX_SCORES."""
+    """(micro-batch rows, local heads, local kv heads, seq, head_dim) of a rank's attention, or None
+    where the recomputed backward's scores would exceed MAX_SCORES (as applies() finds at run time)."""
     shards = layout.tp * layout.cp  # tensor parallel splits the heads; Ulysses trades the sequence for them
     heads, kv_heads = args.n_heads // shards, max(1, args.n_kv_heads // shards)
-    if t.micro_batch_size * heads * t.seq_len**2 > MAX_SCORES:
+    rows = t.micro_batch_size * rows_per_sample(t)
+    if rows * heads * t.seq_len**2 > MAX_SCORES:
         return None
-    return (t.micro_batch_size, heads, kv_heads, t.seq_len, args.head_size)
+    return (rows, heads, kv_heads, t.seq_len, args.head_size)
+
+
+def rows_per_sample(t) -> int:
+    """Sequences a sample of the batch is in the step's forward: a DPO preference pair is two
+    (ParallelModel.rows_per_sample, known here before the model is built)."""
+    return 2 if t.objective == "dpo" else 1
 
 
 def attention_dtype(t) -> torch.dtype:

@@ -116,6 +116,8 @@ def announce(s: TrainState) -> None:
     )
     log.info(f"  arithmetic: {s.arithmetic.describe()}")
     log.info(f"  attention backward: {s.attention.describe()}")
+    if t.cuda_graphs:
+        log.info("  CUDA graphs: the compiled model's forward and backward each replay as one launch")
     if s.lora is not None:
         from meshtrain.model.lora import adapter_count
 
@@ -254,6 +256,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
             "model": dataclasses.asdict(s.args),
             "peft": peft_record(s),
             "init_from": base_identity(s.cfg).get("init_from"),
+            "run_dir": str(Path(s.cfg.run.dir).resolve()),  # where export and serve find the run's tokenizer
             **({"loss_scale": s.scaler.state_dict()} if s.scaler is not None else {}),
         },
         blocking=blocking,

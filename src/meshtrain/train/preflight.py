@@ -21,6 +21,7 @@ from meshtrain.logs import log
 from meshtrain.model import ModelArgs
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import Workload, estimate_memory, model_state_bytes
+from meshtrain.plan.workload import cuda_graphs_refusal
 
 GIB = 2**30
 
@@ -59,11 +60,36 @@ def preflight(cfg: Config, world: int, dataset: Blend | None = None) -> tuple[Mo
     layout = Layout.from_config(cfg, world)
     layout.validate(args, cfg)
     check_peft_layout(cfg, layout, args)
+    if cfg.training.cuda_graphs and (problem := cuda_graphs_refusal(layout)):
+        from meshtrain.errors import ConfigError
+
+        raise ConfigError(problem)
     check_fp8_shapes(cfg, layout, args)
     if dataset is not None:
         check_init_tokenizer(cfg, dataset)
         check_objective_data(cfg, dataset)
+        check_sample_fits(cfg, args, dataset)
     return args, layout
+
+
+def check_sample_fits(cfg: Config, args: ModelArgs, dataset: Blend) -> None:
+    """The end-of-run sample is the prompt's tokens and run.sample_tokens more in the model's context:
+    a prompt that fills it, or a given sample_tokens beside it, would be cut silently (the default
+    sample_tokens is cut to fit)."""
+    from meshtrain.data.tokenizer import encode_prompt, load_tokenizer
+    from meshtrain.errors import ConfigError
+
+    r = cfg.run
+    if not r.sample_prompt:
+        return
+    prompt = len(encode_prompt(load_tokenizer(dataset.tokenizer_path), r.sample_prompt))
+    given = r.sample_tokens != type(r)().sample_tokens
+    if prompt >= args.max_seq_len or (given and prompt + r.sample_tokens > args.max_seq_len):
+        tokens = f" and run.sample_tokens = {r.sample_tokens}" if given else ""
+        raise ConfigError(
+            f"run.sample_prompt ({prompt} tokens){tokens} would not fit the model's context (model.max_seq_len = "
+            f"{args.max_seq_len}): shorten the prompt{' or lower sample_tokens' if given else ''}"
+        )
 
 
 def workers_device(cfg: Config) -> torch.device:
@@ -88,6 +114,11 @@ def check_device(cfg: Config, device: torch.device, launcher: bool = False) -> N
         raise ConfigError(
             f"training.attention_backward = 'recompute' replaces the CPU flash-attention backward, but this job trains "
             f"on {device.type}, whose attention kernels it keeps: set training.attention_backward = auto (or flash)"
+        )
+    if cfg.training.cuda_graphs and device.type != "cuda":
+        raise ConfigError(
+            f"training.cuda_graphs replays the step's kernels as CUDA graphs, but this job trains on {device.type}: "
+            "drop training.cuda_graphs (or train on a GPU)"
         )
     if cfg.parallel.cpu_offload and device.type == "cpu":
         raise ConfigError(

@@ -141,6 +141,21 @@ def split_positions(positions: torch.Tensor | None, micro_batch: int) -> Iterabl
     return itertools.repeat(None) if positions is None else positions.split(micro_batch)
 
 
+def clear_gradients(model: ParallelModel, optimizer, stable: bool) -> None:
+    """Before a step's backward: gradients set to None (each micro-batch's first backward hands its
+    gradient over instead of adding it to zeros), or with `stable` zeroed in buffers of their own,
+    allocated once. CUDA graphs with more than one micro-batch need those: a gradient a graph's
+    backward hands over lives in the graph's memory pool, which the next micro-batch's replay writes
+    over (torch refuses to read it then); added into a buffer outside the pool, it survives."""
+    if not stable:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer.zero_grad(set_to_none=False)
+
+
 def train_step(
     model: ParallelModel,
     optimizer,
@@ -166,12 +181,12 @@ def train_step(
     non-finite one and lowers the scale. `positions`: each token's position within its document
     (document masking, model/masks.py), None for plain causal attention. Gradients are cleared at
     the start, so they can be inspected after the step."""
-    optimizer.zero_grad(set_to_none=True)
+    micro_batch = layout.micro_batch_size * model.rows_per_sample
+    clear_gradients(model, optimizer, stable=t.cuda_graphs and len(inputs) > micro_batch)
     inputs, targets = to_device(inputs, device), to_device(targets, device)
     positions = None if positions is None else to_device(positions, device)
     with context():
         scale = loss_scale(targets, n_targets, layout)
-        micro_batch = layout.micro_batch_size * model.rows_per_sample
         loss = forward_backward(model, inputs, targets, micro_batch, device, scale, scaler, positions)
     phase("optimizer")
     if scaler is not None:
