@@ -269,3 +269,21 @@ def test_a_sample_that_would_not_fit_the_context_is_refused_before_training(corp
         start(*prompt, "--run.sample_tokens", "60")
     with pytest.raises(ConfigError, match="shorten the prompt"):
         start("--run.sample_prompt", "def f(x):\n    return x\n" * 20)
+
+
+@pytest.mark.parametrize(
+    "name, what",
+    [("manifest.json", "prepared data"), ("config.json", "a Hugging Face model"), ("tokenizer.json", "a tokenizer")],
+)
+def test_a_run_dir_holding_another_directorys_files_is_refused(tmp_path, name, what):
+    """A run writes its tokenizer, config and weights into run.dir: a directory of data, a model or a
+    tokenizer would have them replaced, whatever data.path and init_from say. A meshtrain run's own
+    directory (arithmetic.json) is its to write, and an empty or new one is fine."""
+    (tmp_path / "new").mkdir()
+    load_config(None, ["--run.dir", str(tmp_path / "new")])
+    load_config(None, ["--run.dir", str(tmp_path / "absent")])
+    (tmp_path / name).write_text("{}")
+    with pytest.raises(ConfigError, match=f"holds {what} \\({name}\\), not a meshtrain run"):
+        load_config(None, ["--run.dir", str(tmp_path)])
+    (tmp_path / "arithmetic.json").write_text("{}")
+    load_config(None, ["--run.dir", str(tmp_path)])

@@ -44,9 +44,18 @@ def check_across_keys(cfg: Config) -> None:
         check_model_args(cfg.model_args(), cfg)
 
 
+# Files of a directory a run must not write into (unless it is a meshtrain run, which keeps arithmetic.json).
+FOREIGN_FILES = {
+    "manifest.json": "prepared data",
+    "config.json": "a Hugging Face model",
+    "tokenizer.json": "a tokenizer",
+}
+
+
 def check_run_dir_apart(cfg: Config) -> None:
     """run.dir receives the run's config, tokenizer files, checkpoints and weights: the directory of
-    the model it starts from or of its data would have its own files replaced, so either is refused."""
+    the model it starts from or of its data would have its own files replaced, so either is refused,
+    as is any other directory of data, a model or a tokenizer that is not a meshtrain run's."""
     from meshtrain.config.grammar import parse_data_path
 
     run_dir = Path(cfg.run.dir).resolve()
@@ -58,6 +67,14 @@ def check_run_dir_apart(cfg: Config) -> None:
             raise ConfigError(
                 f"run.dir = {cfg.run.dir!r} is the {key} directory: the run would write its tokenizer, config and "
                 "weights over that directory's own; choose another run.dir"
+            )
+    if (run_dir / "arithmetic.json").is_file():  # a meshtrain run's own record: its files are the run's
+        return
+    for name, what in FOREIGN_FILES.items():
+        if (run_dir / name).is_file():
+            raise ConfigError(
+                f"run.dir = {cfg.run.dir!r} holds {what} ({name}), not a meshtrain run: the run would write its "
+                "tokenizer, config and weights over that directory's own; choose another run.dir"
             )
 
 
