@@ -155,3 +155,21 @@ def test_saving_a_step_that_is_already_committed_keeps_that_checkpoint(tmp_path,
     monkeypatch.setattr("torch.distributed.checkpoint.save", lambda *a, **k: pytest.fail("saved over step 5"))
     checkpointer.save(5, {"step": 5, "model": ARGS.__dict__}, blocking=True)
     assert (path / MARKER).read_bytes() == marker and loaded_is(tmp_path, 0)
+
+
+def test_a_lora_base_with_other_weights_of_the_same_shape_is_refused(lora_run):
+    """The base exported again from another run of the same shape: config.json is byte for byte the
+    same, the weights are not. A record with the weights' fingerprint refuses it; a record saved
+    before the fingerprint was kept (only config.json's checksum) still loads."""
+    from safetensors.torch import save_file
+
+    from meshtrain.interop.hf import weights_fingerprint
+
+    _, base, record = lora_run
+    recorded = {**record["base"], "weights_sha256": weights_fingerprint(base)}
+    load_base_model(ARGS, recorded)
+    weights = load_file(base / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MeshtrainError, match="changed since the adapters were trained on it \\(its weights differ\\)"):
+        load_base_model(ARGS, recorded)
+    load_base_model(ARGS, record["base"])  # an older record: nothing to compare the weights with

@@ -213,6 +213,8 @@ def check_same_base(s: TrainState, path: Path) -> None:
     are what trains on, so another init_from would be ignored without a word)."""
     state = json.loads((path / TRAIN_STATE).read_text())
     saved, mine, init_from = state.get("peft"), peft_record(s), base_identity(s.cfg).get("init_from")
+    if saved and mine:  # what the checkpoint recorded of its base (the weights' fingerprint since 2026-11-27)
+        mine = {**mine, "base": {k: v for k, v in mine["base"].items() if k in saved.get("base", {})}}
     if saved is None and mine is None and state.get("init_from", init_from) != init_from:  # recorded since 2026-11
         raise MeshtrainError(
             f"checkpoint {path} continues a run started from {state['init_from'] or 'a random initialisation'}, but "
