@@ -266,3 +266,18 @@ def test_rendezvous_options():
     ]
     with pytest.raises(MeshtrainError, match="SLURM_STEP_NUM_NODES='two' is not an integer"):
         rendezvous_args(None, None, None, None, per_node_task | {"SLURM_STEP_NUM_NODES": "two"})
+
+
+@pytest.mark.parametrize(
+    "started",
+    [{"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}, OPENMPI, MPICH],
+    ids=["torchrun", "openmpi", "mpich"],
+)
+def test_single_is_refused_for_a_process_started_beside_others(started):
+    """launch.env = single inside a Slurm allocation of several tasks running one process is what it
+    is for; for a process that torchrun or mpirun started as one of several it would make each train
+    the whole job alone. Stray RANK/WORLD_SIZE (a container's, no torchrun) are what it is forced against."""
+    assert detect(SLURM_TASK, launcher="single").world_size == 1
+    assert detect({"RANK": "0", "WORLD_SIZE": "8"}, launcher="single").world_size == 1
+    with pytest.raises(MeshtrainError, match="launch.env = 'single', but .* started this process as one of 2"):
+        detect(started, launcher="single")

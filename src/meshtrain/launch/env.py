@@ -394,6 +394,23 @@ def chosen_launcher(configured: str, env: dict[str, str] | None = None) -> str:
     return env.get("MESHTRAIN_LAUNCHER", configured) if configured == "auto" else configured
 
 
+def refuse_single_among_many(env: dict[str, str]) -> None:
+    """launch.env = single makes a process train alone whatever its environment says: right inside a
+    Slurm allocation of several tasks that runs one process (its variables describe the allocation),
+    wrong for a process torchrun or mpirun started beside others, whose variables count the
+    processes themselves: each would train the whole job alone and write the same run.dir. Stray
+    RANK/WORLD_SIZE without torchrun's own TORCHELASTIC_RUN_ID (a container's) are what single is
+    forced against, so only torchrun's are taken as several processes."""
+    for cls in (TorchElastic, OpenMPI, MPICH):
+        if cls is TorchElastic and "TORCHELASTIC_RUN_ID" not in env:
+            continue
+        if cls.detect(env) and (world := cls(env).resolve().world_size) > 1:
+            raise MeshtrainError(
+                f"launch.env = 'single', but {cls.name} started this process as one of {world}: each would train "
+                f"alone; drop launch.env (or set it to {cls.name}), or start one process"
+            )
+
+
 def detect(env: dict[str, str] | None = None, launcher: str = "auto") -> LaunchEnv:
     env = dict(os.environ) if env is None else env
     launcher = chosen_launcher(launcher, env)
@@ -403,6 +420,8 @@ def detect(env: dict[str, str] | None = None, launcher: str = "auto") -> LaunchE
         cls = ENVIRONMENTS[launcher]
         if not cls.detect(env):
             raise MeshtrainError(f"launch.env = {launcher!r} but this process was not started by it")
+        if cls is Single:
+            refuse_single_among_many(env)
         return cls(env).resolve()
     for cls in ENVIRONMENTS.values():
         if cls.detect(env):
