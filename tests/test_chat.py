@@ -2,6 +2,7 @@
 answers, a token-weighted global loss that is the same on every layout, and the whole path from a
 pretrained model to a chat endpoint answering the openai client."""
 
+import hashlib
 import json
 import random
 import re
@@ -16,7 +17,7 @@ from examples.word_task import TASKS, WORDS, answer, ask, conversations, split
 from meshtrain.config import load_config
 from meshtrain.data import prepare
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, conversation, tokenize_conversations
-from meshtrain.data.loader import Dataset
+from meshtrain.data.loader import Blend, Dataset
 from meshtrain.data.prepare import ChatOptions
 from meshtrain.data.tokenizer import end_of_text, load_tokenizer
 from meshtrain.data.windows import IGNORE_INDEX
@@ -555,3 +556,61 @@ def test_rows_of_the_common_chat_datasets_are_read_and_dropped_text_is_refused()
     for extra, key in (({"prompt": "another question"}, "prompt"), ({"system": "be brief"}, "system")):
         with pytest.raises(DataError, match=f"rows.jsonl:1 has '{key}', which meshtrain cannot use beside"):
             conversation({"messages": turns, **extra}, "rows.jsonl:1")
+
+
+def test_a_resume_on_the_same_conversations_with_other_targets_is_refused(chat_rows, corpus, tmp_path):
+    """--chat-targets all gives the same tokens with other loss masks: other data to resume on."""
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows[:40])
+    for name, targets in (("assistant", "assistant"), ("all", "all")):
+        prepare(
+            [tmp_path / "chat.jsonl"],
+            tmp_path / name,
+            tokenizer=corpus / "tokenizer.json",
+            val_fraction=0,
+            progress=False,
+            chat=ChatOptions(DEFAULT_CHAT_TEMPLATE, targets=targets),
+        )
+    trained, other = (Blend(str(tmp_path / name), 64) for name in ("assistant", "all"))
+    loader = trained.loader(4, 0, 1, seed=1)
+    loader.next_batch()
+    state = loader.state_dict()
+    trained.loader(4, 0, 1, seed=1).load_state_dict(state)
+    with pytest.raises(DataError, match="trained on other data: .*loss masks"):
+        other.loader(4, 0, 1, seed=1).load_state_dict(state)
+    # plain text has no masks: its id is what earlier checkpoints recorded, so they still resume
+    text = Dataset(corpus, 64).manifest
+    sums = [text["tokenizer_sha256"], *(shard["sha256"] for shard in text["shards"])]
+    assert Dataset(corpus, 64).content_id == hashlib.sha256(" ".join(sums).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "datasets"])
+@pytest.mark.parametrize("data_format", ["chat", "preference"])
+def test_table_rows_keep_or_refuse_their_columns_as_json_lines_do(data_format, kind, corpus, tmp_path):
+    """A Parquet or datasets column of conversation text meshtrain would drop (a system prompt) is
+    refused as the same JSON key is, not left unread; a metadata column (an id) is left alone."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    one = {"messages": turns} if data_format == "chat" else {"prompt": "q", "chosen": "a", "rejected": "b"}
+
+    def prepare_rows(rows, name):
+        source = tmp_path / {"jsonl": f"{name}.jsonl", "parquet": f"{name}.parquet", "datasets": name}[kind]
+        if kind == "jsonl":
+            write_jsonl(source, rows)
+        elif kind == "parquet":
+            pq.write_table(pa.Table.from_pylist(rows), source)
+        else:
+            datasets.Dataset.from_list(rows).save_to_disk(str(source))
+        options = ChatOptions(DEFAULT_CHAT_TEMPLATE, format=data_format)
+        prepare(
+            [source], tmp_path / f"{name}-out", corpus / "tokenizer.json", val_fraction=0, progress=False, chat=options
+        )
+        return prepared_tokens(tmp_path / f"{name}-out")
+
+    with pytest.raises(DataError, match=r"(:| row )1 has 'system', which meshtrain cannot use beside"):
+        prepare_rows([{**one, "system": "be brief", "id": i} for i in range(8)], "system")
+    # a null system cell is no system prompt; an id is metadata
+    kept = prepare_rows([{**one, "system": None, "id": i} for i in range(8)], "kept")
+    assert kept == prepare_rows([one] * 8, "plain")

@@ -277,6 +277,36 @@ def test_a_failed_prepare_keeps_its_finished_units_and_resumes_from_them(tmp_pat
     assert tree(tmp_path / "out") == tree(tmp_path / "whole") and not partial.exists()
 
 
+@pytest.mark.parametrize("settings", ["tokenizer_config.json", "special_tokens_map.json"])
+def test_a_tokenizers_settings_changed_since_a_failed_prepare_start_it_afresh(settings, tmp_path, monkeypatch):
+    """The files beside a tokenizer.json name its eos token, which ends every document: one added (or
+    changed) after a prepare stopped makes the next start afresh, not end half the documents with
+    the old token."""
+    inputs = _four_units(tmp_path, monkeypatch)
+    prepare(inputs, tmp_path / "bpe", vocab_size=300, val_fraction=0, progress=False, workers=1)
+    (tmp_path / "tok").mkdir()
+    tokenizer = tmp_path / "tok" / "tokenizer.json"
+    tokenizer.write_bytes((tmp_path / "bpe" / "tokenizer.json").read_bytes())
+    text_unit = prep._text_unit
+
+    def unreadable(job, unit, tok, shards):
+        if unit.index == 2:
+            raise DataError("cannot read it: Input/output error")
+        return text_unit(job, unit, tok, shards)
+
+    monkeypatch.setattr(prep, "_text_unit", unreadable)
+    with pytest.raises(DataError, match="Input/output error"):
+        prepare(inputs, tmp_path / "out", tokenizer=tokenizer, val_fraction=0, progress=False, workers=1)
+    assert (tmp_path / ".out.partial" / ".unit-00001.json").is_file()
+    monkeypatch.setattr(prep, "_text_unit", text_unit)
+    eos = Tokenizer.from_file(str(tokenizer)).id_to_token(100)
+    (tmp_path / "tok" / settings).write_text(json.dumps({"eos_token": eos}))
+    prepare(inputs, tmp_path / "out", tokenizer=tokenizer, val_fraction=0, progress=False, workers=1)
+    prepare(inputs, tmp_path / "whole", tokenizer=tokenizer, val_fraction=0, progress=False, workers=1)
+    assert tree(tmp_path / "out") == tree(tmp_path / "whole")
+    assert (split_tokens(tmp_path / "out") == 100).sum() == 4  # each document ends with the new token
+
+
 class Killed(Exception):
     """Where a prepare killed at that moment would stop."""
 
@@ -692,3 +722,75 @@ def test_a_vocabulary_size_set_for_data_prepared_with_another_is_refused(corpus)
         cfg = load_config(None, {**given, "data.corpus": corpus_name, "data.vocab_size": 16384})
         with pytest.raises(DataError, match=r"data.vocab_size = 16384 but .* prepared with a vocabulary of 512"):
             ensure_dataset(cfg)
+
+
+def _small_tokenizer(path, kind: str) -> None:
+    """A Llama-style BPE (Metaspace pre-tokenizer of prepend scheme `kind`, byte fallback) with <unk>,
+    <s> and </s>, or (`kind` "bert") a BERT WordPiece that keeps case."""
+    from tokenizers import models, normalizers, pre_tokenizers, trainers
+
+    if kind == "bert":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[CLS]", "[SEP]"])
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=kind, split=False)
+        specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials)
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(path))
+
+
+def test_tokenizer_config_flags_that_make_transformers_encode_otherwise_are_refused(corpus, tmp_path):
+    """transformers rebuilds a GPT-2 tokenizer's pre-tokenizer from tokenizer_config.json's
+    add_prefix_space, a Llama one's from add_prefix_space and legacy, a BERT one's normalizer from
+    do_lower_case: where a flag disagrees with tokenizer.json, which meshtrain encodes with, the model
+    would be served other ids than it was trained on, so prepare refuses it. Flags that agree, and
+    fields that change no id, are kept."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "in.txt").write_text(TEXT)
+    text = "Hello World</s> the quick<s>Fox. café"
+    eot = Tokenizer.from_file(str(corpus / "tokenizer.json")).token_to_id("<|endoftext|>")
+    harmless = {
+        "model_max_length": 8,
+        "padding_side": "left",
+        "clean_up_tokenization_spaces": True,
+        "do_lower_case": True,  # BERT's: a byte-level BPE has no lowercasing to switch
+        "added_tokens_decoder": {str(eot): {"content": "<|endoftext|>", "special": True}},
+    }
+    llama = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    cases = [
+        ("gpt2", {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True}, "add_prefix_space is true"),
+        ("gpt2", {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, **harmless}, None),
+        ("first", {**llama, "legacy": True}, "legacy is true"),
+        ("first", {**llama, "add_prefix_space": False}, "add_prefix_space is false"),
+        ("first", {**llama, "legacy": False, "add_prefix_space": True}, None),
+        ("always", {**llama, "legacy": False}, "legacy is false"),
+        ("always", {**llama, "legacy": True}, None),
+        ("bert", {"tokenizer_class": "BertTokenizer", "do_lower_case": True}, "do_lower_case is true"),
+        ("bert", {"tokenizer_class": "BertTokenizer", "do_lower_case": False}, None),
+    ]
+    for i, (kind, config, refused) in enumerate(cases):
+        directory = tmp_path / f"tok{i}"
+        directory.mkdir()
+        if kind == "gpt2":
+            (directory / "tokenizer.json").write_bytes((corpus / "tokenizer.json").read_bytes())
+        else:
+            _small_tokenizer(directory / "tokenizer.json", kind)
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        ours = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+        theirs = AutoTokenizer.from_pretrained(str(directory))(text, add_special_tokens=False)["input_ids"]
+        assert (theirs == ours) == (refused is None), (kind, config)  # what the refusal keeps from training
+        args = {"tokenizer": directory / "tokenizer.json", "val_fraction": 0, "progress": False, "workers": 1}
+        if refused is None:
+            prepare([tmp_path / "in.txt"], tmp_path / f"out{i}", **args)
+            continue
+        with pytest.raises(DataError) as error:
+            prepare([tmp_path / "in.txt"], tmp_path / f"out{i}", **args)
+        flag, value = refused.split(" is ")
+        fix = f"set {flag} to {json.dumps(value != 'true')} or remove it"
+        assert f"tokenizer_config.json: {refused} but tokenizer.json" in str(error.value) and fix in str(error.value)
+        assert "\n" not in str(error.value)

@@ -316,3 +316,18 @@ def test_the_cli_prepares_preference_data_and_refuses_chat_targets(corpus, cli_e
     counts = re.search(r"preference: (\d+) train and (\d+) validation pairs", result.stdout)
     assert counts and int(counts[1]) + int(counts[2]) == 20, result.stdout
     assert (tmp_path / "out" / "chat_template.jinja").read_text() == template.read_text()
+
+
+def test_a_messages_copy_beside_a_pair_must_be_its_chosen_conversation(corpus, tmp_path):
+    """UltraFeedback's rows carry "messages", a copy of prompt + chosen, which is read past; any other
+    "messages" (the rejected one, another conversation) would be dropped text, so it is refused."""
+    pair = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    whole = {"chosen": [user("p"), assistant("a")], "rejected": [user("p"), assistant("b")]}
+    copies = [{**pair, "messages": [user("p"), assistant("a")]}, {**whole, "messages": whole["chosen"]}]
+    manifest = prepare_rows(corpus, [*copies, {**pair, "messages": None}], tmp_path / "kept")
+    assert manifest["pairs"] == {"train": 3, "val": 0}
+    for messages in ([user("p"), assistant("b")], [user("q"), assistant("a")], [user("p")], "p a"):
+        with pytest.raises(DataError) as refused:
+            prepare_rows(corpus, [pair, {**whole, "messages": messages}], tmp_path / "out")
+        message = str(refused.value)
+        assert "\n" not in message and 'out.jsonl:2 has "messages" other than its prompt + chosen' in message

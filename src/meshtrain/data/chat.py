@@ -204,8 +204,9 @@ def preference_pair(record: object, where: str) -> tuple[list[dict], list[dict],
     """(prompt, chosen answer, rejected answer) of one row, as messages, in any of TRL's spellings:
     {"prompt": str, "chosen": str, "rejected": str} (a user message and the assistant's answers);
     {"prompt": [messages], "chosen": [assistant messages], "rejected": [...]}; or {"chosen": [whole
-    conversation], "rejected": [...]}, whose prompt is their longest common prefix of messages. One-line
-    errors name the row."""
+    conversation], "rejected": [...]}, whose prompt is their longest common prefix of messages. A
+    "messages" beside them must be prompt + chosen (UltraFeedback's copy): anything else would be text
+    meshtrain drops. One-line errors name the row."""
     if not isinstance(record, dict):
         raise DataError(f'{where} is not a JSON object with "prompt", "chosen" and "rejected"')
     chosen, rejected, prompt = record.get("chosen"), record.get("rejected"), record.get("prompt")
@@ -214,7 +215,7 @@ def preference_pair(record: object, where: str) -> tuple[list[dict], list[dict],
             raise DataError(
                 f'{where} has no "{name}" string or list of messages (rows: "prompt", "chosen", "rejected")'
             )
-    _only_keys(record, ("prompt", "chosen", "rejected"), where, also=("messages",))  # UltraFeedback's copy
+    _only_keys(record, ("prompt", "chosen", "rejected"), where, also=("messages",))  # UltraFeedback's copy: below
     if isinstance(chosen, str) != isinstance(rejected, str):
         raise DataError(f'{where}: "chosen" and "rejected" must both be strings or both lists of messages')
     if isinstance(chosen, str):
@@ -261,6 +262,11 @@ def preference_pair(record: object, where: str) -> tuple[list[dict], list[dict],
             )
     if chosen_messages == rejected_messages:
         raise DataError(f"{where}: chosen and rejected are the same answer; a pair must differ")
+    if record.get("messages") not in (None, "", [], {}) and record["messages"] != prompt_messages + chosen_messages:
+        raise DataError(
+            f'{where} has "messages" other than its prompt + chosen answer (the copy UltraFeedback carries, the '
+            "only one meshtrain reads past): drop it from the rows, or make it that conversation"
+        )
     return prompt_messages, chosen_messages, rejected_messages
 
 

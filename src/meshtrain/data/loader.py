@@ -108,8 +108,9 @@ class DistributedLoader:
         changed = [i for i, (a, b) in enumerate(zip(saved_ids, self.content_ids)) if a and b and a != b]
         if changed:
             raise DataError(
-                f"the checkpoint was trained on other data: data.path source {changed[0] + 1}'s tokens (or tokenizer) "
-                "differ from the ones it read, though their counts agree; resume with that data, or start a new run"
+                f"the checkpoint was trained on other data: data.path source {changed[0] + 1}'s tokens (or tokenizer, "
+                "or loss masks) differ from the ones it read, though their counts agree; resume with that data, or "
+                "start a new run"
             )
         weights = state.get("weights", [1.0])
         if not np.allclose(weights, self.weights):
@@ -204,12 +205,15 @@ class Dataset:
 
     @property
     def content_id(self) -> str | None:
-        """What the data's tokens are: its tokenizer's and shards' checksums from the manifest,
+        """What the data's tokens are: its tokenizer's and shards' checksums from the manifest (chat
+        data's also its loss masks' and lengths': the same tokens with other targets is other data),
         hashed (the same input prepared again gives the same id); None for the first format, which
         has no shard checksums. A checkpoint records it, so a resume on other data is refused."""
         if "shards" not in self.manifest:
             return None
-        sums = [self.manifest["tokenizer_sha256"], *(shard["sha256"] for shard in self.manifest["shards"])]
+        sums = [self.manifest["tokenizer_sha256"]]
+        for shard in self.manifest["shards"]:  # plain text: its tokens' alone, as before masks were hashed
+            sums += [shard[key] for key in ("sha256", "mask_sha256", "lengths_sha256") if key in shard]
         return hashlib.sha256(" ".join(sums).encode()).hexdigest()[:16]
 
     def _files(self, shard: dict) -> list[tuple[Path, str, int | None]]:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshtrain.data.format import FORMAT_VERSION, MANIFEST
+from meshtrain.data.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
 from meshtrain.errors import DataError
 from meshtrain.files import atomic_write, replace_directory, sync_tree, write_json, writing
 from meshtrain.lock import LOCK_NAME, RunLock
@@ -43,16 +44,25 @@ def unit_done(work: Path, index: int) -> bool:
     return unit_record(work, index).is_file() or (work / MANIFEST).is_file()
 
 
+def _sha256(path: Path) -> str | None:
+    """A file's SHA-256, or None where there is no such file."""
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
 def make_spec(units: list, tokenizer, vocab_size, val_fraction, dtype, text_field, sample_bytes, chat) -> dict:
-    """What decides the output bytes: a partial prepare started with another spec is not resumed."""
+    """What decides the output bytes: a partial prepare started with another spec is not resumed. A
+    given tokenizer's spec is its tokenizer.json and the two files beside it that name its eos and bos
+    tokens (which end documents and chat turns), present or not."""
     files = {p.file.path: [p.file.size, p.file.mtime_ns] for u in units for p in u.pieces}
+    beside = [Path(tokenizer).parent / name for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)] if tokenizer else []
     return json.loads(
         json.dumps(
             {
                 "format_version": FORMAT_VERSION,
                 "units": [[[p.file.path, p.start, p.stop] for p in u.pieces] for u in units],
                 "files": files,
-                "tokenizer": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer else None,
+                "tokenizer": _sha256(Path(tokenizer)) if tokenizer else None,
+                "tokenizer_settings": {path.name: _sha256(path) for path in beside},
                 "vocab_size": None if tokenizer else vocab_size,
                 "sample_bytes": None if tokenizer else sample_bytes,
                 "val_fraction": val_fraction,

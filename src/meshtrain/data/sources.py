@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.data.chat import PREFERENCE_COLUMNS
+from meshtrain.data.chat import CONTENT_KEYS, PREFERENCE_COLUMNS
 from meshtrain.errors import DataError
 
 KINDS = {  # the suffixes meshtrain reads -> their kind
@@ -358,9 +358,12 @@ def _string_end(raw: bytes) -> int:
     return -1
 
 
-def _rows(piece: Piece, wanted: list[str], needed: bool) -> Iterator[tuple[dict, Where]]:
+def _rows(
+    piece: Piece, wanted: list[str], needed: bool, also: frozenset[str] = frozenset()
+) -> Iterator[tuple[dict, Where]]:
     """Rows of a Parquet piece or an Arrow file, as {column: value} over the `wanted` columns it has
-    (with `needed`, all of them must exist)."""
+    (with `needed`, all of them must exist) and those of `also` it has (chat data's other content
+    columns: read to be refused as a JSON line's keys are, not silently dropped)."""
     f = piece.file
     import pyarrow as pa
 
@@ -368,13 +371,15 @@ def _rows(piece: Piece, wanted: list[str], needed: bool) -> Iterator[tuple[dict,
         if f.kind == "parquet":
             parquet = _parquet(f.path)
             names = parquet.schema_arrow.names
-            columns = [c for c in wanted if c in names]
-            batches = parquet.iter_batches(batch_size=1024, row_groups=range(piece.start, piece.stop), columns=columns)
         else:
             reader = pa.ipc.open_stream(pa.memory_map(f.path))
             names = reader.schema.names
-            columns = [c for c in wanted if c in names]
-            batches = (batch.select(columns) for batch in reader)
+        columns = [c for c in wanted if c in names]
+        read = columns + [c for c in names if c in also and c not in wanted]
+        if f.kind == "parquet":
+            batches = parquet.iter_batches(batch_size=1024, row_groups=range(piece.start, piece.stop), columns=read)
+        else:
+            batches = (batch.select(read) for batch in reader)
         if not columns or (needed and len(columns) < len(wanted)):
             quoted = " / ".join(json.dumps(c) for c in wanted)
             hint = "choose one with --text-field" if len(wanted) == 1 else "is this plain text? leave out --format chat"
@@ -391,11 +396,11 @@ def _rows(piece: Piece, wanted: list[str], needed: bool) -> Iterator[tuple[dict,
 
 
 def _records(
-    piece: Piece, columns: list[str], needed: bool, long_field: str | None = None
+    piece: Piece, columns: list[str], needed: bool, long_field: str | None = None, also: frozenset[str] = frozenset()
 ) -> Iterator[tuple[object, Where]]:
     try:
         if piece.file.kind in ("parquet", "arrow"):
-            yield from _rows(piece, columns, needed)
+            yield from _rows(piece, columns, needed, also)
         else:
             yield from _json_lines(piece, long_field)
     except OSError as e:
@@ -451,7 +456,7 @@ def read_rows(piece: Piece) -> Iterator[tuple[object, Where]]:
             f"{piece.file.path} is plain text; --format chat reads JSON lines or Parquet rows with "
             '"messages" (or "prompt" and "completion")'
         )
-    yield from _records(piece, ["messages", "prompt", "completion"], needed=False)
+    yield from _records(piece, ["messages", "prompt", "completion"], needed=False, also=CONTENT_KEYS)
 
 
 def preference_rows(piece: Piece) -> Iterator[tuple[object, Where]]:
@@ -461,4 +466,4 @@ def preference_rows(piece: Piece) -> Iterator[tuple[object, Where]]:
             f'{piece.file.path} is plain text; --format preference reads JSON lines or Parquet rows with "prompt", '
             '"chosen" and "rejected"'
         )
-    yield from _records(piece, list(PREFERENCE_COLUMNS), needed=False)
+    yield from _records(piece, list(PREFERENCE_COLUMNS), needed=False, also=CONTENT_KEYS)

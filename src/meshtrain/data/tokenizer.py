@@ -54,6 +54,7 @@ def _configured_token(tokenizer, directory: Path | None, key: str) -> str | None
     config = _json_object(Path(directory, TOKENIZER_CONFIG))
     tokens = {name: _agreed_token(tokenizer, Path(directory), config, name) for name in ("bos_token", "eos_token")}
     _check_added_tokens(tokenizer, Path(directory, TOKENIZER_CONFIG), config, tokens)
+    _check_encoding_settings(tokenizer, Path(directory, TOKENIZER_CONFIG), config)
     return tokens[key]
 
 
@@ -133,6 +134,57 @@ def _check_added_tokens(tokenizer, path: Path, config: dict, tokens: dict[str, s
             f"{path}: {flag} is {json.dumps(value)} but tokenizer.json's post-processor puts {puts} {where} a "
             f"text{problem}: {fix}"
         )
+
+
+def _steps(part: dict | None) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer as its steps, Sequences flattened."""
+    if not part:
+        return []
+    if part.get("type") == "Sequence":
+        return [step for sub in part.get("normalizers") or part.get("pretokenizers") or [] for step in _steps(sub)]
+    return [part]
+
+
+def _encoding_settings(tokenizer) -> dict[str, bool]:
+    """How tokenizer.json's normalizer and pre-tokenizer encode text, as the tokenizer_config.json
+    flags that transformers rebuilds them from: add_prefix_space (a space, or Metaspace's "▁", put
+    before a text), legacy (Metaspace's put before every segment, after special tokens too, not only
+    the first) and do_lower_case (BERT's normalizer lowercasing)."""
+    spec = json.loads(tokenizer.to_str())
+    steps = {step.get("type"): step for step in _steps(spec.get("normalizer")) + _steps(spec.get("pre_tokenizer"))}
+    settings = {}
+    if "ByteLevel" in steps:
+        settings["add_prefix_space"] = bool(steps["ByteLevel"].get("add_prefix_space"))
+    elif "Metaspace" in steps:  # its prepend_scheme, or an older tokenizers' add_prefix_space
+        metaspace = steps["Metaspace"]
+        scheme = metaspace.get("prepend_scheme") or ("always" if metaspace.get("add_prefix_space", True) else "never")
+        settings["add_prefix_space"] = scheme != "never"
+        if scheme != "never":
+            settings["legacy"] = scheme == "always"
+    elif "Prepend" in steps:  # Llama 2's normalizer
+        settings["add_prefix_space"] = True
+    if "BertNormalizer" in steps:
+        settings["do_lower_case"] = bool(steps["BertNormalizer"].get("lowercase"))
+    return settings
+
+
+def _check_encoding_settings(tokenizer, path: Path, config: dict) -> None:
+    """tokenizer_config.json's flags that make transformers rebuild the normalizer or pre-tokenizer
+    (`_encoding_settings`) against what tokenizer.json does, which meshtrain encodes with: where the
+    two disagree (GPT-2's add_prefix_space true beside a tokenizer.json without it), transformers
+    gives other ids than those the model was trained on."""
+    for flag, own in _encoding_settings(tokenizer).items():
+        value = config.get(flag)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise DataError(f"{path}: {flag} is {value!r}: it must be true or false")
+        if value != own:
+            raise DataError(
+                f"{path}: {flag} is {json.dumps(value)} but tokenizer.json encodes with {flag} {json.dumps(own)} "
+                f"(transformers would rebuild it and give other ids than meshtrain, which follows tokenizer.json): "
+                f"set {flag} to {json.dumps(own)} or remove it"
+            )
 
 
 def _affixes(tokenizer) -> tuple[list[int], list[int]]:
