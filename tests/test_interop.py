@@ -206,3 +206,35 @@ def test_a_checkpoint_dir_outside_the_run_is_where_export_serve_and_generate_loo
     record_run_dir(step3, None)  # saved before run_dir was recorded
     with pytest.raises(MeshtrainError, match=r"no run directory found for checkpoint .*pass the run directory"):
         run_weights(step3)
+
+
+def test_the_run_of_a_checkpoint_is_the_one_whose_checkpoints_are_there(tmp_path):
+    """export/serve/generate read a checkpoint's tokenizer and record from its run: the directory
+    holding it, moved or copied, before a recorded run.dir that may now be another run; the recorded
+    one where checkpoint.dir lay outside the run. A moved run whose relative checkpoint.dir no longer
+    resolves still gives its final weights."""
+    from meshtrain.checkpoint import MARKER, TRAIN_STATE
+    from meshtrain.interop.weights import run_of, run_weights
+
+    def run(path, checkpoint_dir=None, run_dir=None):
+        path.mkdir(parents=True)
+        lines = [f"[checkpoint]\ndir = {str(checkpoint_dir)!r}\n"] if checkpoint_dir else []
+        lines += [f"[run]\ndir = {str(run_dir)!r}\n"] if run_dir else []
+        (path / "config.toml").write_text("".join(lines))
+        return path
+
+    def checkpoint(path, run_dir):
+        path.mkdir(parents=True)
+        (path / TRAIN_STATE).write_text(json.dumps({"step": 2, "run_dir": str(run_dir)}))
+        (path / MARKER).write_text("{}")
+        return path
+
+    renamed = run(tmp_path / "exp-v1")  # trained as exp, renamed; a new run took the name
+    newer = run(tmp_path / "exp")
+    assert run_of(checkpoint(renamed / "checkpoints" / "step_00000002", newer)) == renamed
+    outside = run(tmp_path / "r1", checkpoint_dir=tmp_path / "scratch")
+    assert run_of(checkpoint(tmp_path / "scratch" / "step_00000003", outside)) == outside
+    moved = run(tmp_path / "moved" / "a", checkpoint_dir="ckpts/a", run_dir="runs/a")
+    (moved / "model.safetensors").write_bytes(b"")
+    (moved / "model.json").write_text("{}")
+    assert run_weights(moved) == (None, moved)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, run_checkpoint_root, verify
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import CheckpointError, MeshtrainError
 from meshtrain.files import atomic_write, read_json_object, write_text
 from meshtrain.model import ModelArgs
 from meshtrain.parallel import ParallelDims, ParallelModel
@@ -85,7 +85,7 @@ def run_weights(source: Path) -> tuple[Path | None, Path]:
     if (source / MARKER).is_file() or (source / ".metadata").is_file():
         verify(source)
         return source, run_of(source)
-    newest = next(reversed(committed_checkpoints(run_checkpoint_root(source))), None)
+    newest = next(reversed(committed_checkpoints(checkpoints_of(source))), None)
     final = source / "model.safetensors"
     if newest is not None and final.is_file() and _final_is_newer(final, newest):
         return None, source
@@ -105,18 +105,34 @@ def run_weights(source: Path) -> tuple[Path | None, Path]:
     )
 
 
+def checkpoints_of(run: Path) -> Path:
+    """Where a run directory's checkpoints are: the checkpoint.dir its config.toml records, else
+    <run>/checkpoints (also for a relative checkpoint.dir the moved run directory no longer places, or
+    one that is gone: the final weights, or the default place, are what is left to read)."""
+    try:
+        root = run_checkpoint_root(run)
+    except CheckpointError:
+        return run / "checkpoints"
+    return root if root.is_dir() else run / "checkpoints"
+
+
 def run_of(ckpt: Path) -> Path:
-    """The run directory that wrote a checkpoint, where its tokenizer and record are: the one its
-    train_state.json names (checkpoint.dir may lie outside it), else the one holding it
-    (<run>/checkpoints/step_N)."""
+    """The run directory that wrote a checkpoint, where its tokenizer and record are: the one holding
+    it (<run>/checkpoints/step_N, even moved or copied), else the one its train_state.json names
+    (checkpoint.dir outside run.dir), each only if its checkpoints are where the checkpoint is: a
+    stale recorded path may now hold another run."""
     recorded = read_json_object(ckpt / TRAIN_STATE).get("run_dir")
-    candidates = [Path(recorded)] if recorded else []
-    candidates.append(ckpt.parent.parent)
-    if found := next((d for d in candidates if (d / "config.toml").is_file()), None):
-        return found
+    holder = ckpt.parent.parent
+    candidates = [holder, *([Path(recorded)] if recorded else [])]
+    where = ckpt.resolve().parent
+    for run in candidates:
+        if (run / "config.toml").is_file() and checkpoints_of(run).resolve() == where:
+            return run
+    if (holder / "config.toml").is_file():  # a record that cannot place its checkpoints: where it lies
+        return holder
     raise MeshtrainError(
-        f"no run directory found for checkpoint {ckpt} (no config.toml in {', '.join(map(str, candidates))}; saved "
-        "to a checkpoint.dir outside it?): pass the run directory that wrote it instead"
+        f"no run directory found for checkpoint {ckpt} (none of {', '.join(map(str, candidates))} holds a config.toml "
+        "whose checkpoints are there): pass the run directory that wrote it instead"
     )
 
 

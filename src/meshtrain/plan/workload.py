@@ -47,9 +47,9 @@ class Workload:
 
 
 def cuda_graphs_refusal(layout) -> str:
-    """CUDA graphs replay the whole-model graph, which only one process without TP or PP compiles
-    (parallel/compile.py): the per-block graphs of the other layouts interleave with DDP's and FSDP's
-    communication hooks, which a graph cannot capture."""
+    """CUDA graphs replay the whole-model graph of one process (parallel/compile.py): the per-block
+    graphs of DP, FSDP and PP interleave with their communication hooks, which a graph cannot capture,
+    and TP's whole-model graph holds collectives whose capture has not been tested."""
     if layout.world == 1:
         return ""
     return (
