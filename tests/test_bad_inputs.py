@@ -149,6 +149,7 @@ DRY_RUN_ONLY = {
     "json without dry run": (["--json"], "--json goes with --dry-run WORLD"),
     "dry run and nproc": (["--dry-run", "2", "--nproc", "2"], "leave out --nproc"),
     "dry run world zero": (["--dry-run", "0"], "--dry-run"),
+    "dry run compiled": (["--training.compile", "true", "--dry-run", "1"], "a dry run builds the job on fake tensors"),
     "cuda graphs on several ranks": (
         ["--training.compile", "true", "--training.cuda_graphs", "true", "--dry-run", "2"],
         "this layout has 2 ranks",
@@ -206,6 +207,10 @@ OTHER = {
         ["plan", "--model", "small", "--gpu", "cpu", "--gpus", "1", "--compile", "--cuda-graphs"],
         "--cuda-graphs replays kernels on a GPU",
     ),
+    "plan seq_len beyond the file's model": (
+        ["plan", "--config", CONFIG, "--gpu", "h100-80gb", "--gpus", "1", "--seq-len", "99999"],
+        "is longer than the model allows",
+    ),
     "serve model": (["serve", "/nonexistent/model"], "/nonexistent/model"),
     "serve empty api key": (["serve", "/nonexistent/model", "--api-key", " "], "leave out --api-key"),
     "serve null api key": (["serve", "/nonexistent/model", "--api-key", "null"], "--api-key 'null' is no key"),
@@ -240,3 +245,16 @@ def test_bad_launcher_environment(env, fragment, monkeypatch, capsys):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert_one_line(*run_main(["env"], capsys), fragment)
+
+
+@pytest.mark.parametrize(
+    "key, gpu, fragment",
+    [
+        ('attention_backward = "recompute"', "h100-80gb", "whose attention kernels a GPU job keeps"),
+        ('dtype = "auto"\nbf16_compute = "fp32"', "v100-32gb", "but the plan trains in fp32 on v100-32gb"),
+    ],
+)
+def test_plan_refuses_config_keys_its_device_would_refuse(key, gpu, fragment, tmp_path, capsys):
+    config = tmp_path / "c.toml"
+    config.write_text(f"[training]\n{key}\n")
+    assert_one_line(*run_main(["plan", "--config", str(config), "--gpu", gpu, "--gpus", "1"], capsys), fragment)

@@ -322,6 +322,7 @@ def test_the_best_layout_becomes_a_config_that_trains_and_submits(cli_env, tmp_p
 
     assert cfg.model.preset == "llama3-8b" and cfg.model.n_layers in (None, 32) and PRESETS["llama3-8b"].n_layers == 32
     assert cfg.training.seq_len == 4096 and cfg.training.global_batch_size == 64
+    assert cfg.model.vocab_size == PRESETS["llama3-8b"].vocab_size  # planned with it: not the data's
     assert 16 % (cfg.parallel.tp * cfg.parallel.pp) == 0
     # explaining that config gives the same layout back, fitting
     again = plan_json(cli_env, "--config", str(out), "--gpu", "h100-80gb", "--gpus", "16")["layouts"]

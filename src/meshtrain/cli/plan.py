@@ -155,7 +155,8 @@ def _load(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
         overrides += ["--model.n_kv_heads", values["--model.n_heads"]]
     if values.get("--peft.method") == "qlora" and "training.dtype" not in given and not o.config:
         overrides += ["--training.dtype", "bf16"]  # QLoRA computes in bf16
-    if "training.seq_len" in given and "model.max_seq_len" not in given:  # the planned model covers the sequence
+    # the planned model covers the sequence; a --config file's model is the file's, as train reads it
+    if "training.seq_len" in given and "model.max_seq_len" not in given and not o.config:
         model = planned_model(load_config(o.config, [*(["--model.preset", preset] if preset else [])]))
         seq_len = config_keys()["training.seq_len"].from_text(values["--training.seq_len"])
         overrides += ["--model.max_seq_len", str(max(seq_len, model.max_seq_len))]
@@ -313,7 +314,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     )
     training.dtype = dtype
     training.bf16_compute = t.bf16_compute if dtype == "bf16" else "auto"
-    base = dataclasses.replace(cfg, training=training, peft=planned_peft(cfg, peft))
+    # the planned vocabulary, written: a search plans the preset's, where train would take the data's
+    vocab = dataclasses.replace(cfg.model, vocab_size=model.vocab_size)
+    base = dataclasses.replace(cfg, model=vocab, training=training, peft=planned_peft(cfg, peft))
     estimates, refused = search(w, dev, inter, gpus, global_batch, fixed, base if llama else None, model)
 
     if o.write_config:
@@ -397,6 +400,16 @@ def planned_arithmetic(cfg: Config, model: ModelArgs, dtype: str, seq_len: int, 
     t = cfg.training
     if dtype == "auto" and (gpu != "cpu" or not llama):
         dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp32"
+    if t.bf16_compute != "auto" and dtype != "bf16":
+        raise MeshtrainError(
+            f"training.bf16_compute = {t.bf16_compute!r} sets the arithmetic of bf16 training, but the plan trains in "
+            f"{dtype} on {gpu}: drop bf16_compute, or plan a GPU with bf16 units"
+        )
+    if t.attention_backward == "recompute" and gpu != "cpu":
+        raise MeshtrainError(
+            "training.attention_backward = 'recompute' replaces the CPU flash-attention backward, but the plan is for "
+            f"{gpu}, whose attention kernels a GPU job keeps: set training.attention_backward = auto"
+        )
     if not llama:
         return dtype, t, False, False
     import torch

@@ -77,6 +77,11 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[Ran
     error for a job it would refuse (the same preflight, word for word)."""
     dataset = prepared_dataset(cfg)
     args, layout = preflight(cfg, world, dataset)
+    if cfg.training.compile:  # inductor's kernels read the fake tensors' memory: the process crashes
+        raise ConfigError(
+            "training.compile: a dry run builds the job on fake tensors, which compiled kernels cannot run; dry-run "
+            "it with training.compile = false (the eager step holds at least as much memory)"
+        )
     if cfg.launch.device in ("cpu", "cuda"):  # the device is fixed: what it must offer, as train checks it
         check_device(cfg, torch.device(cfg.launch.device), launcher=True)
     # "auto" arithmetic as the job's devices would resolve it: a GPU job (launch.device auto or cuda)
