@@ -184,6 +184,32 @@ OTHER = {
     "jobscript kind": (["jobscript", "lsf", "--config", CONFIG], "lsf"),
     "jobscript nodes": (["jobscript", "slurm", "--config", CONFIG, "--nodes", "0"], "--nodes"),
     "jobscript mode": (["jobscript", "slurm", "--config", CONFIG, "--mode", "fast"], "--mode"),
+    "jobscript launcher of another script": (
+        ["jobscript", "slurm", "--config", CONFIG, "--mode", "agent-per-node", "--", "--launch.env", "slurm"],
+        "the slurm --mode agent-per-node script starts its processes with torchrun",
+    ),
+    "jobscript single under srun": (
+        ["jobscript", "slurm", "--config", CONFIG, "--", "--launch.env", "single"],
+        "launch.env = 'single', but the slurm --mode task-per-rank script",
+    ),
+    "jobscript recompute on gpus": (
+        [
+            "jobscript",
+            "slurm",
+            "--config",
+            CONFIG,
+            "--gpus-per-node",
+            "2",
+            "--",
+            "--training.attention_backward",
+            "recompute",
+        ],
+        "this job trains on cuda",
+    ),
+    "jobscript cuda graphs on cpu nodes": (
+        ["jobscript", "sge", "--config", CONFIG, "--", "--training.compile", "true", "--training.cuda_graphs", "true"],
+        "this job trains on cpu",
+    ),
     "bench min above max": (["bench", "comm", "--min-bytes", "1G", "--max-bytes", "1K"], "--min-bytes"),
     "bench size text": (["bench", "comm", "--max-bytes", "huge"], "--max-bytes"),
     "bench ops": (["bench", "comm", "--ops", "all_to_all"], "all_to_all"),

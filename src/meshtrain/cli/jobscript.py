@@ -33,6 +33,13 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
     files = render(args.kind, spec)
     cfg = load_config(spec.config, train_args)
     _check_device(cfg.launch.device, spec.gpus_per_node, args.kind)
+    _check_launcher(cfg.launch.env, args.kind, spec.mode)
+    if args.kind in ("slurm", "sge", "pbs") and cfg.launch.device != "neuron":  # what the nodes reserved offer
+        import torch
+
+        from meshtrain.train.preflight import check_device
+
+        check_device(cfg, torch.device("cuda" if spec.gpus_per_node else "cpu"), launcher=True)
     _check_job(cfg, spec.world)
     if args.out:
         from meshtrain.files import check_output
@@ -67,6 +74,30 @@ def _check_device(device: str, gpus_per_node: int, kind: str) -> None:
     if not gpus_per_node and device == "cuda" and kind in ("slurm", "sge", "pbs"):
         raise MeshtrainError(
             "launch.device = cuda, but the script reserves no GPUs: give --gpus-per-node (or launch.device = auto)"
+        )
+
+
+# The launchers that start a script's processes, by kind (Slurm's by mode): what launch.env may name.
+SCRIPT_LAUNCHERS = {
+    "slurm": {"task-per-rank": ("slurm",), "agent-per-node": ("torchrun",)},
+    "pcluster": {"task-per-rank": ("slurm",), "agent-per-node": ("torchrun",)},
+    "sge": ("openmpi", "mpich"),
+    "pbs": ("openmpi", "mpich"),
+    "mpirun": ("openmpi", "mpich"),
+    "torchrun": ("torchrun",),
+}
+
+
+def _check_launcher(launcher: str, kind: str, mode: str) -> None:
+    """A launch.env other than the script's launcher would read variables the job never sets (or, with
+    single, train one whole job per process): refused before the job waits in the queue."""
+    started_by = SCRIPT_LAUNCHERS[kind]
+    started_by = started_by[mode] if isinstance(started_by, dict) else started_by
+    if launcher not in ("auto", *started_by):
+        how = f" --mode {mode}" if kind in ("slurm", "pcluster") else ""
+        raise MeshtrainError(
+            f"launch.env = {launcher!r}, but the {kind}{how} script starts its processes with "
+            f"{' or '.join(started_by)}: drop launch.env (auto finds it), or set it to {started_by[0]}"
         )
 
 
