@@ -199,3 +199,16 @@ def test_plan_searches_qlora_on_ddp_only_and_writes_peft(cli_env, tmp_path):
     cfg = load_config(out)
     assert (cfg.peft.method, cfg.peft.rank, cfg.peft.alpha, cfg.peft.targets) == ("qlora", 8, 16.0, "all")
     assert cfg.training.objective == "dpo" and cfg.training.dtype == "bf16" and cfg.parallel.tp == 1
+
+
+def test_the_search_refuses_shapes_the_trainer_refuses(cli_env):
+    """FP8's GEMMs need each block linear's shard divisible by 16, QLoRA's NF4 blocks of 64 must divide
+    each target weight: layouts the trainer's preflight would refuse are not planned (or written)."""
+    fp8 = plan_json(
+        cli_env, "--model", "tiny", "--ffn", "800", "--gpu", "h100-80gb", "--gpus", "4", "--fp8", "tensorwise"
+    )
+    assert fp8["layouts"] and all(lay["tp"] in (1, 2) for lay in fp8["layouts"])  # w1 800 / 4 = 200: not 16s
+    assert any("divisible by 16" in why for why in fp8["not_possible"])
+    odd = ["--model", "tiny", "--hidden", "260", "--heads", "2", "--kv-heads", "2", "--ffn", "768"]
+    qlora = plan_json(cli_env, *odd, "--gpu", "h100-80gb", "--gpus", "1", "--peft", "qlora")
+    assert not qlora["layouts"] and any("blocks of 64" in why for why in qlora["not_possible"])

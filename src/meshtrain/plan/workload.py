@@ -46,6 +46,42 @@ class Workload:
         return self.peft is not None and self.peft.quantized
 
 
+def fp8_shape_refusal(shape: Shape, tp: int, fp8: str) -> str:
+    """training.fp8 runs every linear of the blocks in FP8: each one's shard on a rank (split by TP)
+    must divide into the 16s torch._scaled_mm multiplies, or it would silently stay in bf16."""
+    if fp8 == "off":
+        return ""
+    from meshtrain.model.shapes import BLOCK_SHARDED_DIM
+    from meshtrain.parallel.float8 import GEMM_MULTIPLE
+
+    linears = tuple(f".{name}.weight" for name in BLOCK_SHARDED_DIM)
+    for p in shape.parameters():
+        if isinstance(p.owner, int) and p.name.endswith(linears):
+            local = [d // tp if i == p.tp_dim else d for i, d in enumerate(p.shape)]
+            if any(d % GEMM_MULTIPLE for d in local):
+                return (
+                    f"training.fp8 runs the blocks' linears in FP8, whose GEMMs need dimensions divisible by "
+                    f"{GEMM_MULTIPLE}, but {p.name} is {tuple(local)} on each rank: resize the model or set "
+                    "training.fp8 = off"
+                )
+    return ""
+
+
+def nf4_refusal(shape: Shape, lora: LoraSpec | None) -> str:
+    """QLoRA stores each target weight in NF4 blocks of 64 weights, which must divide it."""
+    if lora is None or not lora.quantized:
+        return ""
+    from meshtrain.model.lora import NF4_BLOCK, target_weights
+
+    odd = [p for p in target_weights(shape, lora) if p.numel % NF4_BLOCK]
+    if not odd:
+        return ""
+    return (
+        f"peft.method = qlora stores weights in blocks of {NF4_BLOCK}, but {odd[0].name} {odd[0].shape} "
+        "does not divide into them: leave that linear out of peft.targets, or use peft.method = lora"
+    )
+
+
 def cuda_graphs_refusal(layout) -> str:
     """CUDA graphs replay the whole-model graph of one process (parallel/compile.py): the per-block
     graphs of DP, FSDP and PP interleave with their communication hooks, which a graph cannot capture,
@@ -61,8 +97,11 @@ def cuda_graphs_refusal(layout) -> str:
 def workload_refusal(w: Workload, layout) -> str:
     """Why meshtrain cannot train this workload on this layout ("" if it can), as its preflight
     says: DPO does not run in pipelines; QLoRA's NF4 weights run on one process or plain DDP
-    (ZeRO-0/1), not under FSDP, TP or PP; CUDA graphs run on one process."""
+    (ZeRO-0/1), not under FSDP, TP or PP, and in blocks that divide its weights; FP8's GEMMs need
+    shards that divide into 16s; CUDA graphs run on one process."""
     if w.cuda_graphs and (problem := cuda_graphs_refusal(layout)):
+        return problem
+    if problem := fp8_shape_refusal(w.shape, layout.tp, w.fp8) or nf4_refusal(w.shape, w.peft):
         return problem
     if w.objective == "dpo" and layout.pp > 1:
         return "training.objective dpo is not implemented for pipelines (pp > 1)"

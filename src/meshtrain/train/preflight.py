@@ -21,7 +21,7 @@ from meshtrain.logs import log
 from meshtrain.model import ModelArgs
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import Workload, estimate_memory, model_state_bytes
-from meshtrain.plan.workload import cuda_graphs_refusal
+from meshtrain.plan.workload import cuda_graphs_refusal, fp8_shape_refusal, nf4_refusal
 
 GIB = 2**30
 
@@ -128,40 +128,20 @@ def check_device(cfg: Config, device: torch.device, launcher: bool = False) -> N
 
 
 def check_fp8_shapes(cfg: Config, layout: Layout, args: ModelArgs) -> None:
-    """training.fp8 runs every linear of the blocks in FP8: each one's shard on a rank (split by TP)
-    must divide into the 16s torch._scaled_mm multiplies, or it would silently stay in bf16."""
+    """training.fp8's GEMMs at this layout (plan/workload.fp8_shape_refusal, which plan checks too)."""
     from meshtrain.errors import ConfigError
-    from meshtrain.model.shapes import BLOCK_SHARDED_DIM
-    from meshtrain.parallel.float8 import GEMM_MULTIPLE
 
-    if cfg.training.fp8 == "off":
-        return
-    linears = tuple(f".{name}.weight" for name in BLOCK_SHARDED_DIM)
-    for p in Shape.from_args(args).parameters():
-        if isinstance(p.owner, int) and p.name.endswith(linears):
-            local = [d // layout.tp if i == p.tp_dim else d for i, d in enumerate(p.shape)]
-            if any(d % GEMM_MULTIPLE for d in local):
-                raise ConfigError(
-                    f"training.fp8 runs the blocks' linears in FP8, whose GEMMs need dimensions divisible by "
-                    f"{GEMM_MULTIPLE}, but {p.name} is {tuple(local)} on each rank: resize the model or set "
-                    "training.fp8 = off"
-                )
+    if problem := fp8_shape_refusal(Shape.from_args(args), layout.tp, cfg.training.fp8):
+        raise ConfigError(problem)
 
 
 def check_peft_layout(cfg: Config, layout: Layout, args: ModelArgs) -> None:
     """What LoRA, QLoRA and DPO run on."""
     from meshtrain.errors import ConfigError
     from meshtrain.model.args import LoraSpec
-    from meshtrain.model.lora import NF4_BLOCK, target_weights
 
-    lora = LoraSpec.from_config(cfg.peft)
-    if lora is not None and lora.quantized:
-        odd = [p for p in target_weights(Shape.from_args(args), lora) if p.numel % NF4_BLOCK]
-        if odd:
-            raise ConfigError(
-                f"peft.method = qlora stores weights in blocks of {NF4_BLOCK}, but {odd[0].name} {odd[0].shape} "
-                "does not divide into them: leave that linear out of peft.targets, or use peft.method = lora"
-            )
+    if problem := nf4_refusal(Shape.from_args(args), LoraSpec.from_config(cfg.peft)):
+        raise ConfigError(problem)
 
     if cfg.peft.method == "qlora" and (layout.tp > 1 or layout.pp > 1 or layout.fsdp):
         raise ConfigError(
