@@ -507,7 +507,8 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
         (directory / "model.safetensors").write_bytes(b"")
 
     def run(init_from: str):
-        return SimpleNamespace(cfg=load_config(None, {"model.init_from": init_from} if init_from else {}), lora=None)
+        cfg = load_config(None, {"model.init_from": init_from} if init_from else {})
+        return SimpleNamespace(cfg=cfg, lora=None, base=base_identity(cfg))  # TrainState's fields it reads
 
     def checkpoint(**record):
         (tmp_path / TRAIN_STATE).write_text(json.dumps({"step": 5, "peft": None, **record}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -100,6 +101,14 @@ class TrainState:
     @property
     def lora(self) -> LoraSpec | None:
         return LoraSpec.from_config(self.cfg.peft)
+
+    @cached_property
+    def base(self) -> dict:
+        """The model this run started from (interop/hf.base_identity: its directory, config and weights'
+        fingerprint), read once: every save records it."""
+        from meshtrain.interop.hf import base_identity
+
+        return base_identity(self.cfg)
 
     @property
     def layout(self) -> Layout:

@@ -31,7 +31,7 @@ from meshtrain.data.tokenizer import copy_tokenizer
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_tflops
-from meshtrain.interop.hf import base_identity, keep_source_files
+from meshtrain.interop.hf import keep_source_files
 from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
@@ -204,7 +204,7 @@ def peft_record(s: TrainState) -> dict | None:
     if s.lora is None:
         return None
     storage = s.cfg.training.dtype if s.cfg.training.dtype in ("bf16", "fp16") else "fp32"
-    return {**s.lora.to_dict(), "base": base_identity(s.cfg), "base_storage": storage}
+    return {**s.lora.to_dict(), "base": s.base, "base_storage": storage}
 
 
 def check_same_base(s: TrainState, path: Path) -> None:
@@ -212,7 +212,7 @@ def check_same_base(s: TrainState, path: Path) -> None:
     settings; every weight to a run started from the same model.init_from (the checkpoint's weights
     are what trains on, so another init_from would be ignored without a word)."""
     state = json.loads((path / TRAIN_STATE).read_text())
-    saved, mine, init_from = state.get("peft"), peft_record(s), base_identity(s.cfg).get("init_from")
+    saved, mine, init_from = state.get("peft"), peft_record(s), s.base.get("init_from")
     if saved and mine:  # what the checkpoint recorded of its base (the weights' fingerprint since 2026-11-27)
         mine = {**mine, "base": {k: v for k, v in mine["base"].items() if k in saved.get("base", {})}}
     if saved is None and mine is None and state.get("init_from", init_from) != init_from:  # recorded since 2026-11
@@ -257,7 +257,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
             "layout": layout,
             "model": dataclasses.asdict(s.args),
             "peft": peft_record(s),
-            "init_from": base_identity(s.cfg).get("init_from"),
+            "init_from": s.base.get("init_from"),
             "run_dir": str(Path(s.cfg.run.dir).resolve()),  # where export and serve find the run's tokenizer
             **({"loss_scale": s.scaler.state_dict()} if s.scaler is not None else {}),
         },
