@@ -17,6 +17,7 @@ from bf16 q, k and v (more exact than the bf16 kernel, which rounds the probabil
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.errors import MeshtrainError
@@ -85,13 +86,18 @@ class _Bf16LinearInFp32(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, with a bf16 matmul (under autocast, or on bf16 inputs) run in fp32 arithmetic."""
+    if x.dtype == BF16 or torch.is_autocast_enabled(x.device.type):
+        return _Bf16LinearInFp32.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Fp32ComputeLinear(nn.Linear):
-    """nn.Linear whose bf16 matmuls (under autocast, or on bf16 inputs) run in fp32."""
+    """nn.Linear whose bf16 matmuls run in fp32 (fp32_linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == BF16 or torch.is_autocast_enabled(x.device.type):
-            return _Bf16LinearInFp32.apply(x, self.weight, self.bias)
-        return super().forward(x)
+        return fp32_linear(x, self.weight, self.bias)
 
 
 class Fp32ComputeLoRALinear(LoRALinear):
@@ -100,9 +106,7 @@ class Fp32ComputeLoRALinear(LoRALinear):
     (and kept in NF4 for backward, as torchao's own linear keeps it)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype == BF16 or torch.is_autocast_enabled(x.device.type):
-            return _Bf16LinearInFp32.apply(x, weight, bias)
-        return super().linear(x, weight, bias)
+        return fp32_linear(x, weight, bias)
 
 
 # the linears fp32 GEMM arithmetic swaps: exactly these classes (a subclass has forwards of its own)
