@@ -794,3 +794,31 @@ def test_tokenizer_config_flags_that_make_transformers_encode_otherwise_are_refu
         fix = f"set {flag} to {json.dumps(value != 'true')} or remove it"
         assert f"tokenizer_config.json: {refused} but tokenizer.json" in str(error.value) and fix in str(error.value)
         assert "\n" not in str(error.value)
+
+
+def test_split_special_tokens_in_tokenizer_config_is_refused(corpus, tmp_path):
+    """tokenizer_config.json's split_special_tokens true makes transformers encode a special token
+    written in a text as plain characters, where meshtrain (as tokenizer.json) reads it as the special
+    token: the model would be served other ids than it was trained on, so prepare refuses it in one
+    line; false (transformers' default) is kept."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "in.txt").write_text(TEXT)
+    text = "x = 1<|endoftext|>y = 2"
+    for i, (value, refused) in enumerate([(True, True), (False, False)]):
+        directory = tmp_path / f"tok{i}"
+        directory.mkdir()
+        (directory / "tokenizer.json").write_bytes((corpus / "tokenizer.json").read_bytes())
+        (directory / "tokenizer_config.json").write_text(json.dumps({"split_special_tokens": value}))
+        ours = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+        theirs = AutoTokenizer.from_pretrained(str(directory))(text, add_special_tokens=False)["input_ids"]
+        assert (theirs == ours) == (not refused), value  # what the refusal keeps from training
+        args = {"tokenizer": directory / "tokenizer.json", "val_fraction": 0, "progress": False, "workers": 1}
+        if not refused:
+            prepare([tmp_path / "in.txt"], tmp_path / f"out{i}", **args)
+            continue
+        with pytest.raises(DataError) as error:
+            prepare([tmp_path / "in.txt"], tmp_path / f"out{i}", **args)
+        message = str(error.value)
+        assert "tokenizer_config.json: split_special_tokens is true" in message and "\n" not in message
+        assert "set split_special_tokens to false or remove it" in message

@@ -238,3 +238,48 @@ def test_the_run_of_a_checkpoint_is_the_one_whose_checkpoints_are_there(tmp_path
     (moved / "model.safetensors").write_bytes(b"")
     (moved / "model.json").write_text("{}")
     assert run_weights(moved) == (None, moved)
+
+
+def test_an_export_renders_the_chat_templates_bos_token_as_training_did(corpus, tmp_path):
+    """A run whose tokenizer has no begin-of-text token (meshtrain's own BPE) rendered a template's
+    `{{ bos_token }}` as '' in its fine-tuning data (and `serve` renders it so): the export's tokenizer
+    has no bos_token either, so transformers' apply_chat_template gives the ids training saw, not an
+    <|endoftext|> before the prompt. config.json still names an id (the EOS's, GPT-2's use)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from meshtrain.data import prepare
+    from meshtrain.data.prepare import ChatOptions
+    from meshtrain.data.tokenizer import copy_tokenizer
+    from meshtrain.interop.weights import save_model
+    from meshtrain.model import ModelArgs
+
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+        "{{ eos_token if m['role'] == 'assistant' else '' }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    messages = [{"role": "user", "content": "red cat"}, {"role": "assistant", "content": "cat red"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    data, run = tmp_path / "data", tmp_path / "run"
+    options = {"val_fraction": 0, "progress": False, "workers": 1, "chat": ChatOptions(template)}
+    manifest = prepare([tmp_path / "chat.jsonl"], data, tokenizer=corpus / "tokenizer.json", **options)
+    trained_on = [
+        int(t) for f, a, n in manifest["splits"]["train"] for t in np.fromfile(data / f, manifest["dtype"])[a : a + n]
+    ]
+    run.mkdir()
+    copy_tokenizer(data / "tokenizer.json", run, data / "chat_template.jinja")  # as training keeps them
+    vocab = Tokenizer.from_file(str(run / "tokenizer.json")).get_vocab_size()
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=vocab, max_seq_len=64)
+    model = Llama(args)
+    model.init_weights(0)
+    save_model(model.state_dict(), args, run)
+
+    out = export_hf(run, tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    rendered = hf.apply_chat_template(messages, tokenize=False)
+    assert not rendered.startswith("<|endoftext|>") and rendered.startswith("<|user|>")
+    assert hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"] == trained_on
+    config = json.loads((out / "config.json").read_text())
+    assert config["bos_token_id"] == hf.convert_tokens_to_ids("<|endoftext|>")

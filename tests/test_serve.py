@@ -793,12 +793,13 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     (tmp_path / "generation_config.json").write_text(
         json.dumps(
             {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": 2}
-            | {"num_beams": 1, "num_beams_unused": 0, "min_new_tokens": 5}  # beams 1: as served; no such key
+            | {"num_beams": 1, "num_beams_unused": 0, "min_new_tokens": 5}  # beams 1: as served; a key unknown here
         )
     )
     defaults, ignored = sampling_defaults(tmp_path)
     assert defaults == {"temperature": 0.6, "top_p": 0.9} and ignored == [
         "repetition_penalty = 1.05",
+        "num_beams_unused = 0",
         "min_new_tokens = 5",
     ]
     tokenizer = SimpleNamespace(get_added_tokens_decoder=dict)  # no special tokens
@@ -834,7 +835,7 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     )
     greedy = ServedModel("m", None, tokenizer, [], None, "", sampling_defaults(tmp_path)[0])
     left_out = _check(greedy, engine, CompletionRequest(model="m", prompt="x"), [1, 2], chat=False)
-    assert (left_out.temperature, left_out.top_p, left_out.max_tokens) == (0.0, 1.0, 40)
+    assert (left_out.temperature, left_out.max_tokens) == (0.0, 40)
     given = CompletionRequest(model="m", prompt="x", temperature=0.7)
     assert _check(greedy, engine, given, [1, 2], chat=False).temperature == 0.7
     with pytest.raises(APIError, match="top_p shapes sampling, but this model decodes greedily"):
@@ -846,3 +847,153 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": "no"}))
     with pytest.raises(MeshtrainError, match="do_sample = 'no': it should be true or false"):
         sampling_defaults(tmp_path)
+
+
+def tiny_run(directory, generation_config: dict | None = None):
+    """A run directory as training leaves it (model.safetensors, model.json, tokenizer.json) of a
+    one-layer model, made in-process in a second; `generation_config`: a generation_config.json beside."""
+    from meshtrain.data.tokenizer import train_bpe
+    from meshtrain.interop.weights import save_model
+
+    directory.mkdir()
+    tokenizer = train_bpe(PROMPTS * 8, 300)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    args = ModelArgs(
+        dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=tokenizer.get_vocab_size(), max_seq_len=512
+    )
+    model = Llama(args)
+    model.init_weights(0)
+    save_model(model.state_dict(), args, directory)
+    if generation_config is not None:
+        (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    return directory, args
+
+
+def test_a_greedy_generation_config_keeps_its_top_p_and_top_k_for_requests_that_sample(tmp_path, monkeypatch, capsys):
+    """`do_sample: false` makes greedy the default, but a request (or `generate`) that samples with a
+    temperature gets the model's top_p and top_k, as transformers and vLLM keep them, not OpenAI's 1
+    and off; the refusal of top_p/top_k under the greedy default concerns the request's own values."""
+    from types import SimpleNamespace
+
+    import meshtrain.serve as serve
+    from meshtrain.serve.app import CompletionRequest, _check
+    from meshtrain.serve.loading import load_served_model, sampling_defaults
+
+    config = {"do_sample": False, "temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    run, _ = tiny_run(tmp_path / "run", config)
+    assert sampling_defaults(run)[0] == {"temperature": 0.0, "top_p": 0.9, "top_k": 20}
+    served = load_served_model(run, torch.device("cpu"), torch.float32)
+    name, engine = served.name, SimpleNamespace(max_context=64)
+
+    def params(**fields) -> tuple:
+        p = _check(served, engine, CompletionRequest(model=name, prompt="x", **fields), [1, 2], chat=False)
+        return p.temperature, p.top_p, p.top_k
+
+    assert params(temperature=0.7) == (0.7, 0.9, 20)  # the model's truncation, not OpenAI's (1, off)
+    assert params(temperature=0.7, top_p=0.5, top_k=3) == (0.7, 0.5, 3)
+    assert params()[0] == 0.0  # greedy by default; the model's own top_p/top_k are no reason to refuse
+    with pytest.raises(APIError, match="top_k shapes sampling, but this model decodes greedily"):
+        params(top_k=5)
+
+    # `meshtrain generate`: the same defaults, read by the same rules (the engine records what it is given)
+    given = []
+
+    class Recording:
+        def __init__(self, *args):
+            pass
+
+        def submit(self, request: Request) -> None:
+            given.append(request.params)
+            request.emit(("done", "length"))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(serve, "Engine", Recording)
+    none = {"temperature": None, "top_p": None, "top_k": None}
+    assert serve.generate_to_terminal(str(run), "def ", 4, none | {"temperature": 0.7}, None, "cpu") == 0
+    assert (given[-1].temperature, given[-1].top_p, given[-1].top_k) == (0.7, 0.9, 20)
+    capsys.readouterr()
+    assert serve.generate_to_terminal(str(run), "def ", None, none, None, "cpu") == 0
+    assert given[-1].temperature == 0.0
+    assert "top_p" not in capsys.readouterr().err  # named as the model's only where they shape the output
+    (run / "generation_config.json").write_text(json.dumps({"do_sample": False, "max_length": 6}))
+    assert serve.generate_to_terminal(str(run), "def ", None, none, None, "cpu") == 0
+    prompt = len(load_served_model(run, torch.device("cpu"), torch.float32).prompt_ids("def ", chat=False))
+    assert given[-1].max_tokens == max(1, 6 - prompt)  # max_length caps generate's default as serve's
+    with pytest.raises(MeshtrainError, match="--top-k shapes sampling, but the model's generation_config.json"):
+        serve.generate_to_terminal(str(run), "def ", 4, none | {"top_k": 5}, None, "cpu")
+    capsys.readouterr()
+
+
+def test_generation_config_values_the_server_does_not_apply_are_named_and_max_length_caps_the_default(tmp_path, capsys):
+    """Every generation_config.json value that would change the tokens but that serving does not
+    apply is named in a warning at load (not only repetition_penalty and min_p); token ids and other
+    bookkeeping, and values at transformers' neutral default, are not. max_length (Llama 2 ships 4096)
+    caps prompt + completion of a request that gives no max_tokens; a request's own max_tokens is
+    kept (OpenAI's semantics), and max_new_tokens, where set, wins over it (transformers')."""
+    from types import SimpleNamespace
+
+    from meshtrain.serve.app import ChatRequest, CompletionRequest, _check
+    from meshtrain.serve.loading import load_served_model, sampling_defaults
+
+    unapplied = {
+        "forced_eos_token_id": 2,
+        "sequence_bias": [[[5], -1.0]],
+        "exponential_decay_length_penalty": [10, 1.5],
+        "penalty_alpha": 0.6,
+        "dola_layers": "high",
+        "guidance_scale": 1.5,
+        "max_time": 10.0,
+        "watermarking_config": {"greenlist_ratio": 0.25},
+    }
+    bookkeeping = {"bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 0, "transformers_version": "4.45.0"}
+    bookkeeping |= {
+        "_from_model_config": True,
+        "use_cache": True,
+        "output_scores": False,
+        "return_dict_in_generate": True,
+    }
+    neutral = {"repetition_penalty": 1.0, "num_beams": 1, "early_stopping": False, "suppress_tokens": [], "top_h": None}
+    run, _ = tiny_run(tmp_path / "run", {"do_sample": True, "max_length": 50} | unapplied | bookkeeping | neutral)
+    served = load_served_model(run, torch.device("cpu"), torch.float32)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert [w.split(" sets ")[1].split(" = ")[0] for w in warnings] == list(unapplied)
+    assert all(w.endswith("which serving does not apply") for w in warnings)
+    assert "exponential_decay_length_penalty = [10, 1.5], which" in warnings[2]
+    assert served.sampling_defaults == {"max_length": 50}
+
+    engine = SimpleNamespace(max_context=64)
+
+    def length(prompt: int, chat: bool = False, **fields) -> int:
+        request = (
+            ChatRequest(model=served.name, messages=[Message(role="user", content="x")], **fields)
+            if chat
+            else CompletionRequest(model=served.name, prompt="x", **fields)
+        )
+        return _check(served, engine, request, [1] * prompt, chat).max_tokens
+
+    assert length(10) == 16 and length(40) == 10 and length(50) == 1  # OpenAI's 16, up to max_length in all
+    assert length(10, chat=True) == 40  # chat: to max_length, not to the end of the 64-token context
+    assert length(40, max_tokens=20) == 20  # the request's own length is kept past max_length
+    with pytest.raises(APIError, match="maximum context length is 64 tokens"):
+        length(40, max_tokens=30)  # ... not past the context
+    (run / "generation_config.json").write_text(json.dumps({"max_length": 20, "max_new_tokens": 30}))
+    served.sampling_defaults = sampling_defaults(run)[0]
+    assert length(10) == 30  # max_new_tokens wins, as transformers reads the two
+    (run / "generation_config.json").write_text(json.dumps({"max_length": 0}))
+    with pytest.raises(MeshtrainError, match="max_length = 0: input should be greater than or equal to 1"):
+        sampling_defaults(run)
+
+
+def test_a_bf16_served_model_keeps_fp32_rotary_tables(tmp_path):
+    """Loading in bf16 casts every float buffer; the rotary cos/sin tables are put back in fp32,
+    equal to those training computes (bf16 ones rotate by other angles, which `.float()` cannot undo)."""
+    from meshtrain.serve.loading import load_served_model
+
+    run, args = tiny_run(tmp_path / "run")
+    model = load_served_model(run, torch.device("cpu"), torch.bfloat16).model
+    fresh = Llama(args)
+    assert model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert torch.equal(model.rope_cos, fresh.rope_cos) and torch.equal(model.rope_sin, fresh.rope_sin)

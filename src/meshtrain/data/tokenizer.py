@@ -172,7 +172,18 @@ def _check_encoding_settings(tokenizer, path: Path, config: dict) -> None:
     """tokenizer_config.json's flags that make transformers rebuild the normalizer or pre-tokenizer
     (`_encoding_settings`) against what tokenizer.json does, which meshtrain encodes with: where the
     two disagree (GPT-2's add_prefix_space true beside a tokenizer.json without it), transformers
-    gives other ids than those the model was trained on."""
+    gives other ids than those the model was trained on. split_special_tokens true is refused too:
+    transformers then encodes a special token written in a text (`<|endoftext|>`) as plain
+    characters, where meshtrain, as tokenizer.json does, reads it as the special token."""
+    split = config.get("split_special_tokens")
+    if split is not None and not isinstance(split, bool):
+        raise DataError(f"{path}: split_special_tokens is {split!r}: it must be true or false")
+    if split:
+        raise DataError(
+            f"{path}: split_special_tokens is true but tokenizer.json reads special tokens in a text as special "
+            "tokens, as meshtrain does (transformers would split them into plain characters and give other ids): "
+            "set split_special_tokens to false or remove it"
+        )
     for flag, own in _encoding_settings(tokenizer).items():
         value = config.get(flag)
         if value is None:

@@ -307,8 +307,11 @@ def export_hf(source: str | Path, out: str | Path, max_shard_size: str = "5GB", 
         raise MeshtrainError(f"export dtype {dtype!r}: use auto, {', '.join(SHORT_DTYPES)}")
     tokenizer = load_tokenizer(tokenizer_file)
     eos, eos_ids = end_tokens(origin if origin.is_dir() else run_dir, tokenizer)
-    bos = begin_of_text(tokenizer, run_dir) or eos  # a run's own tokenizer: its config's BOS, else GPT-2's use
-    bos_id = (source_config or {}).get("bos_token_id", tokenizer.token_to_id(bos) if bos else None)
+    # what the run's chat template rendered as bos_token in training (data prepare) and renders in `serve`: its
+    # tokenizer_config.json's BOS, else none (''); config.json's bos_token_id falls back to the EOS, GPT-2's use
+    bos = begin_of_text(tokenizer, run_dir)
+    bos_id_token = bos or eos
+    bos_id = (source_config or {}).get("bos_token_id", tokenizer.token_to_id(bos_id_token) if bos_id_token else None)
 
     out = Path(out)
     with atomic_directory(out) as tmp:

@@ -12,7 +12,7 @@ import torch
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.serve.engine import Engine, Request, SamplingParams
-from meshtrain.serve.loading import ServedModel, load_served_model, truncations_given
+from meshtrain.serve.loading import ServedModel, default_completion_length, load_served_model, truncations_given
 
 __all__ = [
     "Engine",
@@ -145,9 +145,17 @@ def generate_to_terminal(
     chosen = {key: served.sampling_defaults.get(key, TERMINAL_SAMPLING[key]) for key in given} | {
         key: value for key, value in given.items() if value is not None
     }
-    if max_tokens is None:  # the model's own length, as serve takes it: up to the context's room
-        chosen["max_new_tokens"] = max(1, min(chosen["max_new_tokens"], limit - len(ids)))
-    from_model = [f"{key} {chosen[key]}" for key in given if given[key] is None and key in served.sampling_defaults]
+    if max_tokens is None:  # the model's own length (max_new_tokens, else max_length), as serve takes it
+        fallback = TERMINAL_SAMPLING["max_new_tokens"]
+        chosen["max_new_tokens"] = default_completion_length(
+            served.sampling_defaults, len(ids), limit - len(ids), fallback
+        )
+    greedy = chosen["temperature"] == 0  # the model's top_p and top_k take no part
+    from_model = [
+        f"{key} {chosen[key]}"
+        for key in given
+        if given[key] is None and key in served.sampling_defaults and not (greedy and key in ("top_p", "top_k"))
+    ]
     if chosen["temperature"] == 0 and (
         idle := truncations_given(given["top_p"], given["top_k"]) + (["seed"] if seed is not None else [])
     ):

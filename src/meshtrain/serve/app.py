@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from meshtrain.errors import DataError
 from meshtrain.serve.engine import Engine, SamplingParams
 from meshtrain.serve.engine import Request as Generation
-from meshtrain.serve.loading import SamplingDefaults, ServedModel, truncations_given
+from meshtrain.serve.loading import SamplingDefaults, ServedModel, default_completion_length, truncations_given
 
 
 class APIError(Exception):
@@ -280,9 +280,9 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     if body.stream and (echo or logprobs is not None):
         raise APIError(400, "logprobs and echo are returned with stream: false only", "stream")
     room = engine.max_context - len(prompt_ids)
-    default = room if chat else min(16, room)  # OpenAI: chat to the end of the context, completions 16
-    default = min(served.sampling_defaults.get("max_new_tokens", default), room)  # the model's own, if set
-    max_tokens = body.max_tokens if body.max_tokens is not None else max(1, default)
+    openai_default = room if chat else 16  # OpenAI: chat to the end of the context, completions 16
+    default = default_completion_length(served.sampling_defaults, len(prompt_ids), room, openai_default)
+    max_tokens = body.max_tokens if body.max_tokens is not None else default  # the request's own: not capped
     if max_tokens == 0 and not echo:
         raise APIError(400, "max_tokens: 0 only with echo (scoring the prompt)", "max_tokens")
     if room < 0 or (room < 1 and max_tokens) or max_tokens > room:
