@@ -699,3 +699,108 @@ def test_heads_on_the_command_line_keep_the_config_files_key_value_heads(tmp_pat
     assert _load(options, ["--model.n_heads", "16"])[0].model.n_kv_heads == 16
     flags = ["--model.preset", "tiny", "--model.n_heads", "16"]
     assert _load(PlanOptions(gpu="h100-80gb"), flags)[0].model.n_kv_heads == 16
+
+
+def test_a_pinned_schedule_and_stage_count_are_kept_or_refused_as_train_refuses_them(capsys, tmp_path):
+    """--virtual-stages and --pp-schedule are planned as given, never swapped for another stage count;
+    a pair train refuses (zbv on 3 stages, GPipe on 4) is refused in train's words, on the command line
+    and in an explained config, rather than planned as the pair train would have accepted."""
+    from meshtrain.model.presets import PRESETS
+    from meshtrain.plan import device, search
+    from meshtrain.plan.search import schedules
+
+    tiny = ["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "8", "--global-batch", "64", "--json"]
+    code, out, err = plan_here(capsys, *tiny, "--pp", "2", "--virtual-stages", "3")
+    layouts = json.loads(out)["layouts"]
+    assert (
+        code == 0
+        and layouts
+        and {(lay["pp_schedule"], lay["pp_virtual_stages"]) for lay in layouts} == {("interleaved_1f1b", 3)}
+    ), err
+    for pair, message in [
+        (("zbv", "3"), "parallel.pp_schedule = 'zbv' places exactly 2 stages per rank in a V"),
+        (("gpipe", "4"), "parallel.pp_schedule = 'gpipe' runs one stage per rank: set parallel.pp_virtual_stages = 1"),
+        (("interleaved_1f1b", "1"), "parallel.pp_schedule = 'interleaved_1f1b' needs parallel.pp_virtual_stages >= 2"),
+    ]:
+        for pp in (["--pp", "2"], []):  # refused whether the pipeline degree is pinned or searched
+            flags = ["--pp-schedule", pair[0], "--virtual-stages", pair[1]]
+            code, _, err = plan_here(capsys, *tiny, *pp, *flags)
+            assert code == 2 and message in err and err.count("\n") == 1, err
+    config = tmp_path / "job.toml"
+    model = '[model]\npreset = "tiny"\nvocab_size = 8192\n[training]\nglobal_batch_size = 16\n'
+    config.write_text(f'{model}[parallel]\npp = 2\npp_schedule = "gpipe"\npp_virtual_stages = 2\n')
+    code, _, err = plan_here(capsys, "--config", str(config), "--gpu", "h100-80gb", "--gpus", "8", "--json")
+    assert code == 2 and "parallel.pp_schedule = 'gpipe' runs one stage per rank" in err, err
+    config.write_text(f'{model}[parallel]\npp = 2\npp_schedule = "interleaved_1f1b"\npp_virtual_stages = 3\n')
+    code, out, err = plan_here(capsys, "--config", str(config), "--gpu", "h100-80gb", "--gpus", "2", "--json")
+    ((schedule, stages),) = [(lay["pp_schedule"], lay["pp_virtual_stages"]) for lay in json.loads(out)["layouts"]]
+    assert code == 0 and (schedule, stages) == ("interleaved_1f1b", 3), err
+    # the search keeps a pinned pair as given; a GPT shape's layouts meet train's rule for it too
+    assert schedules(2, 6, {"pp_virtual_stages": 3}) == [("interleaved_1f1b", 3)]
+    assert schedules(2, 6, {"pp_virtual_stages": 1}) == [("1f1b", 1)]
+    assert schedules(2, 6, {"pp_schedule": "zbv", "pp_virtual_stages": 3}) == [("zbv", 3)]
+    gpt = Workload(Shape.gpt(256, 6, 8, 8192, 256), 256, "bf16")
+    dev, inter = device("h100-80gb", 8)
+    fixed = {"tp": 1, "pp": 2, "pp_schedule": "zbv", "pp_virtual_stages": 3}
+    estimates, refused = search(gpt, dev, inter, 8, 64, fixed)
+    assert not estimates and any("places exactly 2 stages per rank" in why for why in refused), refused
+    assert search(gpt, dev, inter, 8, 64, fixed | {"pp_virtual_stages": 2})[0]
+    assert PRESETS["tiny"].n_layers == 6  # 2 x 3 stages keep a layer each
+
+
+def test_a_config_that_trains_on_another_device_than_the_plan_is_refused(capsys, tmp_path):
+    """launch.device fixes where a --config trains: an H100 plan of a CPU job (or a CPU plan of a CUDA
+    job) is refused in one line, and nothing is written; neuron is not modelled at all; auto and a
+    matching device are planned."""
+    config, written = tmp_path / "job.toml", tmp_path / "best.toml"
+    model = '[model]\npreset = "tiny"\nvocab_size = 8192\n[training]\nglobal_batch_size = 16\n'
+    for device, gpu, message in [
+        ("cpu", "h100-80gb", "--gpu h100-80gb plans GPUs, but launch.device = cpu trains on the CPU: plan it with "),
+        ("cuda", "cpu", "--gpu cpu plans the CPU, but launch.device = cuda trains on GPUs"),
+        ("neuron", "h100-80gb", "launch.device = neuron trains on AWS Trainium, which plan does not model"),
+        ("neuron", "cpu", "launch.device = neuron trains on AWS Trainium, which plan does not model"),
+    ]:
+        config.write_text(f'{model}[launch]\ndevice = "{device}"\n')
+        code, _, err = plan_here(capsys, "--config", str(config), "--gpu", gpu, "--write-config", str(written))
+        assert code == 2 and message in err and err.count("\n") == 1, err
+        assert not written.exists()
+    for device in ("cuda", "auto"):
+        config.write_text(f'{model}[launch]\ndevice = "{device}"\n')
+        code, out, err = plan_here(capsys, "--config", str(config), "--gpu", "h100-80gb", "--json")
+        assert code == 0 and json.loads(out)["device"] == "h100-80gb" and json.loads(out)["layouts"], err
+
+
+def test_pinned_degrees_that_leave_no_layout_name_the_rule(capsys, tmp_path):
+    """A pinned tp, pp or dp_replicate that does not fit the GPUs leaves the search nothing to try: the
+    report names train's rule after "no layout is possible:", never nothing; so does a global batch
+    that no micro-batch splits over the data-parallel ranks. No pinning leaves the reasons empty."""
+    from meshtrain.model.presets import PRESETS
+    from meshtrain.plan import device, search
+
+    tiny = ["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "8"]
+    world = "world size 8 is not divisible by parallel.tp ({}) x parallel.pp ({}) x parallel.cp (1) = 3"
+    replicate = "the data-parallel degree world / (tp x pp x cp) = {} is not divisible by parallel.dp_replicate (3)"
+    for pin, rule in [
+        (["--tp", "3"], world.format(3, 1)),
+        (["--pp", "3"], world.format(1, 3)),
+        (["--dp-replicate", "3"], replicate.format(8)),
+        (["--tp", "2", "--dp-replicate", "3"], replicate.format(4)),
+        (["--tp", "1", "--pp", "1", "--cp", "1", "--global-batch", "12"], "training.global_batch_size (12) must be"),
+    ]:
+        code, out, err = plan_here(capsys, *tiny, *pin)
+        assert code == 0 and f"no layout is possible: {rule}" in " ".join(out.split()), out + err
+        code, out, _ = plan_here(capsys, *tiny, *pin, "--json")
+        report = json.loads(out)
+        assert not report["layouts"] and any(rule in why for why in report["not_possible"]), report
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\npreset = "tiny"\nvocab_size = 8192\n[parallel]\ntp = 3\n')
+    code, out, _ = plan_here(capsys, "--config", str(config), "--gpu", "h100-80gb", "--gpus", "8")
+    assert code == 0 and f"no layout is possible: {world.format(3, 1)}" in " ".join(out.split()), out
+    w = Workload(Shape.from_args(PRESETS["tiny"]), 256, "bf16")
+    dev, inter = device("h100-80gb", 8)
+    base = load_config(None, ["--model.preset", "tiny"])
+    for gpus in (1, 3, 6, 8, 12):
+        for fixed in ({}, {"tp": 3}, {"pp": 4}, {"dp_replicate": 2, "zero": 3}, {"tp": 2, "pp": 2, "cp": 2}):
+            for batch in (12, 16):
+                estimates, refused = search(w, dev, inter, gpus, batch, fixed, base, PRESETS["tiny"])
+                assert estimates or (refused and all(refused)), (gpus, fixed, batch)

@@ -240,7 +240,7 @@ class Layout:
                 f"training.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"training.micro_batch_size ({self.micro_batch_size}) x data-parallel degree ({self.dp}) = {per_step}"
             )
-        self._validate_schedule(cfg.parallel.pp_microbatches)
+        self.validate_schedule(cfg.parallel.pp_microbatches)
         self._validate_context(args, t)
 
     def _validate_context(self, args, t) -> None:
@@ -291,7 +291,7 @@ class Layout:
                 f"{self.pp} x {self.pp_virtual_stages} = {stages} (one layer per pipeline stage)"
             )
 
-    def _validate_schedule(self, pp_microbatches: int) -> None:
+    def validate_schedule(self, pp_microbatches: int) -> None:
         """The schedule against the micro-batches it splits each step into (local batch / micro batch)."""
         if self.pp == 1:
             return

@@ -31,7 +31,7 @@ from meshtrain.config import (
     section_of,
     to_toml,
 )
-from meshtrain.errors import DataError, MeshtrainError
+from meshtrain.errors import ConfigError, DataError, MeshtrainError
 from meshtrain.files import check_output
 from meshtrain.layout import Layout
 from meshtrain.model import PRESETS, ModelArgs
@@ -39,6 +39,7 @@ from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import KINDS, Workload, device, search
 from meshtrain.plan.checks import check_compiled, check_cp, check_links, check_peak, check_peft, check_precision
+from meshtrain.plan.search import schedule_refusal
 
 # The config keys plan reads, with their short spellings.
 PLAN_HEADER = "# a meshtrain training config written by `meshtrain plan --write-config`"
@@ -277,6 +278,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             o.write_config, "--write-config", {"--config": o.config, "--comm": o.comm}, PLAN_HEADER, "meshtrain plan"
         )
     cfg, given = _load(o, list(getattr(args, "overrides", None) or []))
+    check_launch_device(cfg.launch.device, o.gpu)
     explain = bool(o.config)
     t = cfg.training
     model = planned_model(cfg, data=explain)
@@ -374,7 +376,9 @@ def pinned_knobs(cfg: Config, given: set[str], explain: bool) -> set[str]:
     config's. One that only shapes another pinned one which leaves it nothing to do (--no-sequence-
     parallel with --tp 1, --pp-schedule with --pp 1, --ac-every without selective checkpointing) is
     refused in one line as `train` refuses it, rather than planned without it; with the other knob
-    searched, the layouts it shapes take it."""
+    searched, the layouts it shapes take it. So is a pinned schedule and stage count that train refuses
+    together (--pp-schedule zbv --virtual-stages 3): no layout could keep both, and replacing either
+    would plan another job than the one asked for."""
     pinned = set(KNOBS) if explain else {key.partition(".")[2] for key in given}
     probe = Config()
     for key in pinned & set(KNOBS):
@@ -382,7 +386,32 @@ def pinned_knobs(cfg: Config, given: set[str], explain: bool) -> set[str]:
             section = section_of(key)
             setattr(getattr(probe, section), key, getattr(getattr(cfg, section), key))
     check_keys_in_force(probe)
+    if {"pp_schedule", "pp_virtual_stages"} <= pinned:
+        if problem := schedule_refusal(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages):
+            raise ConfigError(problem)
     return pinned
+
+
+def check_launch_device(device: str, gpu: str) -> None:
+    """A --config's launch.device names the device it trains on: a plan for another one (an H100 plan of
+    a CPU job, a CPU plan of a CUDA job) would describe, and --write-config write, a job that is not
+    the one it runs, so it is refused in one line (jobscript's words for the same contradiction).
+    Trainium (neuron) is not modelled: plan has GPUs and the CPU only. "auto" takes the --gpu."""
+    if device == "neuron":
+        raise MeshtrainError(
+            "launch.device = neuron trains on AWS Trainium, which plan does not model (GPUs and the CPU only): "
+            "plan a GPU or CPU job (launch.device = auto, cuda or cpu)"
+        )
+    if device == "cpu" and gpu != "cpu":
+        raise MeshtrainError(
+            f"--gpu {gpu} plans GPUs, but launch.device = cpu trains on the CPU: plan it with --gpu cpu, or train "
+            "on them (launch.device = auto or cuda)"
+        )
+    if device == "cuda" and gpu == "cpu":
+        raise MeshtrainError(
+            "--gpu cpu plans the CPU, but launch.device = cuda trains on GPUs: plan it with the --gpu it trains on, "
+            "or train on the CPU (launch.device = auto or cpu)"
+        )
 
 
 def planned_peft(cfg: Config, peft: LoraSpec | None):

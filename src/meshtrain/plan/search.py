@@ -88,12 +88,45 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
         return f"heads, ffn and vocabulary must be divisible by tp {layout.tp}"
     if layout.cp > 1 and (w.seq_len % layout.cp or s.n_heads // layout.tp % layout.cp):
         return f"the sequence and the heads per TP rank must be divisible by cp {layout.cp}"
+    if layout.pp > 1 and (problem := schedule_refusal(layout.pp_schedule, layout.pp_virtual_stages)):
+        return problem
     if s.n_layers < layout.pp * layout.stages_per_rank:
         return "fewer layers than pipeline stages"
     if layout.global_batch_size % (layout.micro_batch_size * layout.dp):
         return "global batch not divisible by micro-batch x dp"
     if layout.pp > 1 and layout.micro_batches < layout.pp:
         return "fewer micro-batches than pipeline stages"
+    return ""
+
+
+def schedule_refusal(schedule: str, stages: int) -> str:
+    """Why train refuses a pipeline schedule with `stages` per rank ("" if it runs them): Layout's own
+    schedule rule, on a probe pipeline of 2 ranks with micro-batches that every schedule takes, so only
+    the pair is judged (a GPT shape's micro-batches follow Megatron's rules in `check`; the CLI refuses a
+    pinned pair before the search)."""
+    probe = Layout(pp=2, pp_schedule=schedule, pp_virtual_stages=stages, global_batch_size=2)
+    try:
+        probe.validate_schedule(0)  # the rule Layout.validate applies, without a model or a config
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def degrees_refusal(gpus: int, fixed: dict) -> str:
+    """Why no layout's degrees fit `gpus` ("" if some do), in train's words (Layout.from_config's first
+    two rules): pinned tp, pp and cp whose product does not divide the world, or a pinned dp_replicate
+    that does not divide the data-parallel degree left. The others are judged at 1, the degree the search
+    always tries: if the pins fail there they fail everywhere. Without it the search would have no
+    layout to try, and nothing to say why."""
+    degrees = {key: fixed.get(key) or 1 for key in ("tp", "pp", "cp", "dp_replicate")}
+    if gpus % (degrees["tp"] * degrees["pp"] * degrees["cp"] * degrees["dp_replicate"]) == 0:
+        return ""
+    probe = Config()
+    probe = dataclasses.replace(probe, parallel=dataclasses.replace(probe.parallel, **degrees))
+    try:
+        Layout.from_config(probe, gpus)
+    except ConfigError as e:
+        return str(e)
     return ""
 
 
@@ -106,15 +139,22 @@ VIRTUAL_STAGES = tuple(range(2, 9))  # large runs interleave up to 8 (Llama 3 40
 
 def schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
     """(schedule, stages per rank) to try: 1F1B, and interleaved 1F1B with several stages per
-    rank (2 to 8) while every stage keeps a layer; a fixed schedule or stage count narrows that."""
+    rank (2 to 8) while every stage keeps a layer; a fixed schedule or stage count narrows that.
+    A pinned value is kept, never replaced by one the search likes better: a pinned pair is tried as
+    given (`check` refuses a pair train refuses, in its words), and pinned stages alone take the
+    searched schedule that runs them (1F1B one, interleaved 1F1B several)."""
     if pp == 1:
         return [("1f1b", 1)]
     name, v = fixed.get("pp_schedule"), fixed.get("pp_virtual_stages")
-    if name in SINGLE_STAGE_SCHEDULES or (name is None and v == 1):
-        return [(name or "1f1b", 1)]
+    if name is not None and v is not None:
+        return [(name, v)]
+    if v is not None:
+        return [("1f1b" if v == 1 else "interleaved_1f1b", v)]
+    if name in SINGLE_STAGE_SCHEDULES:
+        return [(name, 1)]
     if name == "zbv":
         return [("zbv", 2)]
-    stages = [v] if v is not None else [s for s in VIRTUAL_STAGES if pp * s <= n_layers]
+    stages = [s for s in VIRTUAL_STAGES if pp * s <= n_layers]
     if name is None:
         return [("1f1b", 1), *(("interleaved_1f1b", s) for s in stages)]
     return [(name, s) for s in stages] or [(name, 2)]
@@ -168,7 +208,8 @@ def candidates(w: Workload, gpus: int, gpus_per_node: int, global_batch: int, fi
                 replicate = [1] + [
                     r for r in _divisors(dp) if 1 < r < dp and zero >= 2 and dp // r * cp * tp == gpus_per_node
                 ]
-                micro = [b for b in (1, 2, 4, 8, 16, 32) if global_batch % (b * dp) == 0]
+                # none divides a global batch that dp does not: micro-batch 1 then, which `check` refuses, saying why
+                micro = [b for b in (1, 2, 4, 8, 16, 32) if global_batch % (b * dp) == 0] or [1]
                 pipelines = schedules(pp, w.shape.n_layers, fixed)
                 for r, mb, (schedule, v) in itertools.product(
                     options("dp_replicate", replicate), options("micro_batch_size", micro), pipelines
@@ -209,7 +250,10 @@ def search(
     args=None,
 ) -> tuple[list[Estimate], dict[str, int]]:
     """Estimates, those that fit best first (by tokens/s), then those that do not (smallest first);
-    and how many layouts were dropped for each reason meshtrain would refuse them."""
+    and how many layouts were dropped for each reason meshtrain would refuse them (never none with no
+    estimate: pinned degrees that leave nothing to try are that reason)."""
+    if problem := degrees_refusal(gpus, fixed):
+        return [], {problem: 1}
     estimates, refused = [], {}
     for layout in candidates(w, gpus, min(gpus, dev.gpus_per_node), global_batch, fixed):
         reason = check(w, layout, base, args)
