@@ -155,6 +155,35 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
 
 
+# Set where a job comes back: torch elastic's workers restarted (`--max-restarts`), a Slurm job requeued.
+RESTART_COUNTERS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def job_came_back() -> bool:
+    """Whether this start is the job coming back (its workers restarted, the job requeued): an SGE
+    job rerun says so with RESTARTED=1 beside its JOB_ID."""
+    counts = [os.environ.get(name, "0") for name in RESTART_COUNTERS]
+    sge_rerun = bool(os.environ.get("JOB_ID")) and os.environ.get("RESTARTED") == "1"
+    return sge_rerun or any(count.isdigit() and int(count) > 0 for count in counts)
+
+
+def continue_job(cfg):
+    """The config this start of the job trains with. checkpoint.resume = PATH (or none) says where
+    the job starts; taken again when the job comes back, it would redo every step since (and prune
+    the newer checkpoints), or refuse them as another run's. A job that came back continues from the
+    newest committed checkpoint in its checkpoint.dir instead, and says so."""
+    import dataclasses
+
+    root = checkpoint_root(cfg)
+    if cfg.checkpoint.resume == "auto" or not job_came_back() or not (committed := committed_checkpoints(root)):
+        return cfg
+    log.info(
+        f"this job came back (a restart or requeue): continuing from its newest checkpoint {committed[-1]}, "
+        f"not checkpoint.resume = {cfg.checkpoint.resume}, where it started"
+    )
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
+
+
 def run_checkpoint_root(run_dir: Path) -> Path:
     """Where a run directory's checkpoints are: the checkpoint.dir its config.toml records (it may lie
     outside run.dir), else <run>/checkpoints. A relative checkpoint.dir is relative to the directory

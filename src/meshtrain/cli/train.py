@@ -94,7 +94,13 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     """Prepare the data and run the preflight once, before any worker starts; hold the run directory
     for the whole job, across its workers' restarts (on a multi-node job started by hand: node 0's
     launcher); start the workers."""
-    from meshtrain.checkpoint import checkpoint_root, job_locks, refuse_another_lineage, refuse_overwriting_results
+    from meshtrain.checkpoint import (
+        checkpoint_root,
+        continue_job,
+        job_locks,
+        refuse_another_lineage,
+        refuse_overwriting_results,
+    )
     from meshtrain.launch.distributed import require_device
     from meshtrain.launch.env import chosen_launcher, env_int
     from meshtrain.launch.local import launch_workers
@@ -119,6 +125,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
         )
     nodes = o.nnodes or env_int(os.environ, "SLURM_STEP_NUM_NODES", default=1)
     require_device(cfg.launch.device)
+    cfg = continue_job(cfg)  # a requeued job; its workers, restarted by torch elastic, decide again
     refuse_another_lineage(cfg.checkpoint.resume, checkpoint_root(cfg))
     lock = job_locks(cfg)  # node 0's launcher holds them for the job; it alone checks the run dir
     if not o.node_rank and not lock.held_by_this_job():  # else this is the job itself, requeued

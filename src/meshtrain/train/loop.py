@@ -20,6 +20,7 @@ from meshtrain.checkpoint import (
     Checkpointer,
     checkpoint_root,
     committed_checkpoints,
+    continue_job,
     find_resume,
     job_locks,
     refuse_another_lineage,
@@ -366,6 +367,7 @@ def train(cfg: Config) -> dict:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C in start-up: out at once, even from a C++ wait
     env = detect(launcher=cfg.launch.env)
     setup_logging(env.rank, cfg.run.log_level)
+    cfg = continue_job(cfg)
     s = build(cfg, env)
     lock = hold_run_dir(cfg, env.rank)
     try:
