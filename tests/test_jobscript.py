@@ -33,6 +33,7 @@ CASES = {
     ],
     "slurm-cpu": ["slurm", *COMMON, "--procs-per-node", "2"],
     "sge": ["sge", *COMMON, "--gpus-per-node", "4", "--module", "cuda/12.4", "--module", "nccl/2.21"],
+    "sge-pe": ["sge", *COMMON, "--gpus-per-node", "4", "--pe", "mpi"],
     "pbs": ["pbs", *COMMON, "--gpus-per-node", "4", "--partition", "workq"],
     "mpirun": ["mpirun", *LAUNCHED, "--procs-per-node", "4"],
     "torchrun": ["torchrun", *LAUNCHED, "--gpus-per-node", "8"],
@@ -152,6 +153,54 @@ def test_the_configs_time_limit_is_kept_or_refused(cli_env, tmp_path):
     assert "--training.time_limit 1710" in launched.stdout, launched.stderr
     untimed = run_cli(["jobscript", "torchrun", "--config", "configs/tiny.toml"], cli_env, cwd=repo)
     assert untimed.returncode == 0 and "--training.time_limit" not in untimed.stdout, untimed.stderr
+
+
+def test_an_sge_parallel_environment_gets_its_gpus_and_whole_nodes(cli_env, tmp_path):
+    """With --pe the job asked only for slots: no GPUs, and nothing said the PE's allocation rule put
+    --nodes hosts of the ranks per node that `mpirun -npernode` assumes. Now a GPU per slot is
+    requested, and a placement other than whole nodes stops the job before mpirun, naming it."""
+    script = tmp_path / "job.sge"
+    flags = ["sge", "--config", "configs/tiny.toml", "--nodes", "2", "--gpus-per-node", "4", "--pe", "mpi"]
+    made = run_cli(["jobscript", *flags, "--out", str(script), "--", *FITS], cli_env, cwd=Path(__file__).parents[1])
+    assert made.returncode == 0, made.stderr
+    text = script.read_text()
+    assert "#$ -pe mpi 8 " in text and "#$ -l gpu=1 " in text
+    for placed, refused in (("a 4 all.q UNDEFINED\nb 4 all.q UNDEFINED\n", False), ("a 8 all.q UNDEFINED\n", True)):
+        hosts = tmp_path / "pe_hostfile"
+        hosts.write_text(placed)
+        env = {"PATH": os.environ["PATH"], "PE_HOSTFILE": str(hosts), "HOME": str(tmp_path)}
+        ran = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True)
+        message = "the PE placed its slots as a:8 but the job needs 2 hosts with 4 each"
+        assert (message in ran.stderr) == refused, ran.stderr
+        assert (ran.returncode == 1) if refused else "mpirun" in ran.stderr  # went on to mpirun (absent here)
+
+
+def test_the_trainium_compile_trial_starts_whatever_the_end_of_run_keys_say(cli_env, tmp_path):
+    """The Trainium job first runs a 10-step trial of itself. A config it could not start with (a
+    stop_at_step beyond its 10 steps; sample and save keys its "nothing saved" switched off) failed on
+    the cluster after the wait in the queue. The trial sets what it needs, and jobscript loads and
+    preflights it (a refusal would name the trial)."""
+    import shlex
+
+    from meshtrain.config import load_config
+    from meshtrain.train.preflight import preflight
+
+    repo = Path(__file__).parents[1]
+    config = tmp_path / "trial.toml"
+    tiny = (repo / "configs/tiny.toml").read_text().replace("steps = 100", "steps = 100\nstop_at_step = 50")
+    config.write_text(tiny.replace("[run]", "[run]\nsave_model_max_gb = 3.0"))
+    with_config = [*TRAINIUM[:2], str(config), *TRAINIUM[3:]]
+    flags = [*with_config, "--out", str(tmp_path / "c.yaml"), "--", *FITS_TRAINIUM, "--run.sample_tokens", "32"]
+    made = run_cli(["jobscript", *flags], cli_env, cwd=repo)
+    assert made.returncode == 0, made.stderr
+    job = (tmp_path / "c.yaml.sbatch").read_text()
+    trial = shlex.split(job[job.index("neuron_parallel_compile /") :].splitlines()[0])
+    start = trial.index("--config")
+    overrides = trial[start + 2 :]
+    del overrides[overrides.index("--nproc") : overrides.index("--nproc") + 2]
+    cfg = load_config(trial[start + 1], overrides)
+    assert cfg.training.steps == 10 and cfg.training.stop_at_step == 0 and not cfg.run.save_model
+    preflight(cfg, 128, None)  # the trial's 2 x 64 ranks start
 
 
 def test_pcluster_gpu_nodes_run_one_rank_per_gpu(cli_env, tmp_path):

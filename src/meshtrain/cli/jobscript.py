@@ -41,6 +41,15 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
 
         check_device(cfg, torch.device("cuda" if spec.gpus_per_node else "cpu"), launcher=True)
     _check_job(cfg, spec.world)
+    if spec.accelerator == "trainium":
+        from meshtrain.launch.pcluster import NEURON_TRIAL
+
+        what = "ahead-of-time compile trial (10 steps, nothing saved) of the job"
+        try:  # its arguments in the script's order
+            trial = load_config(spec.config, ["--launch.device", "neuron", *train_args, *NEURON_TRIAL])
+        except MeshtrainError as e:
+            raise MeshtrainError(f"the {what} could not start with this config: {e}") from None
+        _check_job(trial, spec.world, what)
     if args.out:
         from meshtrain.files import check_output
 
@@ -101,7 +110,7 @@ def _check_launcher(launcher: str, kind: str, mode: str) -> None:
         )
 
 
-def _check_job(cfg, world: int) -> None:
+def _check_job(cfg, world: int, what: str = "job") -> None:
     """The preflight the job will run, at the job's world size (batch and layout divisibility, the
     model's shape; the data's vocabulary and tokenizer where the data is here too), so that a script
     that cannot train is never submitted to wait in the queue."""
@@ -115,4 +124,4 @@ def _check_job(cfg, world: int) -> None:
     try:
         preflight(cfg, world, dataset)
     except MeshtrainError as e:
-        raise MeshtrainError(f"the job's {world} ranks could not train this config: {e}") from None
+        raise MeshtrainError(f"the {what}'s {world} ranks could not train this config: {e}") from None

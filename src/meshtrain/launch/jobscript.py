@@ -232,6 +232,8 @@ def sge(spec: JobSpec) -> str:
         f"#$ -o logs/{spec.job_name}.log",
         "#$ -r y                         # may run again (after exit 99: checkpointed before h_rt)",
     ]
+    if spec.sge_pe and spec.gpus_per_node:  # rt_F nodes come with their GPUs; slots of a PE do not
+        lines.append("#$ -l gpu=1                     # a GPU per slot (rank): your site's resource name, qconf -sc")
     if spec.account:
         lines.append(f"#$ -g {spec.account}                  # ABCI group to charge")
     lines += [
@@ -249,6 +251,14 @@ def sge(spec: JobSpec) -> str:
         'if [ -n "${PE_HOSTFILE:-}" ] && [ -z "${SGE_JOB_HOSTLIST:-}" ]; then',
         '    HOSTFILE="$(mktemp)"',
         '    awk \'{print $1}\' "$PE_HOSTFILE" > "$HOSTFILE"',
+        "    # mpirun -npernode below needs the PE's allocation rule to have placed the slots in whole nodes",
+        f"    if ! awk -v n={spec.nodes} -v p={spec.per_node} '$2 != p {{bad=1}} END {{exit bad || NR != n}}' "
+        '"$PE_HOSTFILE"; then',
+        f'        echo "meshtrain: the PE placed its slots as $(awk \'{{printf "%s:%s ", $1, $2}}\' "$PE_HOSTFILE")'
+        f"but the job needs {spec.nodes} hosts with {spec.per_node} each: use a PE whose allocation_rule is "
+        f'{spec.per_node} (qconf -sp {spec.sge_pe or "PE"})" >&2',
+        "        exit 1",
+        "    fi",
         "fi",
         "",
         "# Ranks come from MPI (OMPI_COMM_WORLD_*); the first host is the rendezvous address. SGE gives",

@@ -4,9 +4,11 @@ nodes, and an ahead-of-time compile before training."""
 
 from __future__ import annotations
 
+import shlex
 import textwrap
-from dataclasses import replace
+from dataclasses import fields, replace
 
+from meshtrain.config.schema import RunConfig
 from meshtrain.errors import MeshtrainError
 from meshtrain.launch.jobscript import TRAINIUM, JobSpec, _srun, slurm
 
@@ -97,6 +99,19 @@ def _queue(spec: JobSpec) -> str:
     return spec.partition or ("trainium" if spec.accelerator == "trainium" else "gpu")
 
 
+# What the Trainium compile trial sets after the job's own arguments: ten steps of the same job,
+# nothing kept (no checkpoint resumed, no weights saved, no sample), no stop inside the ten steps.
+# `meshtrain jobscript` loads the job's config with them, so a trial that could not start is refused
+# before the job is queued.
+_RUN_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
+NEURON_TRIAL = (
+    *("--training.steps", "10", "--training.stop_at_step", "0", "--checkpoint.resume", "none"),
+    *("--run.save_model", "false", "--run.sample_prompt", ""),
+    *("--run.save_model_max_gb", str(_RUN_DEFAULTS["save_model_max_gb"])),
+    *("--run.sample_tokens", str(_RUN_DEFAULTS["sample_tokens"])),
+)
+
+
 def _pcluster_job(spec: JobSpec) -> str:
     """The sbatch for the cluster's queue. On Trainium it first compiles ahead of time, as the Neuron
     docs describe: neuron_parallel_compile runs a short trial of the same job (same nodes, ranks and
@@ -110,8 +125,8 @@ def _pcluster_job(spec: JobSpec) -> str:
         " ".join(_srun(job))
         + ' --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" neuron_parallel_compile '
         + job.train_command(job.per_node)
-        + f' --training.steps 10 --run.dir "{trial}" --checkpoint.dir "{trial}/checkpoints"'
-        + " --checkpoint.resume none --run.save_model false"
+        + f' --run.dir "{trial}" --checkpoint.dir "{trial}/checkpoints" '
+        + shlex.join(NEURON_TRIAL)
     )
     return slurm(
         job,
