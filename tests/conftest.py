@@ -41,8 +41,8 @@ def corpus(tmp_path_factory) -> Path:
 def cli_env(tmp_path_factory) -> dict:
     env = dict(os.environ)
     env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))  # CPU peak probe cache
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+    for inherited in ("RANK", "WORLD_SIZE", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "RESTARTED"):
+        env.pop(inherited, None)  # a suite run inside a job: its tests start jobs of their own
     if env.get("MESHTRAIN_JITTER"):  # `make stress`: seeded pauses at every run-file write in every process
         env["PYTHONPATH"] = os.pathsep.join(p for p in (FAULTS, env.get("PYTHONPATH")) if p)
     return env

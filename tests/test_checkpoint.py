@@ -293,17 +293,24 @@ def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
 def test_a_job_that_comes_back_continues_from_its_newest_checkpoint_not_the_named_one(saved, corpus, cli_env, tmp_path):
     """checkpoint.resume = PATH names where a job starts. Restarted by --max-restarts or requeued by
     Slurm, the same command used to take PATH again: redo every step since (the launcher's lock
-    skipped the check), or, requeued, be refused for the newer checkpoints it had itself saved."""
+    skipped the check), or, requeued, be refused for the newer checkpoints it had itself saved. Only
+    the job's own checkpoints are continued: another job's keep their refusal."""
+    import json
     import shutil
 
     run_dir = tmp_path / "run"
     shutil.copytree(saved.parent, run_dir)
+    marker = run_dir / "checkpoints" / "step_00000008" / MARKER
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"job": "SLURM_JOB_ID=77"}))  # job 77 saved it
     start = ["--checkpoint.resume", str(run_dir / "checkpoints" / "step_00000004"), "--training.steps", "10"]
     fresh = train(corpus, cli_env, run_dir, *start, check=False)  # a new job: the newer step 8 is not replaced
     assert fresh.returncode != 0 and "holds newer checkpoints (step_00000008)" in fresh.stderr
-    requeued = train(corpus, cli_env, run_dir, *start, env=cli_env | {"SLURM_RESTART_COUNT": "1"})
+    other = cli_env | {"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}  # another job come back: not its own
+    refused = train(corpus, cli_env, run_dir, *start, env=other, check=False)
+    assert refused.returncode != 0 and "holds newer checkpoints (step_00000008)" in refused.stderr
+    requeued = train(corpus, cli_env, run_dir, *start, env=other | {"SLURM_JOB_ID": "77"})
     out = requeued.stdout + requeued.stderr
-    assert "continuing from its newest checkpoint" in out and "resumed from" in out
+    assert "continuing from the newest checkpoint it committed (step_00000008" in out
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000008'}" in out
     assert sorted(losses(run_dir))[-2:] == [9, 10]
 

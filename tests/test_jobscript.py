@@ -165,14 +165,25 @@ def test_an_sge_parallel_environment_gets_its_gpus_and_whole_nodes(cli_env, tmp_
     assert made.returncode == 0, made.stderr
     text = script.read_text()
     assert "#$ -pe mpi 8 " in text and "#$ -l gpu=1 " in text
-    for placed, refused in (("a 4 all.q UNDEFINED\nb 4 all.q UNDEFINED\n", False), ("a 8 all.q UNDEFINED\n", True)):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mpirun").write_text("#!/bin/sh\necho mpirun ran >&2\n")
+    (fake / "mpirun").chmod(0o755)
+    placements = {  # the PE's host file -> how the refusal names it (None: whole nodes, mpirun runs)
+        "a 4 all.q UNDEFINED\nb 4 all.q UNDEFINED\n": None,
+        "a 2 all.q UNDEFINED\na 2 gpu.q UNDEFINED\nb 4 all.q UNDEFINED\n": None,  # a host on two queues' lines
+        "a 8 all.q UNDEFINED\n": "placed its slots as a:8 but the job needs 2 hosts with 4 each",
+        "a 4 all.q UNDEFINED\nb 2 all.q UNDEFINED\nc 2 all.q UNDEFINED\n": "a:4 b:2 c:2 but the job needs 2 hosts",
+    }
+    for placed, refusal in placements.items():
         hosts = tmp_path / "pe_hostfile"
         hosts.write_text(placed)
-        env = {"PATH": os.environ["PATH"], "PE_HOSTFILE": str(hosts), "HOME": str(tmp_path)}
-        ran = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True)
-        message = "the PE placed its slots as a:8 but the job needs 2 hosts with 4 each"
-        assert (message in ran.stderr) == refused, ran.stderr
-        assert (ran.returncode == 1) if refused else "mpirun" in ran.stderr  # went on to mpirun (absent here)
+        env = {"PATH": f"{fake}:{os.environ['PATH']}", "PE_HOSTFILE": str(hosts), "HOME": str(tmp_path)}
+        ran = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        if refusal is None:
+            assert "mpirun ran" in ran.stderr and "meshtrain:" not in ran.stderr, ran.stderr
+        else:
+            assert ran.returncode == 1 and refusal in ran.stderr and "mpirun ran" not in ran.stderr, ran.stderr
 
 
 def test_the_trainium_compile_trial_starts_whatever_the_end_of_run_keys_say(cli_env, tmp_path):

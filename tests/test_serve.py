@@ -921,6 +921,10 @@ def test_a_greedy_generation_config_keeps_its_top_p_and_top_k_for_requests_that_
     assert serve.generate_to_terminal(str(run), "def ", None, none, None, "cpu") == 0
     prompt = len(load_served_model(run, torch.device("cpu"), torch.float32).prompt_ids("def ", chat=False))
     assert given[-1].max_tokens == max(1, 6 - prompt)  # max_length caps generate's default as serve's
+    # greedy leaves top_p and top_k unused: out of range there, they are named and dropped, not refused
+    (run / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_p": 0, "top_k": 50.0}))
+    defaults, notes = sampling_defaults(run)
+    assert defaults == {"temperature": 0.0} and [n.split(" = ")[0] for n in notes] == ["top_p", "top_k"]
     with pytest.raises(MeshtrainError, match="--top-k shapes sampling, but the model's generation_config.json"):
         serve.generate_to_terminal(str(run), "def ", 4, none | {"top_k": 5}, None, "cpu")
     capsys.readouterr()

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from meshtrain.errors import CheckpointError
 from meshtrain.files import FIXES, ensure_room, os_error_in, write_json
 from meshtrain.launch.distributed import agreed
-from meshtrain.lock import JobLocks
+from meshtrain.lock import JobLocks, job_token
 from meshtrain.logs import log
 from meshtrain.optim import local_optimizer
 
@@ -167,19 +167,34 @@ def job_came_back() -> bool:
     return sge_rerun or any(count.isdigit() and int(count) > 0 for count in counts)
 
 
+def saved_by_this_job(path: Path) -> bool:
+    """Whether this job (its scheduler's job id, or the token its launcher passes down) committed the
+    checkpoint: what tells its own saves from an earlier run's in the same checkpoint.dir."""
+    try:
+        return json.loads((path / MARKER).read_text()).get("job") == job_token()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def continue_job(cfg):
     """The config this start of the job trains with. checkpoint.resume = PATH (or none) says where
     the job starts; taken again when the job comes back, it would redo every step since (and prune
     the newer checkpoints), or refuse them as another run's. A job that came back continues from the
-    newest committed checkpoint in its checkpoint.dir instead, and says so."""
+    newest checkpoint it committed itself instead, and says so. Checkpoints of another job (a start
+    refused and restarted, a later step of a requeued allocation) leave the setting as given, and its
+    refusals stand. Every rank decides the same: the job's token and its own marker files."""
     import dataclasses
 
     root = checkpoint_root(cfg)
-    if cfg.checkpoint.resume == "auto" or not job_came_back() or not (committed := committed_checkpoints(root)):
+    if cfg.checkpoint.resume == "auto" or not job_came_back():
+        return cfg
+    own = [path for path in committed_checkpoints(root) if saved_by_this_job(path)]
+    if not own:
         return cfg
     log.info(
-        f"this job came back (a restart or requeue): continuing from its newest checkpoint {committed[-1]}, "
-        f"not checkpoint.resume = {cfg.checkpoint.resume}, where it started"
+        f"this job came back (a restart or requeue): continuing from the newest checkpoint it committed "
+        f"({own[-1].name}, or an older one of its own if that is damaged), not checkpoint.resume = "
+        f"{cfg.checkpoint.resume}, where it started"
     )
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
 
@@ -408,7 +423,8 @@ class Checkpointer:
                 for p in sorted(path.iterdir())
                 if p.is_file() and p.name != MARKER
             }
-            write_json(path / MARKER, {"step": step, "layout": train_state.get("layout"), "files": files})
+            marker = {"step": step, "layout": train_state.get("layout"), "job": job_token(), "files": files}
+            write_json(path / MARKER, marker)
             self._prune()
         if dist.is_initialized():
             dist.barrier()

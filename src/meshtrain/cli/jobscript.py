@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
     if spec.accelerator == "trainium":
         from meshtrain.launch.pcluster import NEURON_TRIAL
 
-        what = "ahead-of-time compile trial (10 steps, nothing saved) of the job"
+        what = "ahead-of-time compile trial (10 steps in a run directory of its own) of the job"
         try:  # its arguments in the script's order
             trial = load_config(spec.config, ["--launch.device", "neuron", *train_args, *NEURON_TRIAL])
         except MeshtrainError as e:

@@ -252,8 +252,9 @@ def sge(spec: JobSpec) -> str:
         '    HOSTFILE="$(mktemp)"',
         '    awk \'{print $1}\' "$PE_HOSTFILE" > "$HOSTFILE"',
         "    # mpirun -npernode below needs the PE's allocation rule to have placed the slots in whole nodes",
-        f"    if ! awk -v n={spec.nodes} -v p={spec.per_node} '$2 != p {{bad=1}} END {{exit bad || NR != n}}' "
-        '"$PE_HOSTFILE"; then',
+        "    # (a host may come on several lines, one per queue: its slots are their sum)",
+        f"    if ! awk -v n={spec.nodes} -v p={spec.per_node} '!($1 in s) {{hosts++}} {{s[$1] += $2}} "
+        'END {for (h in s) if (s[h] != p) bad = 1; exit bad || hosts != n}\' "$PE_HOSTFILE"; then',
         f'        echo "meshtrain: the PE placed its slots as $(awk \'{{printf "%s:%s ", $1, $2}}\' "$PE_HOSTFILE")'
         f"but the job needs {spec.nodes} hosts with {spec.per_node} each: use a PE whose allocation_rule is "
         f'{spec.per_node} (qconf -sp {spec.sge_pe or "PE"})" >&2',

@@ -222,8 +222,14 @@ def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
     do_sample = config.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
         raise MeshtrainError(f"{path}: do_sample = {do_sample!r}: it should be true or false; correct or remove it")
+    notes = unapplied(config)
     if do_sample is False:  # greedy by default, as transformers decodes it; its temperature is then unused
         defaults["temperature"] = 0.0
+        for key in ("top_p", "top_k"):  # unused by greedy decoding: one out of range is dropped, not refused
+            try:
+                GenerationDefaults.model_validate({key: defaults[key]}, strict=True) if key in defaults else None
+            except ValidationError:
+                notes.append(f"{key} = {json.dumps(defaults.pop(key))} (out of range; do_sample is false)")
     try:
         GenerationDefaults.model_validate(defaults, strict=True)
     except ValidationError as e:
@@ -232,7 +238,7 @@ def sampling_defaults(directory: Path) -> tuple[dict[str, float], list[str]]:
             f"{path}: {error['loc'][0]} = {error['input']!r}: {error['msg'][0].lower()}{error['msg'][1:]}; correct or "
             "remove it"
         ) from None
-    return defaults, unapplied(config)
+    return defaults, notes
 
 
 def unapplied(config: dict) -> list[str]:
