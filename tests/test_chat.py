@@ -558,6 +558,46 @@ def test_rows_of_the_common_chat_datasets_are_read_and_dropped_text_is_refused()
             conversation({"messages": turns, **extra}, "rows.jsonl:1")
 
 
+def test_trl_conversational_prompt_completion_rows_learn_the_completion_only(tokenizer):
+    """TRL's {"prompt": [messages], "completion": [assistant messages]}: the conversation is prompt +
+    completion, and as in TRL only the completion is learned (an assistant turn inside the prompt is
+    not); a completion that is not the assistant's is refused."""
+    prompt = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
+    row = {"prompt": prompt, "completion": [{"role": "assistant", "content": "a2"}]}
+    messages = conversation(row, "rows.jsonl:1")
+    assert [m["content"] for m in messages] == ["q1", "a1", "q2", "a2"]
+    template = ChatTemplate(DEFAULT_CHAT_TEMPLATE, end_of_text(tokenizer)[0])
+    [(ids, mask)] = tokenize_conversations(tokenizer, template, [(messages, "rows.jsonl:1")], "assistant")
+    learned = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert "a2" in learned and "a1" not in learned and "q2" not in learned
+    with pytest.raises(DataError, match='rows.jsonl:1: the "completion" holds a user message'):
+        conversation({**row, "completion": [{"role": "user", "content": "a2"}]}, "rows.jsonl:1")
+    with pytest.raises(DataError, match="rows.jsonl:1: prompt message 2 has 'weight'"):
+        conversation({**row, "prompt": [prompt[0], {**prompt[1], "weight": 1}, prompt[2]]}, "rows.jsonl:1")
+
+
+def test_blended_sources_with_other_end_tokens_are_refused(corpus, tmp_path):
+    """One tokenizer.json prepared with two tokenizer_config.json (a base's end of text, an instruct
+    model's end of turn): the run would keep the first's, and serve would stop on a token the other's
+    answers do not end with."""
+    base = llama3_like_tokenizer(corpus, tmp_path / "base")
+    instruct = tmp_path / "instruct"
+    instruct.mkdir()
+    (instruct / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (instruct / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|start|>"}))
+    (tmp_path / "a.txt").write_text("some text for the blend " * 20)
+    for name, directory in (("web", base), ("code", base), ("chat", instruct)):
+        prepare([tmp_path / "a.txt"], tmp_path / name, tokenizer=directory / "tokenizer.json", progress=False)
+    Blend(f"{tmp_path / 'web'}:0.5,{tmp_path / 'code'}:0.5", 64)
+    with pytest.raises(DataError, match=r"data.path: .*chat was prepared with end/begin tokens \('<\|start\|>'"):
+        Blend(f"{tmp_path / 'web'}:0.8,{tmp_path / 'chat'}:0.2", 64)
+
+
 def test_a_resume_on_the_same_conversations_with_other_targets_is_refused(chat_rows, corpus, tmp_path):
     """--chat-targets all gives the same tokens with other loss masks: other data to resume on."""
     write_jsonl(tmp_path / "chat.jsonl", chat_rows[:40])
@@ -614,3 +654,6 @@ def test_table_rows_keep_or_refuse_their_columns_as_json_lines_do(data_format, k
     # a null system cell is no system prompt; an id is metadata
     kept = prepare_rows([{**one, "system": None, "id": i} for i in range(8)], "kept")
     assert kept == prepare_rows([one] * 8, "plain")
+    if data_format == "chat":  # one row's weight: a table gives every other message a null one, which is none
+        weighted = [{"messages": [turns[0], {**turns[1], "weight": 1}]}] + [one] * 7
+        assert prepare_rows(weighted, "weighted") == kept

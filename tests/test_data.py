@@ -89,16 +89,39 @@ def test_text_field_names_the_json_key_or_column(tmp_path):
 
 def test_hidden_files_are_no_input_and_a_named_python_file_is_text(tmp_path):
     """A directory's files of other names are refused (test_bad_data_gets_one_clear_line), but not
-    its hidden ones (.DS_Store, a .git directory); Python source named as input is one text document
+    its hidden ones (.DS_Store, a .git directory), and hidden files of readable names are not read
+    (a notebook's .ipynb_checkpoints copies); Python source named as input is one text document
     (the default corpus)."""
     d = tmp_path / "d"
     (d / ".git").mkdir(parents=True)
     (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (d / ".DS_Store").write_bytes(b"\x00\x01\x02")
     (d / "a.jsonl").write_text(json.dumps({"text": "from jsonl " + TEXT}) + "\n")
+    (d / ".ipynb_checkpoints").mkdir()  # a notebook's copy of the data, and a hidden file of a readable name
+    (d / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text((d / "a.jsonl").read_text())
+    (d / ".scratch.txt").write_text("hidden " + TEXT)
     (tmp_path / "b.py").write_text("from python " + TEXT)
     prepare([d, tmp_path / "b.py"], tmp_path / "out", vocab_size=300, val_fraction=0, progress=False)
     assert documents(tmp_path / "out") == ["from jsonl " + TEXT, "from python " + TEXT]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_input_without_documents_is_refused_on_any_number_of_workers(workers, tmp_path):
+    """An empty .jsonl cuts into no work unit: the same one line on one worker or several (a pool of no
+    unit is never started)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "a.txt").write_text(TEXT)
+    prepare([tmp_path / "a.txt"], tmp_path / "tok", vocab_size=300, val_fraction=0, progress=False)
+    with pytest.raises(DataError, match="the input holds no text"):
+        prepare(
+            [tmp_path / "empty.jsonl"],
+            tmp_path / "out",
+            tokenizer=tmp_path / "tok" / "tokenizer.json",
+            val_fraction=0,
+            progress=False,
+            workers=workers,
+        )
 
 
 def test_split_is_by_document_and_deterministic(tmp_path):

@@ -139,6 +139,8 @@ def conversation(record: object, where: str) -> list[dict]:
         if not isinstance(completion, str):
             raise DataError(f'{where} has a "prompt" but no string "completion"')
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": completion}]
+    if record.get("messages") is None and isinstance(record.get("prompt"), list):
+        return _conversational_pair(record, where)
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise DataError(
@@ -152,6 +154,24 @@ def conversation(record: object, where: str) -> list[dict]:
     copies = ("chosen", "rejected", *(["prompt"] if record.get("prompt") == first_user else []))
     _only_keys(record, ("messages",), where, also=copies)
     return parsed
+
+
+def _conversational_pair(record: dict, where: str) -> list[dict]:
+    """TRL's conversational prompt-completion row: {"prompt": [messages], "completion": [assistant
+    messages]}. As in TRL, only the completion is learned: assistant turns inside the prompt get
+    weight 0."""
+    _only_keys(record, ("prompt", "completion"), where)
+    completion = record.get("completion")
+    if not isinstance(completion, list) or not completion:
+        raise DataError(f'{where} has a "prompt" list but no "completion" list of assistant messages')
+    prompt = [
+        {**m, "weight": 0} if m["role"] == "assistant" else m
+        for m in _messages(record["prompt"], where, "prompt message")
+    ]
+    answer = _messages(completion, where, "completion message")
+    if other := next((m["role"] for m in answer if m["role"] != "assistant"), None):
+        raise DataError(f'{where}: the "completion" holds a {other} message; it holds the assistant\'s answer only')
+    return prompt + answer
 
 
 # Row keys that carry text of the conversation in other formats (a system prompt, Alpaca's columns,
@@ -180,6 +200,8 @@ def _messages(messages: list, where: str, what: str = "message") -> list[dict]:
     refused: a field meshtrain would drop could be one the data's author meant to take effect."""
     out = []
     for i, message in enumerate(messages, 1):
+        if isinstance(message, dict):  # Parquet and `datasets` rows give every message every field, unset ones null
+            message = {key: value for key, value in message.items() if value is not None}
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise DataError(f"{where}: {what} {i} has role {role!r}; the roles are {', '.join(ROLES)}")
@@ -285,8 +307,8 @@ def tokenize_conversations(
         for messages, where in conversations:
             if any(m.get("weight") == 0 for m in messages):
                 raise DataError(
-                    f"{where}: an answer has weight 0 (not learned), but --chat-targets all learns every "
-                    "token: drop the weight or the flag"
+                    f"{where}: an answer has weight 0 (not learned; also an assistant turn inside a prompt-completion "
+                    "row's prompt), but --chat-targets all learns every token: drop the weight or the flag"
                 )
     rendered = []
     for (messages, where), first in zip(conversations, firsts):

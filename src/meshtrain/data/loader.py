@@ -21,7 +21,7 @@ import torch
 
 from meshtrain.config import parse_data_path
 from meshtrain.data.format import DTYPES, read_manifest
-from meshtrain.data.tokenizer import tokenizer_fingerprint
+from meshtrain.data.tokenizer import begin_of_text, end_of_text, load_tokenizer, tokenizer_fingerprint
 from meshtrain.data.windows import PackedConversations, PreferencePairs, TokenWindows, to_batch
 from meshtrain.errors import DataError
 
@@ -272,6 +272,25 @@ def _check_document_starts(sources: list[Dataset]) -> None:
             )
 
 
+def _check_special_tokens(sources: list[Dataset]) -> None:
+    """One tokenizer.json can be prepared with different end and begin tokens (the tokenizer_config.json
+    beside it: a base model's <|endoftext|>, its instruct model's <|im_end|>). The run keeps the first
+    source's, so serve and export would stop on a token the other sources' documents and answers do not
+    end with: refused."""
+
+    def special(source: Dataset) -> tuple:
+        tok = load_tokenizer(source.tokenizer_path)
+        return end_of_text(tok, source.tokenizer_path.parent)[0], begin_of_text(tok, source.tokenizer_path.parent)
+
+    first = special(sources[0])
+    for other in sources[1:]:
+        if (tokens := special(other)) != first:
+            raise DataError(
+                f"data.path: {other.path} was prepared with end/begin tokens {tokens} and {sources[0].path} with "
+                f"{first} (the tokenizer_config.json beside their tokenizers); prepare both from one directory"
+            )
+
+
 class Blend:
     """data.path: one prepared directory, or several with weights, all tokenized alike (and all
     preference data, `preference`, or none). `document_masking`: see Dataset."""
@@ -289,6 +308,7 @@ class Blend:
                     f"both with one, `meshtrain data prepare --tokenizer {first.tokenizer_path} ...`"
                 )
         _check_document_starts(self.sources)
+        _check_special_tokens(self.sources)
         self.vocab_size, self.eos_id, self.tokenizer_path = first.vocab_size, first.eos_id, first.tokenizer_path
         self.preference = first.preference
         for other in self.sources[1:]:

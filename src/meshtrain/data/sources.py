@@ -6,7 +6,8 @@ Inputs are files, directories, globs and directories written by Hugging Face `da
 Arrow files of a `datasets` directory. A file of any other name is refused, never guessed at: a
 `.json` of JSON lines read as text would train on the raw JSON, and a directory that silently left
 out its `.csv` files would train on less than the user gave. Hidden files (and those in hidden
-directories) of other names are left out of a directory: `.DS_Store`, `.git`, a prepare's partial.
+directories) are left out of a directory, whatever their names: `.DS_Store`, `.git`, a prepare's
+partial, a notebook's `.ipynb_checkpoints` copies of the data.
 
 A document longer than LONG_BYTES (a big `.txt`, a long JSON line) is read as a `LongDocument`:
 its text in chunks, never whole, so that memory stays bounded whatever one document holds.
@@ -116,8 +117,12 @@ def _expand_one(item: str) -> list[tuple[Path, str]]:
             )
         if _is_hf_dataset(path):
             return [(p, "arrow") for p in _hf_dataset_files(path)]
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-        unread = [p for p in files if not _kind(p) and not any(n.startswith(".") for n in p.relative_to(path).parts)]
+        # Hidden files and directories (.ipynb_checkpoints, .venv, .git) are not input, whatever their names:
+        # a notebook's checkpoint copy of a .jsonl would be read twice.
+        files = sorted(
+            p for p in path.rglob("*") if p.is_file() and not any(n.startswith(".") for n in p.relative_to(path).parts)
+        )
+        unread = [p for p in files if not _kind(p)]
         if unread:
             raise DataError(
                 f"input directory {path} holds files meshtrain does not read ({len(unread)}, first {unread[0]}; "

@@ -46,7 +46,7 @@ def run_units(task: Callable[[Any], object], units: list, workers: int, progress
 
     with Progress(disable=not progress, transient=True) as bar:
         done = bar.add_task("tokenizing", total=sum(u.size for u in units))
-        if workers == 1 or len(units) == 1:
+        if workers == 1 or len(units) <= 1:  # none left (a resumed partial, a rank without a share): done
             with _one_thread_tokenizing():
                 for unit in units:
                     task(unit)
