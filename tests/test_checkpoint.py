@@ -516,14 +516,16 @@ def test_another_runs_checkpoint_never_starts_in_a_root_holding_checkpoints(tmp_
 def test_a_resume_under_another_init_from_is_refused(tmp_path):
     """A full-weight checkpoint's weights are what a resumed run trains on: a model.init_from other
     than the one the run started from would be ignored without a word, so it is refused (and a
-    checkpoint saved before the record existed is resumed as before)."""
+    checkpoint saved before the record existed is resumed as before); a full-weight DPO run's reference,
+    reloaded from model.init_from, must be the model it started from."""
     import json
     from types import SimpleNamespace
 
+    from meshtrain.checkpoint import TRAIN_STATE
     from meshtrain.config import load_config
     from meshtrain.errors import MeshtrainError
     from meshtrain.interop.hf import base_identity
-    from meshtrain.train.loop import TRAIN_STATE, check_same_base
+    from meshtrain.train.base import check_same_base
 
     base, other = tmp_path / "base", tmp_path / "other"
     for directory in (base, other):  # what model.init_from's check looks for
@@ -531,9 +533,10 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
         (directory / "config.json").write_text("{}")
         (directory / "model.safetensors").write_bytes(b"")
 
-    def run(init_from: str):
+    def run(init_from: str, dpo: bool = False):
         cfg = load_config(None, {"model.init_from": init_from} if init_from else {})
-        return SimpleNamespace(cfg=cfg, lora=None, base=base_identity(cfg))  # TrainState's fields it reads
+        model = SimpleNamespace(reference=object() if dpo else None)  # DPO's frozen copy of the base
+        return SimpleNamespace(cfg=cfg, lora=None, base=base_identity(cfg), model=model)  # TrainState's fields
 
     def checkpoint(**record):
         (tmp_path / TRAIN_STATE).write_text(json.dumps({"step": 5, "peft": None, **record}))
@@ -550,6 +553,14 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
     with pytest.raises(MeshtrainError, match="started from a random initialisation, but this run's model.init_from"):
         check_same_base(run(f"hf:{base}"), checkpoint(init_from=None))
     check_same_base(run(f"hf:{other}"), checkpoint())  # saved before init_from was recorded
+    # full-weight DPO: the reference is reloaded from model.init_from, which must hold the model it was
+    dpo = checkpoint(init_from=str(base.resolve()), reference=base_identity(run(f"hf:{base}").cfg))
+    check_same_base(run(f"hf:{base}", dpo=True), dpo)
+    for changed, key in (("config.json", "config_sha256"), ("model.safetensors", "weights_sha256")):
+        (base / changed).write_text('{"changed": 1}')
+        with pytest.raises(MeshtrainError, match=f"is a DPO run whose reference model .* but its {key} changed"):
+            check_same_base(run(f"hf:{base}", dpo=True), dpo)
+        dpo = checkpoint(init_from=str(base.resolve()), reference=base_identity(run(f"hf:{base}").cfg))
 
 
 def test_a_run_directory_resumes_its_newest_checkpoint_wherever_its_checkpoint_dir_is(tmp_path):

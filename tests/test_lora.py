@@ -177,7 +177,7 @@ def test_qlora_keeps_its_frozen_base_in_4_bit_and_trains(corpus, tmp_path):
     """The adapted linears in NF4: the bytes they hold, measured, are about half a byte a weight; the
     adapters train (bf16 compute over the dequantized base)."""
     from meshtrain.model.lora import is_nf4, lora_modules
-    from meshtrain.train.loop import load_base
+    from meshtrain.train.base import load_base
 
     overrides = {
         "model": {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256, "max_seq_len": 64},

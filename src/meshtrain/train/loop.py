@@ -5,7 +5,6 @@ runs on is built in train/build.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import socket
@@ -16,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint import (
-    TRAIN_STATE,
     Checkpointer,
     checkpoint_root,
     committed_checkpoints,
@@ -39,11 +37,11 @@ from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.lock import JobLocks
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
-from meshtrain.model.lora import quantize_base
 from meshtrain.model.shapes import Shape
 from meshtrain.optim import restore_schedule
 from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
+from meshtrain.train.base import check_same_base, load_base, peft_record, reference_record
 from meshtrain.train.build import TrainState, build, warn_pointless_settings
 from meshtrain.train.preference import DEFAULT_BETA
 from meshtrain.train.step import evaluate, reduce_loss
@@ -183,60 +181,6 @@ def resume(s: TrainState) -> tuple[int, int]:
     return state["step"], state.get("skipped_steps", 0)
 
 
-def load_base(s: TrainState, into_model: bool = True) -> None:
-    """The weights training starts from: model.init_from's, else the seeded initialisation already
-    in place; into the model (`into_model`) and DPO's frozen reference copy. QLoRA then stores the
-    adapted linears' weights in 4-bit."""
-    if s.cfg.model.init_from:
-        from meshtrain.interop import load_hf_weights
-
-        directory = s.cfg.model.init_from.removeprefix("hf:")
-        for parts in (s.model.parts if into_model else None, s.model.reference):
-            if parts:
-                load_hf_weights(parts, directory, s.args)
-        log.info(f"initialised from {s.cfg.model.init_from}")
-    if s.lora is not None and s.lora.quantized:
-        for part in s.model.parts:
-            quantize_base(part)
-
-
-def peft_record(s: TrainState) -> dict | None:
-    """What a LoRA checkpoint's adapters belong to: their settings and the base model."""
-    if s.lora is None:
-        return None
-    storage = s.cfg.training.dtype if s.cfg.training.dtype in ("bf16", "fp16") else "fp32"
-    return {**s.lora.to_dict(), "base": s.base, "base_storage": storage}
-
-
-def check_same_base(s: TrainState, path: Path) -> None:
-    """The checkpoint to resume belongs to this run's model: LoRA adapters to the same base and
-    settings; every weight to a run started from the same model.init_from (the checkpoint's weights
-    are what trains on, so another init_from would be ignored without a word)."""
-    state = json.loads((path / TRAIN_STATE).read_text())
-    saved, mine, init_from = state.get("peft"), peft_record(s), s.base.get("init_from")
-    if saved and mine:  # what the checkpoint recorded of its base (the weights' fingerprint since 2026-11-27)
-        mine = {**mine, "base": {k: v for k, v in mine["base"].items() if k in saved.get("base", {})}}
-    if saved is None and mine is None and state.get("init_from", init_from) != init_from:  # recorded since 2026-11
-        raise MeshtrainError(
-            f"checkpoint {path} continues a run started from {state['init_from'] or 'a random initialisation'}, but "
-            f"this run's model.init_from is {s.cfg.model.init_from or 'unset'}: its weights would be ignored (they "
-            "come from the checkpoint); resume with the same model.init_from, or set checkpoint.resume = none"
-        )
-    if saved == mine:  # also both None: every weight
-        return
-    if saved is None or mine is None:
-        held = "LoRA adapters" if saved else "every weight"
-        raise MeshtrainError(
-            f"checkpoint {path} holds {held}, but this run's peft.method is {s.cfg.peft.method}: resume with the "
-            "peft settings it was saved with, or set checkpoint.resume = none"
-        )
-    diff = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v)
-    raise MeshtrainError(
-        f"checkpoint {path} holds adapters for another setting or base ({diff}); resume with the same [peft] and "
-        "model.init_from, or set checkpoint.resume = none"
-    )
-
-
 def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None:
     d = s.layout
     layout = {
@@ -259,6 +203,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
             "model": dataclasses.asdict(s.args),
             "peft": peft_record(s),
             "init_from": s.base.get("init_from"),
+            "reference": reference_record(s),
             "run_dir": str(Path(s.cfg.run.dir).resolve()),  # where export and serve find the run's tokenizer
             **({"loss_scale": s.scaler.state_dict()} if s.scaler is not None else {}),
         },
