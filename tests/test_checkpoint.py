@@ -563,6 +563,32 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
         dpo = checkpoint(init_from=str(base.resolve()), reference=base_identity(run(f"hf:{base}").cfg))
 
 
+def test_lora_adapters_on_a_base_stored_otherwise_name_what_auto_chose(tmp_path):
+    """LoRA adapters trained on an fp32 base, resumed where training.dtype = auto picks bf16 (another CPU,
+    thread count, a busy probe): the refusal names auto's choice and the setting that resumes them; a
+    dtype set by hand gets the refusal of any other setting."""
+    import json
+    from types import SimpleNamespace
+
+    from meshtrain.checkpoint import TRAIN_STATE
+    from meshtrain.config import load_config
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.train.base import check_same_base
+
+    cfg = load_config(None, {"training.dtype": "bf16"})
+    base = {"seed": cfg.training.seed}
+    adapters = SimpleNamespace(to_dict=lambda: {"rank": 8})
+    (tmp_path / TRAIN_STATE).write_text(json.dumps({"peft": {"rank": 8, "base": base, "base_storage": "fp32"}}))
+    for how, message in (
+        ("measured", "trained on a fp32 base, but training.dtype = auto chose bf16 on this machine"),
+        ("given", r"another setting or base \(base_storage fp32 -> bf16\)"),
+    ):
+        chosen = SimpleNamespace(how=how, describe=lambda: "bf16 (measured)")
+        s = SimpleNamespace(cfg=cfg, lora=adapters, base=base, arithmetic=chosen, model=SimpleNamespace(reference=None))
+        with pytest.raises(MeshtrainError, match=message):
+            check_same_base(s, tmp_path)
+
+
 def test_a_run_directory_resumes_its_newest_checkpoint_wherever_its_checkpoint_dir_is(tmp_path):
     """checkpoint.resume = RUN takes that run's newest committed checkpoint (as documented): in
     <run>/checkpoints, or in the checkpoint.dir its config.toml records (absolute, or relative to where

@@ -77,6 +77,12 @@ def check_same_base(s: TrainState, path: Path) -> None:
             "peft settings it was saved with, or set checkpoint.resume = none"
         )
     diff = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v)
+    if [k for k in mine if saved.get(k) != mine[k]] == ["base_storage"] and s.arithmetic.how != "given":
+        raise MeshtrainError(
+            f"checkpoint {path} holds adapters trained on a {saved['base_storage']} base, but training.dtype = auto "
+            f"chose {mine['base_storage']} on this machine ({s.arithmetic.describe()}): set training.dtype = "
+            f"{saved['base_storage']} to resume them"
+        )
     raise MeshtrainError(
         f"checkpoint {path} holds adapters for another setting or base ({diff}); resume with the same [peft] and "
         "model.init_from, or set checkpoint.resume = none"
