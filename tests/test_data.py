@@ -87,6 +87,25 @@ def test_text_field_names_the_json_key_or_column(tmp_path):
     assert documents(tmp_path / "out") == ["from jsonl " + TEXT, "from parquet " + TEXT]
 
 
+def test_null_text_is_no_document_and_counted_in_every_format(tmp_path):
+    """A row whose text is null (a table's null cell, a JSON null) is the same in every format: no
+    document, counted in the manifest and printed; a row without the field stays an error."""
+    rows = [{"text": "first " + TEXT}, {"text": None}, {"text": "third " + TEXT}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
+    for name in ("a.jsonl", "b.parquet"):
+        manifest = prepare(
+            [tmp_path / name], tmp_path / name.split(".")[0], vocab_size=300, val_fraction=0, progress=False
+        )
+        assert manifest["skipped_null"] == 1 and documents(tmp_path / name.split(".")[0]) == [
+            "first " + TEXT,
+            "third " + TEXT,
+        ]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": TEXT}) + "\n")
+    with pytest.raises(DataError, match='c.jsonl:1 has no string "text" field'):
+        prepare([tmp_path / "c.jsonl"], tmp_path / "c", vocab_size=300, val_fraction=0, progress=False)
+
+
 def test_hidden_files_are_no_input_and_a_named_python_file_is_text(tmp_path):
     """A directory's files of other names are refused (test_bad_data_gets_one_clear_line), but not
     its hidden ones (.DS_Store, a .git directory), and hidden files of readable names are not read

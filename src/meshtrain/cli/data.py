@@ -96,6 +96,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print(
             f"wrote {o.out}: {manifest['train_tokens']:,} train and {manifest['val_tokens']:,} validation tokens "
             f"in {len(manifest['shards'])} shards, vocabulary {manifest['vocab_size']} ({manifest['dtype']})"
+            + (
+                f"; {nulls:,} rows of null {manifest['text_field']!r} left out"
+                if (nulls := manifest.get("skipped_null"))
+                else ""
+            )
         )
         if chat and chat.preference:
             pairs = manifest["pairs"]

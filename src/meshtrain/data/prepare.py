@@ -131,7 +131,8 @@ def _texts(piece: Piece, text_field: str, chat: ChatOptions | None) -> Iterator[
     """A piece's documents, or for chat data the contents of its conversations' messages."""
     if not chat:
         for document in read_piece(piece, text_field):
-            yield from document.chunks if isinstance(document, LongDocument) else [document]
+            if document is not None:
+                yield from document.chunks if isinstance(document, LongDocument) else [document]
         return
     for conversations, first in _conversations(piece, chat):
         for i, (messages, _) in enumerate(conversations):
@@ -208,7 +209,8 @@ def tokenize_unit(job: UnitJob, unit: Unit) -> dict:
 
 def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) -> int:
     """Documents in batches of about BATCH_CHARS characters: the tokenizer's prefix (a BOS), ids,
-    then the end-of-text token; a longer document alone, a window at a time (`_long_document`)."""
+    then the end-of-text token; a longer document alone, a window at a time (`_long_document`).
+    Returns how many rows had null text (no document)."""
     eos, prefix = [job.eos_id] if job.eos_id is not None else [], list(job.prefix)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: ids without character offsets
     batch: list[str] = []
@@ -218,9 +220,12 @@ def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) ->
             shards["val" if _is_val(text, job.val_fraction) else "train"].add(prefix + enc.ids + eos)
         batch.clear()
 
-    chars = 0
+    chars = nulls = 0
     for piece in unit.pieces:
         for text in read_piece(piece, job.text_field):
+            if text is None:
+                nulls += 1
+                continue
             if isinstance(text, LongDocument) or len(text) > BATCH_CHARS:
                 _long_document(job, tok, text, shards, eos)
                 continue
@@ -230,7 +235,7 @@ def _text_unit(job: UnitJob, unit: Unit, tok, shards: dict[str, ShardWriter]) ->
                 flush()
                 chars = 0
     flush()
-    return 0
+    return nulls
 
 
 def _long_document(job: UnitJob, tok, document: str | LongDocument, shards: dict[str, ShardWriter], eos) -> None:
@@ -351,6 +356,8 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
         raise DataError(
             f"all {skipped} {'pairs have a conversation' if preference else 'conversations are'} longer than "
             f"--max-tokens {job.chat.max_tokens}; raise it"
+            if skipped and job.chat
+            else f"the input holds no text ({skipped} rows of null {job.text_field!r})"
             if skipped
             else "the input holds no text"
         )
@@ -389,6 +396,8 @@ def _finish(work: Path, units: list[Unit], val_fraction: float, job: UnitJob) ->
             "max_tokens": job.chat.max_tokens,
             "skipped_longer": skipped,
         }
+    else:
+        manifest["skipped_null"] = skipped  # rows whose text is null: no document
     if preference:
         manifest["pairs"] = docs
     mark_output(work, MANIFEST, manifest)  # the bookkeeping is hidden: not listed, and gone before the rename

@@ -434,9 +434,10 @@ def _text_file(path: str) -> Iterator[str]:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def read_piece(piece: Piece, text_field: str = "text") -> Iterator[str | LongDocument]:
+def read_piece(piece: Piece, text_field: str = "text") -> Iterator[str | LongDocument | None]:
     """The documents of one piece, in order (empty documents skipped); a long one (over
-    LONG_BYTES) as a LongDocument, to be read before the next document is asked for."""
+    LONG_BYTES) as a LongDocument, to be read before the next document is asked for; None for a
+    row whose text is null (a table's null cell, a JSON null), which the caller counts."""
     if piece.file.kind == "txt":
         chunks = _text_file(piece.file.path)
         if piece.file.size > LONG_BYTES:
@@ -446,8 +447,9 @@ def read_piece(piece: Piece, text_field: str = "text") -> Iterator[str | LongDoc
         return
     for record, where in _records(piece, [text_field], needed=True, long_field=text_field):
         text = record.get(text_field) if isinstance(record, dict) else None
-        if text is None and where.kind == "row":
-            continue  # a null cell
+        if text is None and (where.kind == "row" or (isinstance(record, dict) and text_field in record)):
+            yield None  # a null cell or value: no document, counted
+            continue
         if not isinstance(text, str | LongDocument):
             raise DataError(f'{where} has no string "{text_field}" field (choose the field with --text-field)')
         if text:
