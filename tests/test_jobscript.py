@@ -104,6 +104,18 @@ def test_bad_jobscript_requests(cli_env, tmp_path):
     result = run_cli(["jobscript", "slurm", "--config", str(config), "--out", str(config)], cli_env)
     assert_user_error(result, f"--out {config} is the --config file it is made from")
     assert config.read_text() == Path("configs/tiny.toml").read_text()
+    notes = tmp_path / "notes.md"  # it mentions meshtrain, but no jobscript wrote it
+    notes.write_text("# my notes on the meshtrain 7B run\n")
+    result = run_cli(["jobscript", "slurm", "--config", "configs/tiny.toml", "--out", str(notes)], cli_env)
+    assert_user_error(result, f"--out {notes} exists and was not written by `meshtrain jobscript`")
+    assert notes.read_text() == "# my notes on the meshtrain 7B run\n"
+    script = tmp_path / "job.sbatch"  # its own earlier script is replaced
+    for nodes in ("1", "2"):
+        made = run_cli(
+            ["jobscript", "slurm", "--config", "configs/tiny.toml", "--nodes", nodes, "--out", str(script)], cli_env
+        )
+        assert made.returncode == 0, made.stderr
+    assert "#SBATCH --nodes=2" in script.read_text()
 
 
 def test_flags_a_kind_does_not_use_are_refused(cli_env):
@@ -220,6 +232,8 @@ def test_pcluster_gpu_nodes_run_one_rank_per_gpu(cli_env, tmp_path):
     p4d = ["pcluster", "--config", "configs/tiny.toml", "--nodes", "2", "--instance-type", "p4d.24xlarge"]
     # the preflight runs at the job's world: 2 nodes x 8 GPUs, too many ranks for tiny's batch of 16 x 8
     assert_user_error(run_cli(["jobscript", *p4d], cli_env), "the job's 16 ranks")
+    # on standard output the cluster config and its job would run together as one file
+    assert_user_error(run_cli(["jobscript", *p4d, "--", *FITS], cli_env), "writes 2 files", "--out PREFIX")
     out = tmp_path / "cluster.yaml"
     result = run_cli(["jobscript", *p4d, "--partition", "train", "--out", str(out), "--", *FITS], cli_env)
     assert result.returncode == 0, result.stderr
@@ -323,3 +337,26 @@ def test_neuron_device_without_torch_neuronx_is_refused_before_workers_start(cli
     with pytest.raises(ConfigError, match="torch-neuronx"):
         pick_device(LaunchEnv("single"), "neuron")
     assert pick_device(LaunchEnv("single"), "auto").type != "neuron"  # only an explicit "neuron" picks it
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds", "clock"),
+    [
+        ("3600", 3600, "01:00:00"),
+        ("1-12", 129600, "36:00:00"),
+        ("2-00:30", 174600, "48:30:00"),
+        ("90:00", 5400, "01:30:00"),
+    ],
+)
+def test_time_means_one_duration_and_is_written_as_every_scheduler_reads_it(given, seconds, clock):
+    """--time in seconds or with Slurm's days (D-HH, D-HH:MM) is one duration to meshtrain, and is
+    written as HH:MM:SS: Slurm would read a bare 3600 as minutes, and SGE and PBS read no day count."""
+    from meshtrain.config import parse_duration
+    from meshtrain.launch.jobs import prepare, render
+    from meshtrain.launch.jobscript import JobSpec
+
+    assert parse_duration(given, "--time") == seconds
+    repo = Path(__file__).parents[1]
+    for kind, line in (("slurm", "#SBATCH --time="), ("sge", "#$ -l h_rt="), ("pbs", "#PBS -l walltime=")):
+        spec = prepare(kind, JobSpec(config=str(repo / "configs" / "tiny.toml"), time=given, gpus_per_node=1))
+        assert f"{line}{clock} " in render(kind, spec)[""] or f"{line}{clock}\n" in render(kind, spec)[""]

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace, train_args: list[str]) -> int:
     from meshtrain.config import load_config
-    from meshtrain.launch.jobs import prepare, render
+    from meshtrain.launch.jobs import MARKER, prepare, render
 
     spec: JobSpec = prepare(args.kind, options_of(args, JobSpec, train_args=train_args))
     files = render(args.kind, spec)
@@ -50,11 +50,14 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
         except MeshtrainError as e:
             raise MeshtrainError(f"the {what} could not start with this config: {e}") from None
         _check_job(trial, spec.world, what)
+    if not args.out and len(files) > 1:  # on standard output they would run together as one file
+        names = ", ".join(f"PREFIX{suffix}" for suffix in files)
+        raise MeshtrainError(f"jobscript {args.kind} writes {len(files)} files ({names}): name them with --out PREFIX")
     if args.out:
         from meshtrain.files import check_output
 
         for suffix in files:
-            check_output(args.out + suffix, "--out", {"--config": spec.config}, "meshtrain", "meshtrain jobscript")
+            check_output(args.out + suffix, "--out", {"--config": spec.config}, MARKER, "meshtrain jobscript")
     for suffix, text in files.items():
         if args.out:
             from meshtrain.files import write_text

@@ -56,7 +56,8 @@ def parse_size(text: str) -> int:
 
 
 def parse_duration(text: str, key: str) -> float:
-    """ "HH:MM:SS", "MM:SS", "D-HH:MM:SS" (Slurm) or seconds -> seconds; "" -> 0 (no limit)."""
+    """ "HH:MM:SS", "MM:SS", seconds, or with days as Slurm writes them, "D-HH", "D-HH:MM", "D-HH:MM:SS"
+    -> seconds; "" -> 0 (no limit)."""
     if not text:
         return 0.0
     try:
@@ -64,6 +65,8 @@ def parse_duration(text: str, key: str) -> float:
         parts = [float(x) for x in clock.split(":")]
         if len(parts) > 3 or not all(math.isfinite(p) and p >= 0 for p in parts):
             raise ValueError
+        if days:  # after a day count the first field is hours
+            parts += [0.0] * (3 - len(parts))
         seconds = sum(v * 60**i for i, v in enumerate(reversed(parts))) + (86400 * int(days) if days else 0)
     except ValueError:
         raise ConfigError(f'{key} = "{text}" is not a duration: use "HH:MM:SS" or seconds') from None

@@ -31,9 +31,18 @@ def prepare(kind: str, spec: JobSpec) -> JobSpec:
     return spec
 
 
+# In every file a job is written as: what `jobscript --out` may replace (its own earlier output, not a
+# file that only mentions meshtrain).
+MARKER = "# written by `meshtrain jobscript`"
+
+
 def render(kind: str, spec: JobSpec) -> dict[str, str]:
     """{file suffix: text} of a job ("": the script, or pcluster's cluster config, beside its other
-    files), from the spec that prepare(kind, ...) made."""
-    if kind == "pcluster":
-        return pcluster_files(spec)
-    return {"": GENERATORS[kind](spec)}
+    files), from the spec that prepare(kind, ...) made; each file marked (MARKER) after its #! line."""
+    files = pcluster_files(spec) if kind == "pcluster" else {"": GENERATORS[kind](spec)}
+    return {suffix: _marked(text, kind) for suffix, text in files.items()}
+
+
+def _marked(text: str, kind: str) -> str:
+    shebang, rest = text.split("\n", 1) if text.startswith("#!") else ("", text)
+    return f"{shebang}\n{MARKER} {kind}\n{rest}" if shebang else f"{MARKER} {kind}\n{rest}"

@@ -44,7 +44,8 @@ class JobSpec:
     procs_per_node: int = option(1, ge=1)
     """Ranks per node on CPU nodes."""
     time: str = option("", check=_check_time)
-    """Wall-clock limit, HH:MM:SS (also D-HH:MM:SS or seconds); default 01:00:00 for the schedulers
+    """Wall-clock limit, HH:MM:SS (also seconds, or D-HH[:MM[:SS]] as Slurm writes days), written into
+    the scripts as HH:MM:SS; default 01:00:00 for the schedulers
     (slurm, sge, pbs, pcluster), none for mpirun and torchrun, where training stops itself at it."""
     partition: str = ""
     """Slurm partition / PBS queue."""
@@ -99,6 +100,15 @@ class JobSpec:
         from meshtrain.config import parse_duration
 
         return int(min(90, max(5, parse_duration(self.time, "--time") // 4)))
+
+    @property
+    def wall_clock(self) -> str:
+        """--time as HH:MM:SS (hours past 24 allowed), the one spelling Slurm, SGE and PBS read alike:
+        Slurm reads bare "3600" as minutes and "1-12" as days-hours, which meshtrain reads as seconds."""
+        from meshtrain.config import parse_duration
+
+        seconds = round(parse_duration(self.time, "--time"))
+        return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
     def time_limit(self) -> str:
         """training.time_limit of the job's config with the overrides after -- ("": none): the user's
@@ -159,7 +169,7 @@ def slurm(spec: JobSpec, knobs: str = NCCL_KNOBS, before_training: tuple[str, ..
         cpus *= spec.per_node
     lines += [
         f"#SBATCH --cpus-per-task={cpus}        # data loading and host work per task",
-        f"#SBATCH --time={spec.time}            # wall-clock limit",
+        f"#SBATCH --time={spec.wall_clock}            # wall-clock limit",
         "#SBATCH --output=logs/%x.%j.log      # %x = job name, %j = job id",
         "#SBATCH --open-mode=append           # a requeued job's runs all go into its one log",
         f"#SBATCH --signal=USR1@{spec.signal_lead_s}             # {spec.signal_lead_s} s before the limit: "
@@ -226,7 +236,7 @@ def sge(spec: JobSpec) -> str:
         f"#$ -pe {spec.sge_pe} {spec.world}                # parallel environment and slots (ranks)"
         if spec.sge_pe
         else f"#$ -l rt_F={spec.nodes}               # ABCI: full nodes (other SGE sites: --pe mpi)",
-        f"#$ -l h_rt={spec.time}          # wall-clock limit",
+        f"#$ -l h_rt={spec.wall_clock}          # wall-clock limit",
         "#$ -cwd                         # run in the submission directory",
         "#$ -j y                         # stdout and stderr into one log",
         f"#$ -o logs/{spec.job_name}.log",
@@ -290,7 +300,7 @@ def pbs(spec: JobSpec) -> str:
         "#!/bin/bash",
         f"#PBS -N {spec.job_name}",
         f"#PBS -l {resources}",
-        f"#PBS -l walltime={spec.time}",
+        f"#PBS -l walltime={spec.wall_clock}",
         "#PBS -j oe                      # stdout and stderr into one log",
     ]
     if spec.partition:
