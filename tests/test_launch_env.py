@@ -281,3 +281,40 @@ def test_single_is_refused_for_a_process_started_beside_others(started):
     assert detect({"RANK": "0", "WORLD_SIZE": "8"}, launcher="single").world_size == 1
     with pytest.raises(MeshtrainError, match="launch.env = 'single', but .* started this process as one of 2"):
         detect(started, launcher="single")
+
+
+# enroot's PyTorch hook (pyxis --container-image) copies an srun task's ids into torchrun's variables,
+# but not LOCAL_WORLD_SIZE
+PYXIS_TASK = SLURM_TASK | {
+    "SLURM_STEP_NODELIST": "gpu[012-013,020]",
+    "SLURM_JOB_NODELIST": "gpu[012-013,020]",
+    "SLURM_STEP_NUM_TASKS": "12",
+    "SLURM_NTASKS": "12",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x3)",
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "2",
+    "RANK": "9",
+    "WORLD_SIZE": "12",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "gpu012",
+    "MASTER_PORT": "29500",
+}
+
+
+def test_a_container_hooks_torchrun_variables_leave_a_slurm_task_placed_by_slurm(monkeypatch):
+    """Read as torchrun's, the hook's variables would put all 12 ranks on one node; Slurm's own
+    place rank 9 on the third node of 4 ranks each. In the agent-per-node script (one srun task a
+    node, --nproc) the hook's RANK is no launcher of meshtrain's workers: --nproc is not refused."""
+    from meshtrain.launch.local import refuse_inside_a_launcher
+
+    env = detect(PYXIS_TASK)
+    assert (env.launcher, env.rank, env.world_size, env.local_world_size, env.node_rank) == ("slurm", 9, 12, 4, 2)
+    assert detect(PYXIS_TASK | {"LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
+    agent = PYXIS_TASK | {"SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_PROCID": "2"}
+    for key, value in (agent | {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "SLURM_LOCALID": "0"}).items():
+        monkeypatch.setenv(key, value)
+    refuse_inside_a_launcher()
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x3)")  # srun's tasks per rank: --nproc would be dropped
+    with pytest.raises(MeshtrainError, match="--nproc starts meshtrain's own launcher"):
+        refuse_inside_a_launcher()

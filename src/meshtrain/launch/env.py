@@ -151,7 +151,7 @@ class TorchElastic(ClusterEnvironment):
 
     @staticmethod
     def detect(env):
-        return "RANK" in env or "WORLD_SIZE" in env
+        return ("RANK" in env or "WORLD_SIZE" in env) and not container_hook_task(env)
 
     def resolve(self) -> LaunchEnv:
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in self.env]
@@ -261,6 +261,23 @@ class Slurm(ClusterEnvironment):
         if per_node is None:
             raise MeshtrainError("slurm: environment variable SLURM_STEP_TASKS_PER_NODE is missing (srun sets it)")
         return per_node
+
+
+def container_hook_task(env: dict[str, str]) -> bool:
+    """An srun task whose container hook (enroot's PyTorch hook under pyxis) copied Slurm's task ids into
+    torchrun's RANK, WORLD_SIZE and LOCAL_RANK, but not LOCAL_WORLD_SIZE: read as torchrun's, a job of
+    several nodes would be one node; Slurm's own variables place it."""
+    return (
+        Slurm.detect(env)
+        and "TORCHELASTIC_RUN_ID" not in env
+        and "LOCAL_WORLD_SIZE" not in env
+        and env.get("RANK") == env.get("SLURM_PROCID")
+    )
+
+
+def one_task_per_node(env: dict[str, str]) -> bool:
+    """An srun step of one task per node (the agent-per-node mode): the task is a node's launcher."""
+    return Slurm.detect(env) and Slurm(env).tasks_per_node() == 1
 
 
 class Single(ClusterEnvironment):

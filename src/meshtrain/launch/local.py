@@ -50,8 +50,11 @@ def rendezvous_args(
 def refuse_inside_a_launcher() -> None:
     """--nproc starts meshtrain's own launcher, whose workers never get --nproc: a process that was
     started by a launcher (RANK set: torchrun, srun with its environment, mpirun) and has --nproc
-    would otherwise drop it and its options without a word."""
-    if "RANK" in os.environ:
+    would otherwise drop it and its options without a word. An srun task of one per node whose
+    container hook set RANK (pyxis) is a node's launcher, as the agent-per-node script starts it."""
+    from meshtrain.launch.env import container_hook_task, one_task_per_node
+
+    if "RANK" in os.environ and not (container_hook_task(os.environ) and one_task_per_node(os.environ)):
         from meshtrain.errors import MeshtrainError
 
         raise MeshtrainError(
