@@ -170,7 +170,8 @@ def test_the_configs_time_limit_is_kept_or_refused(cli_env, tmp_path):
 def test_an_sge_parallel_environment_gets_its_gpus_and_whole_nodes(cli_env, tmp_path):
     """With --pe the job asked only for slots: no GPUs, and nothing said the PE's allocation rule put
     --nodes hosts of the ranks per node that `mpirun -npernode` assumes. Now a GPU per slot is
-    requested, and a placement other than whole nodes stops the job before mpirun, naming it."""
+    requested, and a placement other than whole nodes stops the job before mpirun, naming it. What the
+    job exported (network knobs, meshtrain's settings) reaches the ranks on every host (mpirun -x)."""
     script = tmp_path / "job.sge"
     flags = ["sge", "--config", "configs/tiny.toml", "--nodes", "2", "--gpus-per-node", "4", "--pe", "mpi"]
     made = run_cli(["jobscript", *flags, "--out", str(script), "--", *FITS], cli_env, cwd=Path(__file__).parents[1])
@@ -179,7 +180,7 @@ def test_an_sge_parallel_environment_gets_its_gpus_and_whole_nodes(cli_env, tmp_
     assert "#$ -pe mpi 8 " in text and "#$ -l gpu=1 " in text
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "mpirun").write_text("#!/bin/sh\necho mpirun ran >&2\n")
+    (fake / "mpirun").write_text('#!/bin/sh\necho "mpirun ran $*" >&2\n')
     (fake / "mpirun").chmod(0o755)
     placements = {  # the PE's host file -> how the refusal names it (None: whole nodes, mpirun runs)
         "a 4 all.q UNDEFINED\nb 4 all.q UNDEFINED\n": None,
@@ -191,9 +192,12 @@ def test_an_sge_parallel_environment_gets_its_gpus_and_whole_nodes(cli_env, tmp_
         hosts = tmp_path / "pe_hostfile"
         hosts.write_text(placed)
         env = {"PATH": f"{fake}:{os.environ['PATH']}", "PE_HOSTFILE": str(hosts), "HOME": str(tmp_path)}
+        env |= {"NCCL_SOCKET_IFNAME": "ib0", "MESHTRAIN_MAX_REQUEUES": "3"}  # exported: to every host's ranks
         ran = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
         if refusal is None:
             assert "mpirun ran" in ran.stderr and "meshtrain:" not in ran.stderr, ran.stderr
+            assert "-x NCCL_SOCKET_IFNAME" in ran.stderr and "-x MESHTRAIN_MAX_REQUEUES" in ran.stderr
+            assert "-x HOME" not in ran.stderr
         else:
             assert ran.returncode == 1 and refusal in ran.stderr and "mpirun ran" not in ran.stderr, ran.stderr
 
@@ -317,9 +321,12 @@ def test_trainium_refuses_another_device_in_the_config_file(cli_env, tmp_path):
         config.write_text((repo / "configs/tiny.toml").read_text() + f'\n[launch]\ndevice = "{device}"\n')
         refused = run_cli(["jobscript", *with_config, "--", *FITS_TRAINIUM], cli_env, cwd=repo)
         assert_user_error(refused, f"launch.device = '{device}' in --config {config}", "make it auto or neuron")
-    overridden = run_cli(["jobscript", *with_config, "--", *FITS_TRAINIUM, "--launch.device", "neuron"], cli_env)
+    out = tmp_path / "cluster.yaml"
+    overridden = run_cli(
+        ["jobscript", *with_config, "--out", str(out), "--", *FITS_TRAINIUM, "--launch.device", "neuron"], cli_env
+    )
     assert overridden.returncode == 0, overridden.stderr
-    assert "--launch.device neuron" in overridden.stdout
+    assert "--launch.device neuron" in Path(f"{out}.sbatch").read_text()
 
 
 def test_neuron_device_without_torch_neuronx_is_refused_before_workers_start(cli_env, tmp_path):

@@ -146,6 +146,19 @@ NCCL_KNOBS = """\
 """
 
 
+# Open MPI passes a variable to the ranks on other hosts only when named with -x: the network knobs
+# above, MASTER_PORT, meshtrain's own settings, what this shell exported.
+FORWARD_ENV = (
+    "# Open MPI gives the other hosts' ranks only the variables named with -x: every one of these exported here",
+    "FORWARD=()",
+    'for name in $(compgen -e); do case "$name" in',
+    "    NCCL_*|GLOO_*|FI_*|UCX_*|MESHTRAIN_*|TORCH_*|CUDA_*|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|PYTHONPATH|HF_*)",
+    '        FORWARD+=(-x "$name") ;;',
+    "esac; done",
+)
+MPIRUN_FORWARD = '${FORWARD[@]+"${FORWARD[@]}"}'
+
+
 def slurm(spec: JobSpec, knobs: str = NCCL_KNOBS, before_training: tuple[str, ...] = ()) -> str:
     """`knobs`: the network settings block; `before_training`: lines run before the training step
     (pcluster on Trainium: the ahead-of-time compilation)."""
@@ -274,12 +287,14 @@ def sge(spec: JobSpec) -> str:
         "",
         "# Ranks come from MPI (OMPI_COMM_WORLD_*); the first host is the rendezvous address. SGE gives",
         f"# no warning before h_rt: training checkpoints and exits 75 {spec.signal_lead_s} s before it.",
+        *FORWARD_ENV,
         "status=0",
-        f'mpirun -npernode {spec.per_node} -np {spec.world} --hostfile "$HOSTFILE" '
+        f'mpirun -npernode {spec.per_node} -np {spec.world} --hostfile "$HOSTFILE" {MPIRUN_FORWARD} '
         f"{spec.train_command(time_limited=True)} || status=$?",
         "",
         "# Exit 75 (checkpointed before h_rt, or preempted) or 124 (a rank hung: <run.dir>/hangs/): exit 99",
-        "# makes SGE run the job again, and the next run resumes; at most MESHTRAIN_MAX_REQUEUES times.",
+        "# makes SGE run the job again, and the next run resumes; at most MESHTRAIN_MAX_REQUEUES times",
+        "# (SGE passes no variable of the submitting shell on: qsub -v MESHTRAIN_MAX_REQUEUES=N).",
         'COUNT="logs/.${JOB_NAME:-meshtrain}.${JOB_ID:-0}.requeues"',
         'RUNS=$(( $(cat "$COUNT" 2>/dev/null || echo 0) + 1 ))',
         'if [[ "$status" =~ ^(75|124)$ ]] && [ "$RUNS" -le "${MESHTRAIN_MAX_REQUEUES:-50}" ]; then',
@@ -317,7 +332,8 @@ def pbs(spec: JobSpec) -> str:
         "# PBS_NODEFILE lists each host once per MPI process; the first is the rendezvous address.",
         f"# PBS gives no warning before walltime: training checkpoints and exits 75 {spec.signal_lead_s} s before",
         "# it; submit the same script again to continue (PBS has no self-requeue for unprivileged users).",
-        f'mpirun -np {spec.world} --hostfile "$PBS_NODEFILE" {spec.train_command(time_limited=True)}',
+        *FORWARD_ENV,
+        f'mpirun -np {spec.world} --hostfile "$PBS_NODEFILE" {MPIRUN_FORWARD} {spec.train_command(time_limited=True)}',
     ]
     return "\n".join(lines) + "\n"
 
@@ -335,7 +351,8 @@ def mpirun(spec: JobSpec) -> str:
                 "# Ranks come from OMPI_COMM_WORLD_*. With several hosts set MASTER_ADDR to the first one.",
                 'MASTER_ADDR="$(awk \'NR==1{print $1}\' "$HOSTFILE")"',
                 "export MASTER_ADDR",
-                f'mpirun -np {spec.world} -npernode {spec.per_node} --hostfile "$HOSTFILE" -x MASTER_ADDR '
+                *FORWARD_ENV,
+                f'mpirun -np {spec.world} -npernode {spec.per_node} --hostfile "$HOSTFILE" {MPIRUN_FORWARD} '
                 f"{spec.train_command(time_limited=True)}",
             ]
         )
