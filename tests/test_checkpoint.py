@@ -580,7 +580,10 @@ def test_lora_adapters_on_a_base_stored_otherwise_name_what_auto_chose(tmp_path)
     adapters = SimpleNamespace(to_dict=lambda: {"rank": 8})
     (tmp_path / TRAIN_STATE).write_text(json.dumps({"peft": {"rank": 8, "base": base, "base_storage": "fp32"}}))
     for how, message in (
-        ("measured", "trained on a fp32 base, but training.dtype = auto chose bf16 on this machine"),
+        (
+            "measured",
+            r"trained on a fp32 base, but this start stores it in bf16 \(bf16 \(measured\)\): set training.dtype = fp3",
+        ),
         ("given", r"another setting or base \(base_storage fp32 -> bf16\)"),
     ):
         chosen = SimpleNamespace(how=how, describe=lambda: "bf16 (measured)")

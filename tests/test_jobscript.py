@@ -109,6 +109,10 @@ def test_bad_jobscript_requests(cli_env, tmp_path):
     result = run_cli(["jobscript", "slurm", "--config", "configs/tiny.toml", "--out", str(notes)], cli_env)
     assert_user_error(result, f"--out {notes} exists and was not written by `meshtrain jobscript`")
     assert notes.read_text() == "# my notes on the meshtrain 7B run\n"
+    earlier = tmp_path / "earlier.sbatch"  # a script of a version before the marker line: replaced too
+    earlier.write_text((GOLDEN / "slurm.txt").read_text().replace("# written by `meshtrain jobscript` slurm\n", ""))
+    made = run_cli(["jobscript", "slurm", "--config", "configs/tiny.toml", "--out", str(earlier)], cli_env)
+    assert made.returncode == 0 and "# written by `meshtrain jobscript` slurm" in earlier.read_text(), made.stderr
     script = tmp_path / "job.sbatch"  # its own earlier script is replaced
     for nodes in ("1", "2"):
         made = run_cli(
@@ -193,11 +197,12 @@ def test_an_sge_parallel_environment_gets_its_gpus_and_whole_nodes(cli_env, tmp_
         hosts.write_text(placed)
         env = {"PATH": f"{fake}:{os.environ['PATH']}", "PE_HOSTFILE": str(hosts), "HOME": str(tmp_path)}
         env |= {"NCCL_SOCKET_IFNAME": "ib0", "MESHTRAIN_MAX_REQUEUES": "3"}  # exported: to every host's ranks
+        env |= {"CUDA_VISIBLE_DEVICES": "0,1"}  # each host's own
         ran = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
         if refusal is None:
             assert "mpirun ran" in ran.stderr and "meshtrain:" not in ran.stderr, ran.stderr
             assert "-x NCCL_SOCKET_IFNAME" in ran.stderr and "-x MESHTRAIN_MAX_REQUEUES" in ran.stderr
-            assert "-x HOME" not in ran.stderr
+            assert "-x HOME" not in ran.stderr and "-x CUDA_VISIBLE_DEVICES" not in ran.stderr
         else:
             assert ran.returncode == 1 and refusal in ran.stderr and "mpirun ran" not in ran.stderr, ran.stderr
 
@@ -367,3 +372,19 @@ def test_time_means_one_duration_and_is_written_as_every_scheduler_reads_it(give
     for kind, line in (("slurm", "#SBATCH --time="), ("sge", "#$ -l h_rt="), ("pbs", "#PBS -l walltime=")):
         spec = prepare(kind, JobSpec(config=str(repo / "configs" / "tiny.toml"), time=given, gpus_per_node=1))
         assert f"{line}{clock} " in render(kind, spec)[""] or f"{line}{clock}\n" in render(kind, spec)[""]
+
+
+def test_mpich_scripts_use_hydras_flags(tmp_path):
+    """launch.env = mpich: Hydra has no -npernode or -x (it passes the environment on itself); the
+    sge, pbs and mpirun scripts use -ppn and forward nothing by name."""
+    from meshtrain.launch.jobs import prepare, render
+    from meshtrain.launch.jobscript import JobSpec
+
+    config = tmp_path / "mpich.toml"
+    config.write_text(Path("configs/tiny.toml").read_text() + '\n[launch]\nenv = "mpich"\n')
+    for kind in ("sge", "pbs", "mpirun"):
+        spec = prepare(kind, JobSpec(config=str(config), nodes=2, procs_per_node=2, time="01:00:00"))
+        text = render(kind, spec)[""]
+        (command,) = [line for line in text.splitlines() if line.startswith("mpirun ")]
+        assert " -x " not in command and "FORWARD" not in text and "-npernode" not in command, command
+        assert ("-ppn 2" in command) == (kind != "pbs"), command

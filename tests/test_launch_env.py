@@ -311,6 +311,8 @@ def test_a_container_hooks_torchrun_variables_leave_a_slurm_task_placed_by_slurm
     env = detect(PYXIS_TASK)
     assert (env.launcher, env.rank, env.world_size, env.local_world_size, env.node_rank) == ("slurm", 9, 12, 4, 2)
     assert detect(PYXIS_TASK | {"LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
+    one_node = SLURM_TASK | {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}  # forced, the hook's are read
+    assert detect(one_node, "torchrun").launcher == "torchrun" and detect(one_node).launcher == "slurm"
     agent = PYXIS_TASK | {"SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_PROCID": "2"}
     for key, value in (agent | {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "SLURM_LOCALID": "0"}).items():
         monkeypatch.setenv(key, value)

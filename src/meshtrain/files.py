@@ -88,10 +88,14 @@ def atomic_write(path: Path | str, write: Callable[[Path], None]) -> Path:
 
 
 def check_output(
-    path: Path | str, flag: str, inputs: dict[str, Path | str | list | None], signature: str, command: str
+    path: Path | str,
+    flag: str,
+    inputs: dict[str, Path | str | list | None],
+    signature: str | tuple[str, ...],
+    command: str,
 ) -> None:
     """Before any work: an output file may replace an older output of `command` (a file holding
-    `signature` in its first MiB), but never one of the command's own inputs (`inputs`: flag -> path
+    `signature`, or one of several, in its first MiB), but never one of the command's own inputs (`inputs`: flag -> path
     or paths, e.g. the config a script is written from), a directory or someone else's file."""
     out = Path(path)
     if out.is_dir():
@@ -106,7 +110,8 @@ def check_output(
         raise MeshtrainError(f"{flag} {out} is not a regular file: name a file to write")
     try:
         with open(out, "rb") as f:
-            ours = signature.encode() in f.read(1 << 20)
+            head = f.read(1 << 20)
+        ours = any(s.encode() in head for s in ((signature,) if isinstance(signature, str) else signature))
     except OSError as e:
         raise MeshtrainError(
             f"{flag} {out} cannot be read ({e.strerror}): move it away or write to another path"

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace, train_args: list[str]) -> int:
     from meshtrain.config import load_config
-    from meshtrain.launch.jobs import MARKER, prepare, render
+    from meshtrain.launch.jobs import EARLIER_HEADERS, MARKER, prepare, render
 
     spec: JobSpec = prepare(args.kind, options_of(args, JobSpec, train_args=train_args))
     files = render(args.kind, spec)
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace, train_args: list[str]) -> int:
         from meshtrain.files import check_output
 
         for suffix in files:
-            check_output(args.out + suffix, "--out", {"--config": spec.config}, MARKER, "meshtrain jobscript")
+            signatures = (MARKER, *EARLIER_HEADERS)
+            check_output(args.out + suffix, "--out", {"--config": spec.config}, signatures, "meshtrain jobscript")
     for suffix, text in files.items():
         if args.out:
             from meshtrain.files import write_text

@@ -308,7 +308,8 @@ class Blend:
                     f"both with one, `meshtrain data prepare --tokenizer {first.tokenizer_path} ...`"
                 )
         _check_document_starts(self.sources)
-        _check_special_tokens(self.sources)
+        if len(self.sources) > 1:
+            _check_special_tokens(self.sources)
         self.vocab_size, self.eos_id, self.tokenizer_path = first.vocab_size, first.eos_id, first.tokenizer_path
         self.preference = first.preference
         for other in self.sources[1:]:

@@ -2,7 +2,8 @@
 
 One small class per environment (in the spirit of Lightning's cluster environments). Precedence,
 first match wins:
-  1. torchrun / torch elastic: RANK + WORLD_SIZE (also pyxis/enroot's PyTorch hook, Kubeflow)
+  1. torchrun / torch elastic: RANK + WORLD_SIZE (also Kubeflow; not an srun task whose pyxis/enroot
+     hook copied its ids there without LOCAL_WORLD_SIZE: Slurm's variables place it, see 5.)
   2. AzureML: AZ_BATCH_MASTER_NODE with Open MPI ranks
   3. Open MPI: OMPI_COMM_WORLD_* (wins over Slurm: under `mpirun` inside `sbatch` every rank also
      carries the batch step's SLURM_PROCID=0)
@@ -435,7 +436,7 @@ def detect(env: dict[str, str] | None = None, launcher: str = "auto") -> LaunchE
         raise MeshtrainError(f"launch.env = {launcher!r} is unknown: use one of {', '.join(LAUNCHERS)}")
     if launcher != "auto":
         cls = ENVIRONMENTS[launcher]
-        if not cls.detect(env):
+        if not (cls.detect(env) or (cls is TorchElastic and container_hook_task(env))):  # forced: the hook's
             raise MeshtrainError(f"launch.env = {launcher!r} but this process was not started by it")
         if cls is Single:
             refuse_single_among_many(env)

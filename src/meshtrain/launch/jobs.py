@@ -34,6 +34,16 @@ def prepare(kind: str, spec: JobSpec) -> JobSpec:
 # In every file a job is written as: what `jobscript --out` may replace (its own earlier output, not a
 # file that only mentions meshtrain).
 MARKER = "# written by `meshtrain jobscript`"
+# How the files of earlier versions, without the marker, began: --out replaces them too.
+EARLIER_HEADERS = (
+    "# Submit with: mkdir -p logs && sbatch THIS_FILE",
+    "# Submit with: mkdir -p logs && qsub THIS_FILE",
+    "# Plain MPI over a hostfile: one line per host",
+    "# Run on every node, with NODE_RANK",
+    "# AWS ParallelCluster 3: pcluster create-cluster",
+    "#PBS -j oe                      # stdout and stderr into one log",
+    "# ParallelCluster runs this on every node once it is configured",
+)
 
 
 def render(kind: str, spec: JobSpec) -> dict[str, str]:

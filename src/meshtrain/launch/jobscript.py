@@ -147,16 +147,29 @@ NCCL_KNOBS = """\
 
 
 # Open MPI passes a variable to the ranks on other hosts only when named with -x: the network knobs
-# above, MASTER_PORT, meshtrain's own settings, what this shell exported.
+# above, MASTER_PORT, meshtrain's own settings, what this shell exported. Not CUDA_VISIBLE_DEVICES:
+# each host's is its own (the scheduler's GPUs there). MPICH's Hydra passes the whole environment on.
 FORWARD_ENV = (
     "# Open MPI gives the other hosts' ranks only the variables named with -x: every one of these exported here",
     "FORWARD=()",
     'for name in $(compgen -e); do case "$name" in',
+    "    CUDA_VISIBLE_DEVICES) ;;",
     "    NCCL_*|GLOO_*|FI_*|UCX_*|MESHTRAIN_*|TORCH_*|CUDA_*|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|PYTHONPATH|HF_*)",
     '        FORWARD+=(-x "$name") ;;',
     "esac; done",
 )
-MPIRUN_FORWARD = '${FORWARD[@]+"${FORWARD[@]}"}'
+
+
+def _mpirun(spec: JobSpec, hostfile: str, per_node: bool = True) -> tuple[list[str], str]:
+    """(the lines before it, the mpirun command) for the MPI the config's launch.env names: Open MPI's
+    flags (auto, openmpi) or MPICH/Intel MPI Hydra's (-ppn; the environment is passed on already)."""
+    from meshtrain.config import load_config
+
+    mpich = load_config(spec.config, spec.train_args).launch.env == "mpich"
+    placement = (f" -ppn {spec.per_node}" if mpich else f" -npernode {spec.per_node}") if per_node else ""
+    forward = "" if mpich else ' ${FORWARD[@]+"${FORWARD[@]}"}'
+    command = f'mpirun -np {spec.world}{placement} --hostfile "{hostfile}"{forward}'
+    return ([] if mpich else list(FORWARD_ENV)), command
 
 
 def slurm(spec: JobSpec, knobs: str = NCCL_KNOBS, before_training: tuple[str, ...] = ()) -> str:
@@ -242,6 +255,7 @@ def _srun(spec: JobSpec) -> list[str]:
 
 
 def sge(spec: JobSpec) -> str:
+    before_mpirun, mpirun_command = _mpirun(spec, "$HOSTFILE")
     lines = [
         "#!/bin/bash",
         "# Submit with: mkdir -p logs && qsub THIS_FILE",
@@ -285,12 +299,11 @@ def sge(spec: JobSpec) -> str:
         "    fi",
         "fi",
         "",
-        "# Ranks come from MPI (OMPI_COMM_WORLD_*); the first host is the rendezvous address. SGE gives",
+        "# Ranks come from MPI (OMPI_COMM_WORLD_* or PMI_*); the first host is the rendezvous address. SGE gives",
         f"# no warning before h_rt: training checkpoints and exits 75 {spec.signal_lead_s} s before it.",
-        *FORWARD_ENV,
+        *before_mpirun,
         "status=0",
-        f'mpirun -npernode {spec.per_node} -np {spec.world} --hostfile "$HOSTFILE" {MPIRUN_FORWARD} '
-        f"{spec.train_command(time_limited=True)} || status=$?",
+        f"{mpirun_command} {spec.train_command(time_limited=True)} || status=$?",
         "",
         "# Exit 75 (checkpointed before h_rt, or preempted) or 124 (a rank hung: <run.dir>/hangs/): exit 99",
         "# makes SGE run the job again, and the next run resumes; at most MESHTRAIN_MAX_REQUEUES times",
@@ -309,6 +322,7 @@ def sge(spec: JobSpec) -> str:
 
 
 def pbs(spec: JobSpec) -> str:
+    before_mpirun, mpirun_command = _mpirun(spec, "$PBS_NODEFILE", per_node=False)
     resources = f"select={spec.nodes}:ncpus={max(8, spec.per_node * 8) if spec.gpus_per_node else spec.per_node}"
     resources += f":mpiprocs={spec.per_node}" + (f":ngpus={spec.gpus_per_node}" if spec.gpus_per_node else "")
     lines = [
@@ -332,13 +346,14 @@ def pbs(spec: JobSpec) -> str:
         "# PBS_NODEFILE lists each host once per MPI process; the first is the rendezvous address.",
         f"# PBS gives no warning before walltime: training checkpoints and exits 75 {spec.signal_lead_s} s before",
         "# it; submit the same script again to continue (PBS has no self-requeue for unprivileged users).",
-        *FORWARD_ENV,
-        f'mpirun -np {spec.world} --hostfile "$PBS_NODEFILE" {MPIRUN_FORWARD} {spec.train_command(time_limited=True)}',
+        *before_mpirun,
+        f"{mpirun_command} {spec.train_command(time_limited=True)}",
     ]
     return "\n".join(lines) + "\n"
 
 
 def mpirun(spec: JobSpec) -> str:
+    before_mpirun, mpirun_command = _mpirun(spec, "$HOSTFILE")
     return (
         "\n".join(
             [
@@ -348,12 +363,11 @@ def mpirun(spec: JobSpec) -> str:
                 'HOSTFILE="${1:-hostfile}"',
                 "",
                 NCCL_KNOBS,
-                "# Ranks come from OMPI_COMM_WORLD_*. With several hosts set MASTER_ADDR to the first one.",
+                "# Ranks come from MPI (OMPI_COMM_WORLD_* or PMI_*); with several hosts MASTER_ADDR is the first.",
                 'MASTER_ADDR="$(awk \'NR==1{print $1}\' "$HOSTFILE")"',
                 "export MASTER_ADDR",
-                *FORWARD_ENV,
-                f'mpirun -np {spec.world} -npernode {spec.per_node} --hostfile "$HOSTFILE" {MPIRUN_FORWARD} '
-                f"{spec.train_command(time_limited=True)}",
+                *before_mpirun,
+                f"{mpirun_command} {spec.train_command(time_limited=True)}",
             ]
         )
         + "\n"

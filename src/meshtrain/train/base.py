@@ -64,7 +64,8 @@ def check_same_base(s: TrainState, path: Path) -> None:
     if (reference := state.get("reference")) and (now := reference_record(s)) is not None:
         if changed := [k for k in reference if k in now and reference[k] != now[k]]:
             raise MeshtrainError(
-                f"checkpoint {path} is a DPO run whose reference model is {s.cfg.model.init_from} as it was when the "
+                f"checkpoint {path} is a DPO run whose reference model is "
+                f"{s.cfg.model.init_from or 'the seeded random initialisation'} as it was when the "
                 f"run started, but its {changed[0]} changed since: the loss would move without a word; restore that "
                 "model, or set checkpoint.resume = none"
             )
@@ -78,10 +79,10 @@ def check_same_base(s: TrainState, path: Path) -> None:
         )
     diff = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v)
     if [k for k in mine if saved.get(k) != mine[k]] == ["base_storage"] and s.arithmetic.how != "given":
-        raise MeshtrainError(
-            f"checkpoint {path} holds adapters trained on a {saved['base_storage']} base, but training.dtype = auto "
-            f"chose {mine['base_storage']} on this machine ({s.arithmetic.describe()}): set training.dtype = "
-            f"{saved['base_storage']} to resume them"
+        raise MeshtrainError(  # training.dtype = auto can choose otherwise on another machine, thread count, load
+            f"checkpoint {path} holds adapters trained on a {saved['base_storage']} base, but this start stores it "
+            f"in {mine['base_storage']} ({s.arithmetic.describe()}): set training.dtype = {saved['base_storage']} "
+            "to resume them"
         )
     raise MeshtrainError(
         f"checkpoint {path} holds adapters for another setting or base ({diff}); resume with the same [peft] and "
