@@ -18,7 +18,7 @@ import torch
 from bench.common import device, markdown, timed, write_results
 from meshtrain.config import load_config
 from meshtrain.model import masks
-from meshtrain.train import build
+from meshtrain.train.build import build
 
 VARIANTS = ("causal", "dense", "varlen")
 

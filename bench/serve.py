@@ -23,7 +23,7 @@ from meshtrain.config import load_config
 from meshtrain.interop import export_hf
 from meshtrain.interop.weights import save_model
 from meshtrain.model import Llama
-from meshtrain.train import ensure_dataset
+from meshtrain.train.preflight import ensure_dataset
 
 PROMPTS = ["def ", "import os\n", "class Foo", "    return ", "for i in range(", "# ", "if x ==", "print("]
 

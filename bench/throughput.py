@@ -58,8 +58,8 @@ from meshtrain.interop.families import args_to_config
 from meshtrain.model.shapes import Shape
 from meshtrain.parallel.float8 import fp8_refusal
 from meshtrain.parallel.precision import arithmetic_label
-from meshtrain.train import build
 from meshtrain.train.arithmetic import resolve
+from meshtrain.train.build import build
 
 NATIVE = "meshtrain+compile/bf16-kernels"
 GRAPHS = "meshtrain+compile+cudagraphs"

@@ -10,7 +10,7 @@ import torch
 
 from bench.common import device, machine, markdown, timed, write_results
 from meshtrain.config import load_config
-from meshtrain.train import build
+from meshtrain.train.build import build
 from meshtrain.train.stragglers import ComputeTimer
 from meshtrain.train.watchdog import Watchdog, phase
 

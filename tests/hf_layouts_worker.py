@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.config import load_config
 from meshtrain.interop import load_hf_weights
-from meshtrain.train import build
+from meshtrain.train.build import build
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_families import probe_tokens  # noqa: E402

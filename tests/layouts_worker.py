@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.config import load_config
-from meshtrain.train import train
+from meshtrain.train.loop import train
 
 
 def main() -> int:

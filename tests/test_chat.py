@@ -23,7 +23,7 @@ from meshtrain.data.tokenizer import end_of_text, load_tokenizer
 from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.errors import DataError
 from meshtrain.model import Llama
-from meshtrain.train import build as build_state
+from meshtrain.train.build import build as build_state
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

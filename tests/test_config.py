@@ -4,7 +4,7 @@ import pytest
 
 from meshtrain.config import check_model_args, config_keys, load_config, parse_overrides, resolved, to_toml
 from meshtrain.errors import ConfigError
-from meshtrain.train import model_args, preflight
+from meshtrain.train.preflight import model_args, preflight
 
 
 def test_defaults_and_overrides(tmp_path):

@@ -16,7 +16,7 @@ from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE
 from meshtrain.data.prepare import ChatOptions
 from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.model.llama import copy_full_into
-from meshtrain.train import build as build_state
+from meshtrain.train.build import build as build_state
 
 BETA = 0.25
 

@@ -106,7 +106,7 @@ def _real_peaks(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from meshtrain.optim import local_optimizer
-    from meshtrain.train import build
+    from meshtrain.train.build import build
     from meshtrain.train.measure import PeakLiveBytes
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")

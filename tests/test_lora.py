@@ -15,7 +15,7 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.model.args import LoraSpec, parse_targets
 from meshtrain.model.lora import merge_state_dict
 from meshtrain.parallel.memory import model_state_bytes
-from meshtrain.train import build as build_state
+from meshtrain.train.build import build as build_state
 from meshtrain.train.preflight import preflight
 
 QLORA = {"method": "qlora"}

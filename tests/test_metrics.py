@@ -5,17 +5,36 @@ import torch
 from meshtrain.hardware import cpu_peak_key, cpu_peak_tflops
 
 
-def test_cpu_peak_keeps_the_best_probe(tmp_path, monkeypatch):
-    """A low cached probe (taken on a busy machine) is replaced; a higher one is kept."""
+def test_cpu_peak_keeps_the_best_probe_until_quiet_probes_settle_it(tmp_path, monkeypatch):
+    """A low cached probe (taken on a busy machine) is replaced and a higher one kept; after
+    SETTLED_PROBES probes on a quiet machine the peak is read, not measured; a busy probe does not
+    count toward them; a record of another format is measured again."""
+    from conftest import pretend_other_load
+    from meshtrain import hardware
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     key = cpu_peak_key(torch.float32)
     cache = tmp_path / "meshtrain" / "cpu_peak.json"
     cache.parent.mkdir()
-    cache.write_text(json.dumps({key: 1e-9}))
+    cache.write_text(json.dumps({key: {"best": 1e-9, "quiet_probes": 0}}))
+    pretend_other_load(monkeypatch, 0.0)
     measured = cpu_peak_tflops(torch.float32)
-    assert measured > 1e-9 and json.loads(cache.read_text())[key] == measured
-    cache.write_text(json.dumps({key: 1e6}))
+    assert measured > 1e-9 and json.loads(cache.read_text())[key] == {"best": measured, "quiet_probes": 1}
+    cache.write_text(json.dumps({key: {"best": 1e6, "quiet_probes": 0}}))
     assert cpu_peak_tflops(torch.float32) == 1e6
+    assert json.loads(cache.read_text())[key] == {"best": 1e6, "quiet_probes": 1}
+
+    probes = []
+    monkeypatch.setattr(hardware, "measure_cpu_peak_tflops", lambda dtype: probes.append(dtype) or 2.0)
+    cache.write_text(json.dumps({key: 1.0}))  # an earlier version's bare number: measured again
+    pretend_other_load(monkeypatch, 0.9)
+    assert [cpu_peak_tflops(torch.float32) for _ in range(2)] == [2.0, 2.0]
+    assert json.loads(cache.read_text())[key] == {"best": 2.0, "quiet_probes": 0}  # busy: not settled
+    pretend_other_load(monkeypatch, 0.0)
+    for _ in range(hardware.SETTLED_PROBES + 2):
+        cpu_peak_tflops(torch.float32)
+    assert len(probes) == 2 + hardware.SETTLED_PROBES  # then read
+    assert json.loads(cache.read_text())[key] == {"best": 2.0, "quiet_probes": hardware.SETTLED_PROBES}
 
 
 def test_ranks_probing_at_once_keep_every_record(tmp_path, monkeypatch):

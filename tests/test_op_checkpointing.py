@@ -14,7 +14,7 @@ from meshtrain.model import Llama
 from meshtrain.model.shapes import Shape
 from meshtrain.parallel import apply_ac
 from meshtrain.plan import Workload, activation_bytes
-from meshtrain.train import build
+from meshtrain.train.build import build
 from meshtrain.train.measure import SavedActivations
 from meshtrain.train.step import cross_entropy
 

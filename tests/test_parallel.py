@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from conftest import assert_same_run, read_metrics, run_cli, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
-from meshtrain.train import preflight
+from meshtrain.train.preflight import preflight
 
 # 4 layers so that 2 pipeline ranks x 2 virtual stages each get one; micro-batch 2 so every
 # layout has enough micro-batches for its schedule.

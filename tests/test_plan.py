@@ -17,7 +17,7 @@ from meshtrain.model import Llama
 from meshtrain.model.shapes import Shape
 from meshtrain.parallel import apply_ac, apply_fp32_compute
 from meshtrain.plan import Workload, activation_bytes, estimate_memory
-from meshtrain.train import build as build_state
+from meshtrain.train.build import build as build_state
 from meshtrain.train.measure import PeakLiveBytes, SavedActivations
 from meshtrain.train.step import cross_entropy
 

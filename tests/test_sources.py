@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from meshtrain.checkpoint import MARKER, Checkpointer
+from meshtrain.checkpoint import MARKER
+from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.errors import MeshtrainError
 from meshtrain.interop.hf import export_adapter, export_hf, load_base_model, load_full_model
 from meshtrain.interop.weights import save_model

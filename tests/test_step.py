@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from meshtrain.config import load_config
 from meshtrain.model import Llama
-from meshtrain.train import build as build_state
+from meshtrain.train.build import build as build_state
 
 MODEL = [
     "--model.dim",

@@ -25,6 +25,7 @@ Faults fire on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so an elas
 """
 
 import os
+import sys
 
 
 def _dies_here(var: str, step: int) -> bool:
@@ -76,12 +77,14 @@ def _install() -> None:
         return
     if os.environ.get("MESHTRAIN_STDOUT_PAUSE"):
         _pause_after_stdout_writes(float(os.environ["MESHTRAIN_STDOUT_PAUSE"]))
+    if "--nproc" in sys.argv and not os.environ.get("MESHTRAIN_JITTER"):
+        return  # `train --nproc`'s own process only starts the workers: the patches below are for them
     import errno
     import time
 
     import torch.distributed.checkpoint as dcp
 
-    from meshtrain.checkpoint import Checkpointer
+    from meshtrain.checkpoint.checkpointer import Checkpointer
     from meshtrain.data.loader import DistributedLoader
 
     next_batch, commit, checkpoint = DistributedLoader.next_batch, Checkpointer._commit, Checkpointer.save
@@ -188,7 +191,7 @@ def _jitter(spec: str) -> None:
     import time
 
     import meshtrain.files
-    from meshtrain.checkpoint import Checkpointer
+    from meshtrain.checkpoint.checkpointer import Checkpointer
     from meshtrain.metrics import MetricsLogger
 
     seed, _, most = spec.partition(":")

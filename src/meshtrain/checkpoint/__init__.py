@@ -13,10 +13,11 @@ checksums is damaged: `resume = "auto"` skips either with a warning and takes th
 Older checkpoints are deleted only after a newer one has committed.
 
 The parts: `commit` (the marker, checksums, retiring), `resume` (where a start continues from) and
-`checkpointer` (DCP save and load).
+`checkpointer` (DCP save and load). The package exports the first two; `Checkpointer` is imported from
+`meshtrain.checkpoint.checkpointer`, so that what only reads checkpoints (the launcher's resume checks,
+export) does not load torch.distributed.checkpoint and DTensor.
 """
 
-from meshtrain.checkpoint.checkpointer import Checkpointer, merge_parts, rng_state, set_rng_state
 from meshtrain.checkpoint.commit import MARKER, TRAIN_STATE, committed_checkpoints, crc32, step_dirs, verify
 from meshtrain.checkpoint.resume import (
     checkpoint_root,
@@ -34,7 +35,6 @@ from meshtrain.checkpoint.resume import (
 __all__ = [
     "MARKER",
     "TRAIN_STATE",
-    "Checkpointer",
     "checkpoint_root",
     "committed_checkpoints",
     "continue_job",
@@ -42,14 +42,11 @@ __all__ = [
     "find_resume",
     "job_came_back",
     "job_locks",
-    "merge_parts",
     "newest_checkpoint",
     "refuse_another_lineage",
     "refuse_overwriting_results",
-    "rng_state",
     "run_checkpoint_root",
     "saved_by_this_job",
-    "set_rng_state",
     "step_dirs",
     "verify",
 ]

@@ -231,8 +231,7 @@ def data_vocab_size(cfg: Config) -> int | None:
     where the default corpus is not prepared yet, the one train prepares it with (data.vocab_size,
     else 8192). It fills an unset model.vocab_size, so data that is neither gets the trainer's error;
     a model with its own vocabulary (model.vocab_size, model.init_from) is only checked against it."""
-    from meshtrain.train.build import DEFAULT_VOCAB
-    from meshtrain.train.preflight import default_corpus_pending, prepared_dataset
+    from meshtrain.train.preflight import DEFAULT_VOCAB, default_corpus_pending, prepared_dataset
 
     if default_corpus_pending(cfg):
         return cfg.data.vocab_size or DEFAULT_VOCAB

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         refuse_inside_a_launcher()
         return _launch(cfg, o, overrides)
 
-    from meshtrain.train import train
+    from meshtrain.train.loop import train
 
     return train(cfg)["exit_code"]
 
@@ -106,8 +106,7 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     from meshtrain.launch.local import launch_workers
     from meshtrain.lock import TOKEN_VARIABLE
     from meshtrain.logs import setup_logging
-    from meshtrain.train import ensure_dataset, preflight
-    from meshtrain.train.preflight import check_device, workers_device
+    from meshtrain.train.preflight import check_device, ensure_dataset, preflight, workers_device
 
     setup_logging(0, cfg.run.log_level)
     launcher = chosen_launcher(cfg.launch.env)

@@ -63,7 +63,6 @@ class _WaitCollective(torch.autograd.Function):
         return grad
 
 
-@torch.compiler.disable  # a hook of a compiled module is traced unless disabled
 def _wait_collectives(module: nn.Module, args: tuple) -> tuple:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -82,5 +81,7 @@ def apply_compile(
         return
     assert not cuda_graphs, "CUDA graphs need the whole-model graph (plan/workload.py: cuda_graphs_refusal)"
     for block in model.layers.values():
-        block.register_forward_pre_hook(_wait_collectives, prepend=True)
+        # A hook of a compiled module is traced unless disabled (wrapped here, not at import: the
+        # decorator loads torch._dynamo, a second per process that a run without compile never uses).
+        block.register_forward_pre_hook(torch.compiler.disable(_wait_collectives), prepend=True)
         block.compile(fullgraph=True, options=options or None)

@@ -20,18 +20,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 from meshtrain.config import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES
 from meshtrain.layout import Layout, split_layers
 
+# The classes of torch.distributed.pipelining.schedules, looked up when a pipeline is built: that
+# package takes most of a second to import, which every process of a run without one would pay.
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
 assert tuple(SCHEDULES) == PP_SCHEDULES
 
@@ -109,7 +109,9 @@ def build_schedule(
 ):
     """The schedule over this rank's stages; gradients are summed over micro-batches (`loss_fn`
     scales each one's loss)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     stages = [PipelineStage(module, idx, n_stages, device, group=pp_mesh.get_group()) for idx, module in parts]
-    cls = SCHEDULES[schedule]
+    cls = getattr(schedules, SCHEDULES[schedule])
     first = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
     return cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,21 +1,7 @@
-"""Training: `preflight` every check before work, `build` what a step runs on, `train_step` one
-step, `train` the loop; `dry_run` the same build at any world size on fake tensors."""
+"""Training: `preflight` every check before work (and `ensure_dataset`, the data made ready),
+`build` what a step runs on, `step` one step, `loop` the run; `dry_run` the same build at any world
+size on fake tensors.
 
-from meshtrain.train.build import TrainState, build, build_model, ensure_dataset
-from meshtrain.train.loop import train
-from meshtrain.train.preflight import check_init_tokenizer, model_args, preflight
-from meshtrain.train.step import cross_entropy, evaluate, train_step
-
-__all__ = [
-    "TrainState",
-    "build",
-    "build_model",
-    "check_init_tokenizer",
-    "cross_entropy",
-    "ensure_dataset",
-    "evaluate",
-    "model_args",
-    "preflight",
-    "train",
-    "train_step",
-]
+Import from the module that defines a name (`from meshtrain.train.build import build`): the package
+itself imports nothing, so the `--nproc` launcher, which needs only the preflight, starts its workers
+without first loading the parallel, compile and checkpoint stacks (seconds on a small machine)."""

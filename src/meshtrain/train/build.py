@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint import Checkpointer
-from meshtrain.config import Config, parse_data_path
-from meshtrain.data import Blend, DistributedLoader, prepare, stdlib_sources, validation_batches
+from meshtrain.checkpoint.checkpointer import Checkpointer
+from meshtrain.config import Config
+from meshtrain.data import Blend, DistributedLoader, validation_batches
 from meshtrain.errors import DataError
 from meshtrain.hardware import keep_freed_memory
 from meshtrain.launch import LaunchEnv, detect
@@ -36,29 +36,12 @@ from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
 from meshtrain.train.preflight import (
     check_device,
-    check_objective_data,
-    check_prepared_vocabulary,
-    default_corpus_pending,
+    ensure_dataset,
     preflight,
     warn_if_too_big,
 )
 from meshtrain.train.step import cross_entropy, step_context, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
-
-DEFAULT_VOCAB = 8192  # the default corpus's BPE vocabulary where data.vocab_size is unset
-
-
-def ensure_dataset(cfg: Config) -> Blend:
-    """Build the default corpus on first use (data.corpus = "stdlib", data.path one directory);
-    otherwise the data must already be prepared. Called by the launcher before workers start, and
-    by rank 0 of a run started by an external launcher."""
-    paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
-    if default_corpus_pending(cfg):
-        check_objective_data(cfg, None)  # not minutes of preparing before the refusal
-        log.info(f"preparing the default corpus (Python standard library source) in {paths[0]} ...")
-        prepare(stdlib_sources(), paths[0], vocab_size=cfg.data.vocab_size or DEFAULT_VOCAB, progress=True)
-    check_prepared_vocabulary(cfg)
-    return Blend(cfg.data.path, cfg.training.seq_len)
 
 
 def verify_data(dataset: Blend, rank: int, world: int) -> None:

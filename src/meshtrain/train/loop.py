@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint import (
-    Checkpointer,
     checkpoint_root,
     committed_checkpoints,
     continue_job,
@@ -24,6 +23,7 @@ from meshtrain.checkpoint import (
     refuse_another_lineage,
     refuse_overwriting_results,
 )
+from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.config import Config, parse_duration, resolved, to_toml
 from meshtrain.config.checks import check_steps_ahead
 from meshtrain.data.tokenizer import copy_tokenizer

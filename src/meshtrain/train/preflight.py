@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.config import Config, check_keys_in_force, check_model_args, parse_data_path
-from meshtrain.data import Blend, read_manifest
+from meshtrain.data import Blend, prepare, read_manifest, stdlib_sources
 from meshtrain.data.format import MANIFEST
 from meshtrain.layout import Layout
 from meshtrain.logs import log
@@ -24,6 +24,20 @@ from meshtrain.plan import Workload, estimate_memory, model_state_bytes
 from meshtrain.plan.workload import cuda_graphs_refusal, fp8_shape_refusal, nf4_refusal
 
 GIB = 2**30
+DEFAULT_VOCAB = 8192  # the default corpus's BPE vocabulary where data.vocab_size is unset
+
+
+def ensure_dataset(cfg: Config) -> Blend:
+    """Build the default corpus on first use (data.corpus = "stdlib", data.path one directory);
+    otherwise the data must already be prepared. Called by the launcher before workers start, and
+    by rank 0 of a run started by an external launcher."""
+    paths = [Path(p) for p, _ in parse_data_path(cfg.data.path)]
+    if default_corpus_pending(cfg):
+        check_objective_data(cfg, None)  # not minutes of preparing before the refusal
+        log.info(f"preparing the default corpus (Python standard library source) in {paths[0]} ...")
+        prepare(stdlib_sources(), paths[0], vocab_size=cfg.data.vocab_size or DEFAULT_VOCAB, progress=True)
+    check_prepared_vocabulary(cfg)
+    return Blend(cfg.data.path, cfg.training.seq_len)
 
 
 def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
@@ -106,10 +120,12 @@ def check_device(cfg: Config, device: torch.device, launcher: bool = False) -> N
     for training.fp8, a GPU to offload from for parallel.cpu_offload. The `launcher` leaves the FP8
     units to its workers: asking CUDA for them would hold a context on GPU 0 for the whole job."""
     from meshtrain.errors import ConfigError
-    from meshtrain.parallel.float8 import fp8_refusal
 
-    if not launcher and (problem := fp8_refusal(cfg.training.fp8, device)):
-        raise ConfigError(problem)
+    if not launcher:
+        from meshtrain.parallel.float8 import fp8_refusal  # (the parallel stack: seconds the launcher saves)
+
+        if problem := fp8_refusal(cfg.training.fp8, device):
+            raise ConfigError(problem)
     if cfg.training.attention_backward == "recompute" and device.type != "cpu":
         raise ConfigError(
             f"training.attention_backward = 'recompute' replaces the CPU flash-attention backward, but this job trains "

@@ -3,48 +3,12 @@ thread by its CPU time, and whether other processes kept the machine busy meanwh
 
 from __future__ import annotations
 
-import os
 import time
 import types
 
 import torch
 
-# Other processes used more of the CPUs than this while the probe measured: the record is not reused,
-# and a multi-threaded probe is taken again on one thread, by CPU time (bench/README.md 1b: ten starts)
-BUSY = 0.25
-
-
-class OtherLoad:
-    """The share of the machine's CPU time that other processes used while this one measured, from
-    /proc/stat's busy time less this process's CPU time and its finished children's (the compiler
-    that inductor runs for a compiled probe) (0 where /proc/stat is missing)."""
-
-    share = 0.0
-
-    def __enter__(self):
-        self._start = (_cpu_ticks(), _own_cpu_seconds())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        (start, ours), end = self._start, _cpu_ticks()
-        if start is not None and end is not None and end[1] > start[1]:
-            ours_ticks = (_own_cpu_seconds() - ours) * os.sysconf("SC_CLK_TCK")
-            self.share = round(max(0.0, (end[0] - start[0] - ours_ticks) / (end[1] - start[1])), 3)
-
-
-def _own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat's first line."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    except (OSError, ValueError):
-        return None
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+from meshtrain.hardware import BUSY, OtherLoad  # noqa: F401  (the probes read them here)
 
 
 def timed_ms(fn) -> float:

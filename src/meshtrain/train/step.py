@@ -23,7 +23,6 @@ from contextlib import ExitStack, nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -218,6 +217,8 @@ def pipeline_loss(
     summed over micro-batches); the summed micro-batch losses on the rank with the last stage, else 0.
     `positions` go to every stage as a keyword (the schedule splits them into micro-batches as it
     splits the inputs): every stage's attention needs the documents."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble  # (loaded with pipelines only)
+
     model.loss_fn.scale = scale
     model.loss_fn.scaler = scaler if train else None
     losses = [] if model.has_last_stage else None
