@@ -47,9 +47,8 @@ def _finish(code: int, whole_process: bool) -> None:
     `whole_process` (the command, not a caller's main(argv)): what is left is frozen out of the
     interpreter's exit-time garbage collection, which walks every object torch and dynamo made
     (0.5 to 1 s of each command on 2 cores); the commands close their files themselves."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported (plan, jobscript, a bad flag): no group to leave
+    if dist is not None and dist.is_initialized():
         if code == 0:
             dist.barrier()
         dist.destroy_process_group()
