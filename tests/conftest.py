@@ -68,6 +68,17 @@ def run_cli(args: list[str], env: dict, cwd: Path | None = None, timeout: int = 
     )
 
 
+def run_cli_here(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """`meshtrain ARGS` in this process (the CLI's main(argv)), for a refusal made before any work:
+    what a subprocess prints, without its seconds of importing torch first."""
+    from meshtrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, exit_info.value.code, out.out, out.err)
+
+
 def train_args(corpus: Path, run_dir: Path, *extra: str, model: list[str] | tuple = tuple(SMALL_MODEL)) -> list[str]:
     """A short run on the test corpus; `model`: the shape flags (none with model.init_from)."""
     return [

@@ -41,10 +41,11 @@ LAYOUTS = {
         + ["--parallel.pp_virtual_stages", "2"],
     ),
     "pp2-fsdp2-tp2": (8, [*TINY, "--parallel.pp", "2", "--parallel.zero", "3", "--parallel.tp", "2"]),
-    # the real sizes: Llama 3 8B on 64 GPUs (FSDP x TP), 70B on 512 (TP 8, PP 8 interleaved)
+    # the real sizes: Llama 3 8B on 64 GPUs (FSDP x TP; 8 of its 32 blocks, whose shapes are what is
+    # checked: each block is a second of fake forward and backward passes), 70B on 512 (TP 8, PP 8 interleaved)
     "8b-64": (
         64,
-        [*BIG, "--model.preset", "llama3-8b", "--parallel.tp", "8", "--parallel.zero", "3"]
+        [*BIG, "--model.preset", "llama3-8b", "--model.n_layers", "8", "--parallel.tp", "8", "--parallel.zero", "3"]
         + ["--training.seq_len", "8192", "--training.global_batch_size", "64"],
     ),
     "70b-512": (

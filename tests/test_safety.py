@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import assert_user_error, children, faulty, read_metrics, run_cli, train_args
+from conftest import assert_user_error, children, faulty, read_metrics, run_cli, run_cli_here, train_args
 from meshtrain.files import UMASK
 from meshtrain.lock import LOCK_NAME
 
@@ -29,17 +29,19 @@ def snapshot(directory):
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
 
 
-def test_export_never_deletes_what_it_did_not_write(run, cli_env, tmp_path):
+def test_export_never_deletes_what_it_did_not_write(run, cli_env, tmp_path, capsys):
     before = snapshot(run)
-    assert_user_error(run_cli(["export", str(run), "--out", str(run)], cli_env), "is the input")
-    assert_user_error(run_cli(["export", str(run / "checkpoints"), "--out", str(run)], cli_env), "contains the input")
+    assert_user_error(run_cli_here(["export", str(run), "--out", str(run)], capsys), "is the input")
+    assert_user_error(
+        run_cli_here(["export", str(run / "checkpoints"), "--out", str(run)], capsys), "contains the input"
+    )
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    assert_user_error(run_cli(["export", str(run), "--out", str(foreign)], cli_env), "did not write")
+    assert_user_error(run_cli_here(["export", str(run), "--out", str(foreign)], capsys), "did not write")
     afile = tmp_path / "a-file"
     afile.write_text("keep me too")
-    assert_user_error(run_cli(["export", str(run), "--out", str(afile)], cli_env), "is a file")
+    assert_user_error(run_cli_here(["export", str(run), "--out", str(afile)], capsys), "is a file")
     assert snapshot(run) == before and (foreign / "notes.txt").read_text() == "keep me"
     assert afile.read_text() == "keep me too"
 
@@ -48,28 +50,28 @@ def test_export_never_deletes_what_it_did_not_write(run, cli_env, tmp_path):
         result = run_cli(["export", str(run), "--out", str(out)], cli_env)
         assert result.returncode == 0, result.stderr
     (out / "README.md").write_text("model card")
-    assert_user_error(run_cli(["export", str(run), "--out", str(out)], cli_env), "holds README.md, which")
+    assert_user_error(run_cli_here(["export", str(run), "--out", str(out)], capsys), "holds README.md, which")
     (out / "README.md").unlink()
     for path in [out / "model.safetensors", out / "config.json", run / "model.safetensors"]:
         assert path.stat().st_mode & 0o777 == 0o666 & ~UMASK, path  # readable by a server of another user
 
 
-def test_prepare_never_deletes_what_it_did_not_write(cli_env, tmp_path):
+def test_prepare_never_deletes_what_it_did_not_write(cli_env, tmp_path, capsys):
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "a.txt").write_text("def f(x):\n    return x\n" * 50)
     args = ["data", "prepare", "--vocab-size", "300"]
-    assert_user_error(run_cli([*args, "--input", str(texts), "--out", str(texts)], cli_env), "is the input")
+    assert_user_error(run_cli_here([*args, "--input", str(texts), "--out", str(texts)], capsys), "is the input")
     assert_user_error(
-        run_cli([*args, "--input", str(texts / "a.txt"), "--out", str(tmp_path)], cli_env), "contains the input"
+        run_cli_here([*args, "--input", str(texts / "a.txt"), "--out", str(tmp_path)], capsys), "contains the input"
     )
     other = tmp_path / "other"
     other.mkdir()
     (other / "x.bin").write_bytes(b"1234")
-    assert_user_error(run_cli([*args, "--input", str(texts), "--out", str(other)], cli_env), "did not write")
+    assert_user_error(run_cli_here([*args, "--input", str(texts), "--out", str(other)], capsys), "did not write")
     assert (texts / "a.txt").is_file() and (other / "x.bin").read_bytes() == b"1234"
     (other / "manifest.json").write_text('{"name": "my web app"}')  # someone else's manifest
-    assert_user_error(run_cli([*args, "--input", str(texts), "--out", str(other)], cli_env), "did not write")
+    assert_user_error(run_cli_here([*args, "--input", str(texts), "--out", str(other)], capsys), "did not write")
     assert (other / "x.bin").read_bytes() == b"1234"
     out = tmp_path / "data"
     for _ in range(2):
@@ -81,7 +83,7 @@ def test_prepare_never_deletes_what_it_did_not_write(cli_env, tmp_path):
     result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)  # an earlier meshtrain's output
     assert result.returncode == 0, result.stderr
     (out / "notes.txt").write_text("my notes on this data")  # put beside an earlier output: not replaced with it
-    result = run_cli([*args, "--input", str(texts), "--out", str(out)], cli_env)
+    result = run_cli_here([*args, "--input", str(texts), "--out", str(out)], capsys)
     assert_user_error(result, "holds notes.txt, which `meshtrain data prepare` did not write")
     assert (out / "notes.txt").read_text() == "my notes on this data"
 

@@ -17,6 +17,8 @@ carries no test hooks. Set in the run's environment:
                                     the unit's first document is written)
   MESHTRAIN_SLOW_START=RANK:S       that rank sleeps S seconds before anything else (a rank still
                                     starting while its peers already wait in the rendezvous)
+  MESHTRAIN_REPORT_WAIT_S=S         a hang's reporting ranks wait S seconds (not 10) for the others'
+                                    reports (train/watchdog.py REPORT_WAIT_S)
   MESHTRAIN_JITTER=SEED[:MAX_S]     a seeded random pause (0 to MAX_S, default 0.05 s) before every
                                     write, truncation, rename and deletion of run files (`make stress`):
                                     changes the relative speed of processes to shake out races
@@ -62,6 +64,7 @@ def _install() -> None:
         "MESHTRAIN_JITTER",
         "MESHTRAIN_KILL_IN_UNIT",
         "MESHTRAIN_SLOW_START",
+        "MESHTRAIN_REPORT_WAIT_S",
     )
     if not any(os.environ.get(n) for n in names):
         return
@@ -77,6 +80,10 @@ def _install() -> None:
         return
     if os.environ.get("MESHTRAIN_STDOUT_PAUSE"):
         _pause_after_stdout_writes(float(os.environ["MESHTRAIN_STDOUT_PAUSE"]))
+    if os.environ.get("MESHTRAIN_REPORT_WAIT_S"):
+        import meshtrain.train.watchdog
+
+        meshtrain.train.watchdog.REPORT_WAIT_S = float(os.environ["MESHTRAIN_REPORT_WAIT_S"])
     if "--nproc" in sys.argv and not os.environ.get("MESHTRAIN_JITTER"):
         return  # `train --nproc`'s own process only starts the workers: the patches below are for them
     import errno
