@@ -132,7 +132,7 @@ def _tp_worker(rank: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from meshtrain.parallel import apply_tp
+    from meshtrain.parallel.tensor_parallel import apply_tp
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshtrain.checkpoint.commit import MARKER, STEP_DIR, TRAIN_STATE, committed_checkpoints, crc32, retire
 from meshtrain.errors import CheckpointError
@@ -42,6 +40,15 @@ def merge_parts(parts: list[nn.Module]) -> nn.Module:
     return merged
 
 
+def dcp():
+    """torch.distributed.checkpoint, loaded at a run's first save or load, not at its start: it brings
+    DTensor with it (meshtrain/dtensor.py)."""
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+
+    return torch.distributed.checkpoint
+
+
 class Checkpointer:
     def __init__(self, root: Path, model_parts: list[nn.Module], optimizer, keep: int, use_async: bool, rank: int):
         self.root, self.keep, self.rank = root, keep, rank
@@ -55,10 +62,10 @@ class Checkpointer:
         self.pending = None
         # LoRA: the frozen base is not saved (it is the model the run started from); the adapters are.
         frozen = any(not p.requires_grad for p in self.model.parameters())
-        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
+        self.options = dcp().state_dict.StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
 
     def _state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        model_sd, optim_sd = dcp().state_dict.get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self, step: int, train_state: dict, blocking: bool = False) -> None:
@@ -79,9 +86,9 @@ class Checkpointer:
         with self._saving(step, path):
             if self.use_async and not blocking:
                 kwargs = {"process_group": self.async_group} if self.async_group is not None else {}
-                self.pending = (dcp.async_save(state, checkpoint_id=str(path), **kwargs), step, path, train_state)
+                self.pending = (dcp().async_save(state, checkpoint_id=str(path), **kwargs), step, path, train_state)
             else:
-                dcp.save(state, checkpoint_id=str(path))
+                dcp().save(state, checkpoint_id=str(path))
         if self.pending is None:
             self._commit(step, path, train_state)
 
@@ -167,7 +174,7 @@ class Checkpointer:
         own_groups = [list(group["params"]) for group in state["optim"].get("param_groups", [])]
         restore_tied = _load_tied_copy_from_embedding(state, path)
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp().load(state, checkpoint_id=str(path))
         except Exception as e:  # DCP wraps per-rank failures; keep the first line of the cause
             raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).strip().splitlines()[0]}") from None
         restore_tied()
@@ -180,7 +187,7 @@ class Checkpointer:
         # Hyperparameters come from the config (and the LR from the schedule's state), not the
         # checkpoint: DCP does not always bring back a pipeline stage's param-group options.
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        set_state_dict(
+        dcp().state_dict.set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
@@ -211,7 +218,7 @@ def _load_tied_copy_from_embedding(state: dict, path: Path):
     optim_state = state["optim"].get("state", {})
     if "output.weight" not in optim_state:
         return lambda: None
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
     if any(key.startswith("optim.state.output.weight.") for key in saved):
         return lambda: None
     copy = optim_state.pop("output.weight")

@@ -16,7 +16,8 @@ the gradients agree with it to rounding.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from meshtrain.dtensor import is_dtensor
 
 # Scores of one layer's backward held at once (batch x heads x seq x seq, fp32: 256 MiB); beyond it
 # the flash kernel's backward, whose memory does not grow with seq^2.
@@ -27,12 +28,7 @@ def applies(q: torch.Tensor) -> bool:
     """Whether (batch, heads, seq, head_dim) q's backward is one to recompute: gradients wanted, a
     plain CPU tensor (not a DTensor), and the score matrix within MAX_SCORES."""
     batch, heads, seq, _ = q.shape
-    return (
-        q.requires_grad
-        and q.device.type == "cpu"
-        and not isinstance(q, DTensor)
-        and batch * heads * seq * seq <= MAX_SCORES
-    )
+    return q.requires_grad and q.device.type == "cpu" and not is_dtensor(q) and batch * heads * seq * seq <= MAX_SCORES
 
 
 class _RecomputedAttention(torch.autograd.Function):

@@ -19,11 +19,9 @@ from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.context_parallel import apply_cp, shard_targets
 from meshtrain.parallel.data_parallel import apply_ddp
 from meshtrain.parallel.float8 import apply_fp8
-from meshtrain.parallel.fully_shard import apply_fsdp
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline import ScaledLoss, build_schedule, pipeline_stage_modules, tied_output
 from meshtrain.parallel.precision import apply_fp32_compute, arithmetic_label, fp32_classes
-from meshtrain.parallel.tensor_parallel import apply_tp
 
 __all__ = [
     "ParallelDims",
@@ -34,8 +32,6 @@ __all__ = [
     "apply_ddp",
     "apply_fp8",
     "apply_fp32_compute",
-    "apply_fsdp",
-    "apply_tp",
     "arithmetic_label",
     "fp32_classes",
     "parallelize",
@@ -128,6 +124,8 @@ def parallelize(
                 if isinstance(module, Attention):
                     module.recompute_backward = True
         if layout.tp > 1:
+            from meshtrain.parallel.tensor_parallel import apply_tp  # (these two load DTensor: dtensor.py)
+
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
             if lora is not None or frozen:
                 freeze_base(part)
@@ -138,6 +136,8 @@ def parallelize(
             whole_model = layout.dp_cp == 1 and layout.pp == 1
             apply_compile(part, whole_model, exact_casts=fp32_gemm, cuda_graphs=training.cuda_graphs)
         if layout.fsdp:
+            from meshtrain.parallel.fully_shard import apply_fsdp
+
             apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)

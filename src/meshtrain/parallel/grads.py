@@ -7,7 +7,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from meshtrain.dtensor import is_dtensor
 
 
 def global_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
@@ -20,11 +21,11 @@ def global_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+            groups[p.grad.device_mesh if is_dtensor(p.grad) else None].append(p)
     squares = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
     device = next(iter(params)).device if params else torch.device("cpu")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from meshtrain.dtensor import is_dtensor
 from meshtrain.optim import local_optimizer
 
 
@@ -17,7 +17,7 @@ def _local_bytes(t: torch.Tensor) -> int:
     (QLoRA's NF4 weight: its 4-bit codes and scales, not its bf16 shape)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if is_dtensor(t) else t
     if is_traceable_wrapper_subclass(local):
         inner, _ = local.__tensor_flatten__()
         return sum(_local_bytes(getattr(local, name)) for name in inner)

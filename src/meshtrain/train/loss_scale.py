@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 from torch.amp import GradScaler
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from meshtrain.config import TrainingConfig
 
@@ -27,7 +26,10 @@ DEFAULT_WINDOW = 2000  # GradScaler's growth_interval
 
 class LossScaler:
     def __init__(self, t: TrainingConfig, device: torch.device, fsdp: bool):
-        kind = ShardedGradScaler if fsdp else GradScaler
+        if fsdp:  # (FSDP loads DTensor; see dtensor.py)
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as kind
+        else:
+            kind = GradScaler
         self.growth_interval = t.loss_scale_window or DEFAULT_WINDOW
         self.scaler = kind(
             device.type, init_scale=t.initial_loss_scale or DEFAULT_INITIAL_SCALE, growth_interval=self.growth_interval

@@ -23,11 +23,10 @@ from contextlib import ExitStack, nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.config import TrainingConfig
 from meshtrain.data.windows import IGNORE_INDEX
+from meshtrain.dtensor import is_dtensor
 from meshtrain.layout import Layout
 from meshtrain.model.lora import adapters_off
 from meshtrain.optim import local_optimizer
@@ -70,6 +69,8 @@ def step_context(model: ParallelModel, training: TrainingConfig, device: torch.d
     where FSDP has cast the parameters."""
     stack = ExitStack()
     if model.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel  # (TP loads DTensor; see dtensor.py)
+
         stack.enter_context(loss_parallel())
     if training.dtype == "fp16" or (training.dtype == "bf16" and not model.fsdp):
         stack.enter_context(torch.autocast(device.type, dtype=HALF[training.dtype]))
@@ -78,7 +79,7 @@ def step_context(model: ParallelModel, training: TrainingConfig, device: torch.d
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (the loss under loss_parallel) as a plain tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def micro_batch_loss(
