@@ -138,12 +138,12 @@ def test_dry_run_peaks_match_real_runs(tmp_path):
 
     out = tmp_path / "peaks"
     mp.spawn(_real_peaks, args=(str(tmp_path / "store"), str(out)), nprocs=2)
-    for rank in (0, 1):
-        real = json.loads(Path(f"{out}.{rank}").read_text())
-        for name, overrides in REAL.items():
-            cfg = load_config(None, [*overrides, "--data.path", str(tmp_path / "data")])
-            (report,) = dry_run(cfg, 2, [rank])
-            assert report.built["total"] == pytest.approx(real[name], rel=0.10), (name, rank, report.built, real[name])
+    real = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for name, overrides in REAL.items():
+        cfg = load_config(None, [*overrides, "--data.path", str(tmp_path / "data")])
+        for rank, report in enumerate(dry_run(cfg, 2, [0, 1])):
+            want = real[rank][name]
+            assert report.rank == rank and report.built["total"] == pytest.approx(want, rel=0.10), (name, rank, want)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -91,12 +92,26 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[Ran
         if not 0 <= rank < world:
             raise ConfigError(f"--dry-run-rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
     vocab = dataset.vocab_size if dataset is not None else None
-    return [_in_child(_dry_run_rank, cfg, world, rank, vocab) for rank in ranks or busiest_ranks(layout)]
+    return _in_children(_dry_run_rank, [(cfg, world, rank, vocab) for rank in ranks or busiest_ranks(layout)])
 
 
-def _in_child(fn, *args):
-    """fn(*args) in a forked process: each rank joins its own fake process group, and torch keeps
-    the groups and meshes of a destroyed one cached. Its error comes back as it was raised."""
+def _in_children(fn, calls: list[tuple]) -> list:
+    """fn(*args) for each args in a forked process of its own (each rank joins its own fake process
+    group, and torch keeps the groups and meshes of a destroyed one cached), as many at once as this
+    host has cores: fake tensors do no arithmetic, each process is one core's Python. Results in
+    order; the first error comes back as it was raised, after every process has ended."""
+    width = os.cpu_count() or 1
+    answers = []
+    for first in range(0, len(calls), width):
+        started = [_fork(fn, *args) for args in calls[first : first + width]]
+        answers += [_answer(*child) for child in started]
+    for _, error in answers:
+        if error is not None:
+            raise error
+    return [result for result, _ in answers]
+
+
+def _fork(fn, *args):
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
@@ -114,15 +129,18 @@ def _in_child(fn, *args):
     process = context.Process(target=run)
     process.start()
     child.close()  # so that a child that dies without answering ends the wait
+    return process, parent
+
+
+def _answer(process, parent) -> tuple:
+    """(result, error) of a forked call, once its process has ended."""
     try:
-        result, error = parent.recv()
+        answer = parent.recv()
     except EOFError:
         process.join()
-        raise MeshtrainError(f"a dry-run process died (exit code {process.exitcode}): out of host memory?") from None
+        return None, MeshtrainError(f"a dry-run process died (exit code {process.exitcode}): out of host memory?")
     process.join()
-    if error is not None:
-        raise error
-    return result
+    return answer
 
 
 def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> RankReport:
