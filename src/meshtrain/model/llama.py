@@ -207,13 +207,14 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None, draw: bool = True) -> None:
         """Deterministic initialisation that does not depend on the parallel layout.
 
         Every parameter is drawn in full on the CPU from a generator seeded by (seed, its name), then
         this rank keeps its own piece (a DTensor shard, a pipeline stage's layers). So a run on one
         process and a run on any mesh start from the same weights, whatever the order in which
-        parameters are visited or which of them a rank holds.
+        parameters are visited or which of them a rank holds. `draw` False sets the buffers only: a
+        dry run's fake parameters hold no values (and sharding each full draw was half its time).
         """
         device = buffer_device or self.rope_cos.device
         if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
@@ -221,6 +222,8 @@ class Llama(nn.Module):
         cos, sin = precompute_rope(self.args)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+        if not draw:
+            return
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: scale residual outputs
         for wrapped_name, param in self.named_parameters():
             name = clean_fqn(wrapped_name)

@@ -141,7 +141,7 @@ def parallelize(
             apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)
-            part.init_weights(training.seed, buffer_device=device)
+            part.init_weights(training.seed, buffer_device=device, draw=materialize is None)
         if layout.ddp and not frozen:
             part = apply_ddp(part, dims.mesh("dp_cp"))
         parts.append(part)
