@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.cli import main
+from conftest import run_cli_here
 
 ROOT = Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs" / "tiny.toml")
@@ -117,9 +117,8 @@ CASES = {
 
 
 def run_main(argv: list[str], capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return exit_info.value.code, capsys.readouterr().err
+    result = run_cli_here(argv, capsys)
+    return result.returncode, result.stderr
 
 
 def assert_one_line(code: int, err: str, fragment: str) -> None:
