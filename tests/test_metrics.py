@@ -37,6 +37,26 @@ def test_cpu_peak_keeps_the_best_probe_until_quiet_probes_settle_it(tmp_path, mo
     assert json.loads(cache.read_text())[key] == {"best": 2.0, "quiet_probes": hardware.SETTLED_PROBES}
 
 
+def test_cpu_peak_probe_keeps_the_fastest_size_within_its_budget(monkeypatch):
+    """The peak is the best rate over the square sizes (no one size is fastest everywhere), and a
+    size whose matmul would take over the budget (8x the last size's time) is never run."""
+    import time
+
+    from meshtrain import hardware
+
+    rates = {256: 0.01, 512: 0.03, 1024: 0.02, 2048: 0.05}  # TFLOP/s: 512 beats 1024
+    sizes = []
+
+    def matmul(a, b):  # takes the time a matmul of a's size takes at that rate
+        sizes.append(len(a))
+        time.sleep(2 * len(a) ** 3 / rates[len(a)] / 1e12)
+
+    monkeypatch.setattr(hardware.torch, "matmul", matmul)
+    peak = hardware.measure_cpu_peak_tflops(torch.float32, budget_s=0.15)
+    assert 0.02 < peak <= 0.03  # 512's rate (sleep only ever oversleeps), not 1024's
+    assert sorted(set(sizes)) == [256, 512, 1024]  # 1024 took 107 ms: 2048 would take ~0.9 s
+
+
 def test_ranks_probing_at_once_keep_every_record(tmp_path, monkeypatch):
     """Every rank of a run writes the probe cache at the same moment: each record survives."""
     import multiprocessing
