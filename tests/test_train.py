@@ -31,7 +31,7 @@ def test_single_process_run_writes_metrics_config_tensorboard_weights(single_run
     for m in metrics:
         for field in FIELDS:
             assert math.isfinite(m[field]), (field, m)
-        assert m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1.5
+        assert m["tokens_per_s"] > 0 and 0 < m["mfu"] <= 1.0  # a window faster than the probed peak raises it
     assert "val_loss" in metrics[-1]
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.1
     assert (run_dir / "config.toml").read_text().count("n_layers = 2") == 1

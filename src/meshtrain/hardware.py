@@ -4,7 +4,9 @@ CPU model and thread count (train/arithmetic.py keeps its own probe in the same 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import json
 import math
 import os
@@ -138,41 +140,67 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def cached_measurement(key: str, measure, keep_max: bool, file: str = "cpu_peak.json", valid=None):
-    """A machine measurement kept in ~/.cache/meshtrain/<file>. keep_max False: measured once and then
-    read (any JSON value; a record that `valid` refuses, another version's or one edited by hand, is
-    measured again). keep_max True (a number): measured at each start, keeping the largest, until
-    SETTLED_PROBES of them were taken on a quiet machine, and read after that. Taken under an
-    exclusive lock on the file: the ranks of a job (and jobs side by side) measure one at a time, not
-    against each other, and a measure-once value is measured by whoever comes first and read by the
-    rest. A read-only home only loses the record."""
+@contextlib.contextmanager
+def _locked_cache(file: str):
+    """The records of ~/.cache/meshtrain/<file> (a dict to change in place, written back after), under
+    an exclusive lock on the file: the ranks of a job (and jobs side by side) take turns. None where
+    the cache cannot be opened (a read-only home only loses the record)."""
     path = _cache_file().with_name(file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_name(path.name + ".lock"), "a")
     except OSError:
-        return measure()
+        yield None
+        return
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cache = _read_cache(path)
+        before = dict(cache)
+        yield cache
+        if cache != before:
+            try:
+                write_json(path, cache)
+            except (OSError, MeshtrainError):
+                pass
+
+
+def cached_measurement(key: str, measure, keep_max: bool, file: str = "cpu_peak.json", valid=None):
+    """A machine measurement kept in ~/.cache/meshtrain/<file>. keep_max False: measured once and then
+    read (any JSON value; a record that `valid` refuses, another version's or one edited by hand, is
+    measured again). keep_max True (a number): measured at each start, keeping the largest, until
+    SETTLED_PROBES of them were taken on a quiet machine, and read after that. Measured under the
+    cache's lock: ranks measure one at a time, not against each other, and a measure-once value is
+    measured by whoever comes first and read by the rest."""
+    with _locked_cache(file) as cache:
+        if cache is None:
+            return measure()
         record = cache.get(key)
         if not keep_max:
             if key in cache and (valid is None or valid(record)):
                 return record
-            result = cache[key] = measure()
-        else:
-            best, quiet = _max_record(record)
-            if quiet >= SETTLED_PROBES:
-                return best
-            with OtherLoad() as load:
-                measured = measure()
-            result = max(best, measured)
-            cache[key] = {"best": result, "quiet_probes": quiet + (load.share <= BUSY)}
-        try:
-            write_json(path, cache)
-        except (OSError, MeshtrainError):
-            pass
-        return result
+            cache[key] = measure()
+            return cache[key]
+        best, quiet = _max_record(record)
+        if quiet >= SETTLED_PROBES:
+            return best
+        with OtherLoad() as load:
+            measured = measure()
+        cache[key] = {"best": max(best, measured), "quiet_probes": quiet + (load.share <= BUSY)}
+        return cache[key]["best"]
+
+
+def raise_cpu_peak(dtype: torch.dtype, achieved_tflops: float) -> float:
+    """The CPU peak of `dtype`, raised to `achieved_tflops` where a run's steps went faster than it: a
+    step's whole-model rate is a lower bound on the matmul peak, so the probe read low (a shared VM's
+    speed moves by 20% between seconds) and MFU would read above 100%. Kept for later runs."""
+    key = cpu_peak_key(dtype)
+    with _locked_cache("cpu_peak.json") as cache:
+        if cache is None:
+            return achieved_tflops
+        best, quiet = _max_record(cache.get(key))
+        if achieved_tflops > best:
+            cache[key] = {"best": achieved_tflops, "quiet_probes": quiet}
+        return max(best, achieved_tflops)
 
 
 def _max_record(record) -> tuple[float, int]:
@@ -199,11 +227,24 @@ def mfu_peak_tflops(device: torch.device, training_dtype: str, override: float =
     A slow choice then shows as a low MFU, never a high one."""
     if override > 0:
         return override
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training_dtype, torch.float32)
+    dtype = _half_dtype(training_dtype)
     if device.type == "cpu":
         return max(cpu_peak_tflops(d) for d in {dtype, torch.float32})
     peak = device_peak_tflops(device, dtype)
     return max(peak, device_peak_tflops(device, torch.float8_e4m3fn)) if fp8 != "off" else peak
+
+
+def _half_dtype(training_dtype: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training_dtype, torch.float32)
+
+
+def mfu_peak_floor(device: torch.device, training_dtype: str, override: float = 0.0):
+    """Where MFU's peak was measured (a CPU without training.peak_tflops): the function that raises
+    it to a rate a run reached (raise_cpu_peak, for the dtype whose peak MFU divides by); else None."""
+    if device.type != "cpu" or override > 0:
+        return None
+    dtype = max({_half_dtype(training_dtype), torch.float32}, key=cpu_peak_tflops)
+    return functools.partial(raise_cpu_peak, dtype)
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float:

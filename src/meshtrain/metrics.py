@@ -15,8 +15,11 @@ from meshtrain.logs import log
 class Throughput:
     """Tokens/s, achieved TFLOP/s per device and MFU over the window since the last report."""
 
-    def __init__(self, flops_per_token: float, peak_tflops: float, world_size: int):
+    def __init__(self, flops_per_token: float, peak_tflops: float, world_size: int, raise_peak=None):
+        """`raise_peak` (hardware.mfu_peak_floor): where the peak was measured, a window faster than it
+        proves it read low, and raises it (MFU never reads above 100%)."""
         self.flops_per_token, self.peak, self.world = flops_per_token, peak_tflops, world_size
+        self.raise_peak = raise_peak
         self.start = self.window_start = time.perf_counter()
         self.window_tokens = 0
 
@@ -28,6 +31,8 @@ class Throughput:
         tokens_per_s = self.window_tokens / max(now - self.window_start, 1e-9)
         tflops = tokens_per_s * self.flops_per_token / self.world / 1e12
         self.window_start, self.window_tokens = now, 0
+        if self.raise_peak is not None and tflops > self.peak:
+            self.peak = self.raise_peak(tflops)
         return {
             "tokens_per_s": tokens_per_s,
             "tflops": tflops,

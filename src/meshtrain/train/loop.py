@@ -29,7 +29,7 @@ from meshtrain.config.checks import check_steps_ahead
 from meshtrain.data.tokenizer import copy_tokenizer
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import ensure_room, write_json, write_text
-from meshtrain.hardware import mfu_peak_tflops
+from meshtrain.hardware import mfu_peak_floor, mfu_peak_tflops
 from meshtrain.interop.hf import keep_source_files
 from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
@@ -363,6 +363,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         Shape.from_args(s.args).flops_per_token(t.seq_len, s.lora, t.objective == "dpo"),
         mfu_peak_tflops(s.device, t.dtype, t.peak_tflops, t.fp8),
         env.world_size,
+        mfu_peak_floor(s.device, t.dtype, t.peak_tflops),
     )
     timer = ComputeTimer(timed_modules(s.model.parts, t.compile, s.layout.tp, env.world_size), s.device)
     detector = StragglerDetector(timer, s.device, env.world_size)
