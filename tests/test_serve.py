@@ -326,6 +326,18 @@ NO_EFFECT = [  # inputs that used to be accepted and silently dropped: (path, bo
         "max_completion_tokens",
         "max_tokens (3) and max_completion_tokens (4) differ: send only max_completion_tokens",
     ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "temperature": 0, "top_k": 5},
+        "top_k",
+        "top_k shapes sampling, but temperature 0 decodes greedily: drop it, or sample (temperature > 0)",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "temperature": 0, "top_p": 0.1, "seed": 1},
+        "top_p",
+        "top_p shapes sampling, but temperature 0 decodes greedily: drop it, or sample (temperature > 0)",
+    ),
 ]
 
 
@@ -453,7 +465,7 @@ def wait_until_idle(url: str) -> None:
         time.sleep(0.1)
 
 
-def test_a_disconnected_stream_frees_its_only_slot(exported, cli_env):
+def test_a_disconnected_client_frees_its_only_slot(exported, cli_env):
     proc, url = start_server(exported, cli_env, "--max-batch", "1")
     try:
         body = {"model": "hf-served", "prompt": "def ", "max_tokens": 1000, "temperature": 0, "stream": True}
@@ -463,10 +475,12 @@ def test_a_disconnected_stream_frees_its_only_slot(exported, cli_env):
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
             assert response.status_code == 200
             next(response.iter_lines())
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up waiting for a whole answer
+            httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
         answer = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3, "stream": False}, timeout=120)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
         wait_until_idle(url)
-        assert generated_tokens(url) - before < 1000  # the abandoned stream stopped when its client left
+        assert generated_tokens(url) - before < 1000  # both abandoned requests stopped when their clients left
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -584,6 +598,21 @@ def test_openai_fields_take_effect_or_are_refused(server, client):
         assert post(logprobs=flag).status_code in (400, 422)
     echoed = post(echo=True, temperature=0).json()["choices"][0]
     assert echoed["text"].startswith("def ") and echoed["logprobs"] is None
+    # null, where OpenAI types a field "X or null", is its default (as the openai client may send it)
+    nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty", "echo", "best_of", "logprobs"))
+    assert post(temperature=0, **nulls).json()["choices"][0]["text"] == post(temperature=0).json()["choices"][0]["text"]
+    chat = {"model": "hf-served", "messages": [user], "max_tokens": 4, "temperature": 0}
+
+    def chat_reply(**fields) -> dict:
+        return httpx.post(server + "/v1/chat/completions", json={**chat, **fields}, headers=auth, timeout=60).json()
+
+    assert chat_reply(logprobs=None, n=None, frequency_penalty=None)["choices"] == chat_reply()["choices"]
+    # any temperature above 0 samples, however small: the largest logit's token, not a 500
+    for tiny in (1e-40, 1e-300):
+        assert (
+            post(temperature=tiny, seed=1).json()["choices"][0]["text"]
+            == post(temperature=0).json()["choices"][0]["text"]
+        )
 
 
 def hostile_requests(rng) -> list[tuple[str, bytes]]:
@@ -807,8 +836,12 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     engine = SimpleNamespace(max_context=64)
     left_out = _check(served, engine, CompletionRequest(model="m", prompt="x"), [1, 2], chat=False)
     assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 0)
-    given = CompletionRequest(model="m", prompt="x", temperature=0, top_p=1, top_k=3)
-    assert (lambda p: (p.temperature, p.top_p, p.top_k))(_check(served, engine, given, [1, 2], chat=False)) == (0, 1, 3)
+    given = CompletionRequest(model="m", prompt="x", temperature=0.5, top_p=1, top_k=3)
+    assert (lambda p: (p.temperature, p.top_p, p.top_k))(_check(served, engine, given, [1, 2], chat=False)) == (
+        0.5,
+        1,
+        3,
+    )
     plain = _check(
         ServedModel("m", None, tokenizer, [], None, ""), engine, CompletionRequest(model="m", prompt="x"), [1], False
     )

@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshtrain.errors import DataError
@@ -36,6 +36,12 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 
 
+# Request fields whose null means their default (OpenAI's "X or null" with a default), as if left out
+NULLABLE_WITH_DEFAULT = frozenset(
+    {"n", "stream", "presence_penalty", "frequency_penalty", "echo", "best_of", "logprobs"}
+)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -53,6 +59,15 @@ class Sampling(SamplingDefaults):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data):
+        """OpenAI types these fields "X or null", and clients send null for "the default"."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULLABLE_WITH_DEFAULT)}
+        return data
+
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = 1
@@ -98,6 +113,10 @@ class ChatRequest(Sampling):
     tool_choice: str | dict | None = None
 
 
+# How often a non-streaming request looks whether its client is still there while it waits for tokens
+DISCONNECT_POLL_S = 0.25
+
+
 def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
     """Prometheus metrics of this app: requests by path and status, tokens, queue, time to first token."""
     registry = CollectorRegistry()
@@ -119,18 +138,34 @@ def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
     )
     engine.on_first_token, engine.on_tokens = ttft.observe, tokens.inc
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        try:
-            response = await call_next(request)
-        except Exception as e:  # what no handler caught still gets OpenAI's body, and is counted
-            response = JSONResponse(error_body(f"internal error: {e}", "server_error"), 500)
-        requests_total.labels(
-            request.url.path if request.url.path.startswith("/v1/") else "other", str(response.status_code)
-        ).inc()
-        return response
-
+    app.add_middleware(_CountRequests, counter=requests_total)
     return registry
+
+
+class _CountRequests:
+    """Counts each HTTP request by path and status, as plain ASGI: Starlette's BaseHTTPMiddleware
+    would wrap `receive` so that a route never sees its client hang up (Request.is_disconnected).
+    An exception no handler caught counts as a 500 (ServerErrorMiddleware answers it, OpenAI's body)."""
+
+    def __init__(self, app, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def sent(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            path = scope["path"]
+            self.counter.labels(path if path.startswith("/v1/") else "other", str(status)).inc()
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -139,6 +174,7 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+        kind = "server_error" if e.status >= 500 else kind
         return JSONResponse(error_body(e.message, kind, e.param, e.code), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
@@ -189,16 +225,16 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
         }
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         prompt = body.prompt if isinstance(body.prompt, str) else _single(body.prompt)
         if not isinstance(prompt, str):  # token ids
             prompt = _token_ids(served, prompt)
         if body.suffix:
             raise APIError(400, "suffix: inserting text is not supported (a decoder-only model)", "suffix")
-        return await _generate(served, engine, body, prompt, chat=False)
+        return await _generate(served, engine, body, prompt, request, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             if body.max_tokens not in (None, body.max_completion_tokens):
                 raise APIError(
@@ -218,7 +254,7 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
             )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        return await _generate(served, engine, body, _chat_prompt(served, body.messages), chat=True)
+        return await _generate(served, engine, body, _chat_prompt(served, body.messages), request, chat=True)
 
     return app
 
@@ -298,6 +334,12 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
     stop, stop_ids = _special_stops(served, stop)
+    if body.temperature == 0 and (idle := truncations_given(body.top_p, body.top_k)):
+        raise APIError(
+            400,
+            f"{idle[0]} shapes sampling, but temperature 0 decodes greedily: drop it, or sample (temperature > 0)",
+            idle[0],
+        )
     greedy_default = body.temperature is None and served.sampling_defaults.get("temperature") == 0
     seeded = ["seed"] if body.seed is not None else []  # a seed draws nothing where decoding is greedy
     if greedy_default and (shaping := truncations_given(body.top_p, body.top_k) + seeded):
@@ -388,7 +430,9 @@ def _chat_logprobs(served: ServedModel, generation: Generation) -> dict:
     }
 
 
-async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt: str | list[int], chat: bool):
+async def _generate(
+    served: ServedModel, engine: Engine, body: Sampling, prompt: str | list[int], request: Request, chat: bool
+):
     prompt_ids = _encode(served, prompt, chat) if isinstance(prompt, str) else prompt
     prompt = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
     params = _check(served, engine, body, prompt_ids, chat)
@@ -403,10 +447,18 @@ async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt:
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(generation, events, meta, chat, include_usage), media_type="text/event-stream")
-    text, finish = [], None
+    text, finish, looked = [], None, time.monotonic()
     try:
         while finish is None:
-            kind, value = await events.get()
+            # a client that hung up (a timeout) stops its generation, as a stream's does
+            if time.monotonic() - looked > DISCONNECT_POLL_S:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+                looked = time.monotonic()
+            try:
+                kind, value = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                continue
             if kind == "text":
                 text.append(value)
             elif kind == "error":
@@ -414,7 +466,7 @@ async def _generate(served: ServedModel, engine: Engine, body: Sampling, prompt:
             else:
                 finish = value
     finally:
-        generation.cancel()  # a client that went away frees its slot
+        generation.cancel()  # a finished generation is gone already; one whose client went away frees its slot
     usage = _usage(generation)
     if chat:
         message = {"role": "assistant", "content": "".join(text)}

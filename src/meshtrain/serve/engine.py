@@ -237,7 +237,8 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, request: Request) -> int:
         p = request.params
-        logits = logits / p.temperature
+        # from the largest logit, in float64: any temperature above 0 (1e-300 too) leaves it at 0, not 0/0
+        logits = (logits.double() - logits.max()) / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
