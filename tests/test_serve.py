@@ -18,7 +18,8 @@ from conftest import assert_user_error, greedy_by_recomputation, run_cli, train_
 from meshtrain.errors import MeshtrainError
 from meshtrain.model import Llama, ModelArgs
 from meshtrain.serve import Engine, Request, SamplingParams, ServedModel, load_engine
-from meshtrain.serve.app import APIError, Message, _chat_prompt
+from meshtrain.serve.app import APIError, _chat_prompt
+from meshtrain.serve.requests import Message
 
 KEY = "test-key"
 PROMPTS = [
@@ -816,8 +817,9 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     values win; a sampling value the server does not apply is named at load; a bad one is refused."""
     from types import SimpleNamespace
 
-    from meshtrain.serve.app import CompletionRequest, _check
+    from meshtrain.serve.app import _check
     from meshtrain.serve.loading import sampling_defaults
+    from meshtrain.serve.requests import CompletionRequest
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps(
@@ -909,8 +911,9 @@ def test_a_greedy_generation_config_keeps_its_top_p_and_top_k_for_requests_that_
     from types import SimpleNamespace
 
     import meshtrain.serve as serve
-    from meshtrain.serve.app import CompletionRequest, _check
+    from meshtrain.serve.app import _check
     from meshtrain.serve.loading import load_served_model, sampling_defaults
+    from meshtrain.serve.requests import CompletionRequest
 
     config = {"do_sample": False, "temperature": 0.6, "top_p": 0.9, "top_k": 20}
     run, _ = tiny_run(tmp_path / "run", config)
@@ -971,8 +974,9 @@ def test_generation_config_values_the_server_does_not_apply_are_named_and_max_le
     kept (OpenAI's semantics), and max_new_tokens, where set, wins over it (transformers')."""
     from types import SimpleNamespace
 
-    from meshtrain.serve.app import ChatRequest, CompletionRequest, _check
+    from meshtrain.serve.app import _check
     from meshtrain.serve.loading import load_served_model, sampling_defaults
+    from meshtrain.serve.requests import ChatRequest, CompletionRequest
 
     unapplied = {
         "forced_eos_token_id": 2,
