@@ -864,3 +864,34 @@ def test_split_special_tokens_in_tokenizer_config_is_refused(corpus, tmp_path):
         message = str(error.value)
         assert "tokenizer_config.json: split_special_tokens is true" in message and "\n" not in message
         assert "set split_special_tokens to false or remove it" in message
+
+
+def test_tokens_the_tokenizer_files_add_must_be_in_tokenizer_json(corpus, tmp_path):
+    """transformers adds a token that tokenizer_config.json's added_tokens_decoder (or an
+    additional_special_tokens list) names and tokenizer.json lacks, and encodes it as one token:
+    meshtrain, reading tokenizer.json, would encode its characters. Refused by name; a token that
+    tokenizer.json holds at the id named is accepted."""
+    from meshtrain.data.tokenizer import end_of_text
+
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    cases = [
+        ({"added_tokens_decoder": {str(eot): {"content": "<|endoftext|>", "special": True}}}, {}, None),
+        ({"added_tokens_decoder": {"9000": {"content": "<|im_end|>", "special": True}}}, {}, "not in tokenizer.json"),
+        (
+            {"added_tokens_decoder": {str(eot + 1): {"content": "<|endoftext|>", "special": True}}},
+            {},
+            f"is id {eot} in tokenizer.json, not {eot + 1}",
+        ),
+        ({"additional_special_tokens": ["<|im_start|>"]}, {}, "not in tokenizer.json"),
+        ({}, {"additional_special_tokens": [{"content": "<tool>"}]}, "not in tokenizer.json"),
+    ]
+    for config, special_map, refusal in cases:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(special_map))
+        if refusal is None:
+            end_of_text(tokenizer, tmp_path)
+        else:
+            with pytest.raises(DataError, match=refusal) as refused:
+                end_of_text(tokenizer, tmp_path)
+            assert "save_pretrained" in str(refused.value) and "\n" not in str(refused.value)

@@ -282,6 +282,27 @@ def test_a_mistral_config_without_sliding_window_has_transformers_default_window
             assert hf_model_args(tmp_path).max_seq_len == 4096
 
 
+def test_a_context_raised_past_config_json_must_fit_its_sliding_window(models, tmp_path):
+    """model.max_seq_len may raise a pretrained model's context, but not past a sliding window that
+    covered config.json's own context: past it transformers attends within the window. A model with
+    no window (Llama) may be raised."""
+    from meshtrain.config import load_config
+    from meshtrain.train.preflight import model_args
+
+    config = json.loads((models["mistral"] / "config.json").read_text())
+    config.pop("sliding_window", None)  # transformers' 4096-token window
+    (tmp_path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+
+    def raised(directory, length: int):
+        return model_args(load_config(overrides={"model.init_from": f"hf:{directory}", "model.max_seq_len": length}))
+
+    assert raised(tmp_path, 4096).max_seq_len == 4096
+    with pytest.raises(MeshtrainError, match="model.max_seq_len 8192 is longer than config.json's sliding_window 4096"):
+        raised(tmp_path, 8192)
+    llama = json.loads((models["llama2"] / "config.json").read_text())["max_position_embeddings"]
+    assert raised(models["llama2"], 2 * llama).max_seq_len == 2 * llama
+
+
 @pytest.mark.parametrize("variant, change, named", REFUSALS, ids=[r[2].split()[0] for r in REFUSALS])
 def test_fields_meshtrain_cannot_compute_are_refused_by_name(variant, change, named, models, tmp_path):
     config = json.loads((models[variant] / "config.json").read_text()) | change

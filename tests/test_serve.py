@@ -1038,3 +1038,24 @@ def test_a_bf16_served_model_keeps_fp32_rotary_tables(tmp_path):
     assert model.tok_embeddings.weight.dtype == torch.bfloat16
     assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
     assert torch.equal(model.rope_cos, fresh.rope_cos) and torch.equal(model.rope_sin, fresh.rope_sin)
+
+
+def test_auto_dtype_keeps_a_hugging_face_models_fp16_on_a_gpu(tmp_path):
+    """--dtype auto on a GPU serves an fp16 checkpoint in fp16 (bf16 would drop three bits of every
+    weight), anything else in bf16; on a CPU fp32. fp16 can be asked for by name."""
+    from meshtrain.serve import _load, auto_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # the choice only: nothing is put on the GPU
+    for key, stored, chosen in (
+        ("torch_dtype", "float16", torch.float16),
+        ("dtype", "float16", torch.float16),
+        ("dtype", "bfloat16", torch.bfloat16),
+        ("torch_dtype", "float32", torch.bfloat16),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({key: stored}))
+        assert auto_dtype(tmp_path, cuda) == chosen and auto_dtype(tmp_path, cpu) == torch.float32
+    assert auto_dtype(tmp_path / "a-run-dir", cuda) == torch.bfloat16  # meshtrain's own: trained in fp32/bf16
+    run, _ = tiny_run(tmp_path / "run")
+    assert _load(str(run), "cpu", "fp16").model.tok_embeddings.weight.dtype == torch.float16
+    with pytest.raises(MeshtrainError, match="--dtype fp8 is unknown: use auto, fp32, bf16 or fp16"):
+        _load(str(run), "cpu", "fp8")

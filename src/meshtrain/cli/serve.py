@@ -32,8 +32,8 @@ class ServeOptions:
     device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
     """auto: CUDA where there is a GPU, else the CPU; cuda; cpu (launch.device's choices, but neuron is
     refused: the engine runs on CUDA or the CPU)."""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Serving precision (auto: bf16 on a GPU, else fp32)."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Serving precision (auto: on a GPU a Hugging Face directory's fp16, else bf16; on a CPU fp32)."""
 
 
 @dataclass

@@ -54,6 +54,7 @@ def _configured_token(tokenizer, directory: Path | None, key: str) -> str | None
     config = _json_object(Path(directory, TOKENIZER_CONFIG))
     tokens = {name: _agreed_token(tokenizer, Path(directory), config, name) for name in ("bos_token", "eos_token")}
     _check_added_tokens(tokenizer, Path(directory, TOKENIZER_CONFIG), config, tokens)
+    _check_added_vocabulary(tokenizer, Path(directory), config)
     _check_encoding_settings(tokenizer, Path(directory, TOKENIZER_CONFIG), config)
     return tokens[key]
 
@@ -103,6 +104,30 @@ def _token_of(value, path: Path, key: str) -> str | None:
             f'{path}: {key} is {value!r}: it should be a token (a string or {{"content": ...}}); correct it'
         )
     return token or None
+
+
+def _check_added_vocabulary(tokenizer, directory: Path, config: dict) -> None:
+    """Tokens that tokenizer_config.json's added_tokens_decoder, or its or special_tokens_map.json's
+    additional_special_tokens, add: transformers adds one that tokenizer.json lacks, and would encode
+    it as one token where meshtrain (reading tokenizer.json) encodes its characters. Refused unless
+    tokenizer.json holds each one (at the same id)."""
+    added = config.get("added_tokens_decoder") or {}
+    wanted = [(str(entry.get("content")), key) for key, entry in added.items() if isinstance(entry, dict)]
+    for name, content in (
+        (TOKENIZER_CONFIG, config),
+        (SPECIAL_TOKENS_MAP, _json_object(directory / SPECIAL_TOKENS_MAP)),
+    ):
+        extra = content.get("additional_special_tokens") or []
+        wanted += [(_token_of(t, directory / name, "additional_special_tokens"), None) for t in extra]
+    for token, at in wanted:
+        have = tokenizer.token_to_id(token) if token else None
+        if token and (have is None or (at is not None and str(have) != str(at))):
+            where = "is not in tokenizer.json" if have is None else f"is id {have} in tokenizer.json, not {at}"
+            raise DataError(
+                f"{directory}: the tokenizer files add the token {token!r}, which {where}: transformers would "
+                "encode it as one token and meshtrain as text; save the tokenizer again with transformers "
+                "(save_pretrained) so that tokenizer.json holds it"
+            )
 
 
 def _check_added_tokens(tokenizer, path: Path, config: dict, tokens: dict[str, str | None]) -> None:

@@ -162,8 +162,10 @@ def _check_types(c: dict, where: str) -> None:
             raise refuse(where, f"{key} is {c[key]!r}: it must be a positive integer")
 
 
-def _check_sliding_window(c: dict, family: str, max_positions: int, where: str) -> None:
-    """meshtrain attends over the whole sequence: a window shorter than the model's context is refused."""
+def _check_sliding_window(c: dict, family: str, max_positions: int, where: str, length: str = "") -> None:
+    """meshtrain attends over the whole sequence: a window shorter than the model's context is refused.
+    `length`: the context's name where it is not config.json's max_position_embeddings (model.max_seq_len,
+    raised past it: a window that covered config.json's context may not cover that one)."""
     if family in ("qwen2", "qwen3"):
         if c.get("use_sliding_window"):
             raise refuse(
@@ -176,11 +178,22 @@ def _check_sliding_window(c: dict, family: str, max_positions: int, where: str) 
     # transformers' MistralConfig reads a missing sliding_window as 4096 (Mistral 7B v0.1's window)
     window = c.get("sliding_window", MISTRAL_DEFAULT_WINDOW if family == "mistral" else None)
     if window is not None and window < max_positions:
+        if length:
+            raise refuse(
+                where,
+                f"{length} {max_positions} is longer than config.json's sliding_window {window}: past it transformers "
+                f"attends within the window, meshtrain over the whole sequence; set {length} to {window} or less",
+            )
         raise refuse(
             where,
             f"sliding_window {window} is shorter than max_position_embeddings {max_positions}: meshtrain attends "
             f"over the whole sequence; set sliding_window to null (exact for sequences up to {window} tokens)",
         )
+
+
+def check_longer_context(c: dict, max_seq_len: int, length: str, where: str) -> None:
+    """A context raised past config.json's (`length` names the setting) must still fit its sliding window."""
+    _check_sliding_window(c, c.get("model_type"), max_seq_len, where, length)
 
 
 def read_rope(c: dict, max_positions: int, where: str) -> tuple[float, dict | None]:

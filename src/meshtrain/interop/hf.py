@@ -27,7 +27,7 @@ from meshtrain.checkpoint import TRAIN_STATE
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
-from meshtrain.interop.families import config_to_args, export_config
+from meshtrain.interop.families import check_longer_context, config_to_args, export_config
 from meshtrain.interop.hf_dir import HFWeights, check_model_directory
 from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, run_weights
 from meshtrain.model.args import LoraSpec
@@ -433,6 +433,13 @@ def hf_model_args(directory: str | Path, vocab_multiple: int = 64) -> ModelArgs:
         raise MeshtrainError(f"model.init_from: {path} does not exist (expected a Hugging Face model directory)")
     check_model_directory(Path(directory))
     return config_to_args(read_json_object(path), f"model.init_from: {path}", vocab_multiple)
+
+
+def check_context_length(directory: str | Path, max_seq_len: int, length: str = "model.max_seq_len") -> None:
+    """A context longer than the directory's config.json gives (`length`: the setting that raised it)
+    is refused where transformers would attend within a sliding window past that config's context."""
+    path = Path(directory) / "config.json"
+    check_longer_context(read_json_object(path), max_seq_len, length, f"model.init_from: {path}")
 
 
 def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.files import read_json_object
 from meshtrain.serve.engine import Engine, Request, SamplingParams
 from meshtrain.serve.loading import ServedModel, default_completion_length, load_served_model, truncations_given
 
@@ -31,6 +32,7 @@ __all__ = [
 TERMINAL_SAMPLING = {"temperature": 0.8, "top_p": 1.0, "top_k": 50, "max_new_tokens": 64}
 DEFAULT_CONTEXT = 8192  # serve/generate without --max-context: the model's max_seq_len up to this
 SERVE_DEVICES = ("auto", "cuda", "cpu")
+SERVE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_engine(
@@ -50,10 +52,19 @@ def load_engine(
 
 def _load(source: str, device: str, dtype: str) -> ServedModel:
     dev = _device(device)
-    if dtype not in ("auto", "fp32", "bf16"):
-        raise MeshtrainError(f"--dtype {dtype} is unknown: use auto, fp32 or bf16")
-    torch_dtype = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and dev.type == "cuda") else torch.float32
-    return load_served_model(source, dev, torch_dtype)
+    if dtype not in SERVE_DTYPES:
+        raise MeshtrainError(f"--dtype {dtype} is unknown: use auto, fp32, bf16 or fp16")
+    return load_served_model(source, dev, SERVE_DTYPES[dtype] if dtype != "auto" else auto_dtype(Path(source), dev))
+
+
+def auto_dtype(source: Path, device: torch.device) -> torch.dtype:
+    """--dtype auto: fp32 on a CPU; on a GPU a Hugging Face directory's own half precision (its
+    config.json dtype: an fp16 model cast to bf16 loses three bits of every weight), else bf16."""
+    if device.type != "cuda":
+        return torch.float32
+    config = source / "config.json"
+    stored = read_json_object(config) if config.is_file() else {}
+    return torch.float16 if (stored.get("dtype") or stored.get("torch_dtype")) == "float16" else torch.bfloat16
 
 
 def _device(device: str) -> torch.device:

@@ -45,7 +45,7 @@ def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
     if cfg.model.init_from:
         from meshtrain.config.checks import SHAPE_KEYS
         from meshtrain.errors import ConfigError
-        from meshtrain.interop.hf import hf_model_args
+        from meshtrain.interop.hf import check_context_length, hf_model_args
 
         if cfg.model.preset is not None:
             raise ConfigError(
@@ -60,7 +60,10 @@ def model_args(cfg: Config, data_vocab_size: int | None = None) -> ModelArgs:
                     f"model.{key} = {value} but model.init_from's config.json has {theirs}: drop "
                     f"model.{key} (the pretrained weights fix it; only max_seq_len and vocab_multiple may change)"
                 )
-        return cfg.model_args(base=base)
+        args = cfg.model_args(base=base)
+        if args.max_seq_len > base.max_seq_len:
+            check_context_length(cfg.model.init_from.removeprefix("hf:"), args.max_seq_len)
+        return args
     return cfg.model_args(data_vocab_size)
 
 
