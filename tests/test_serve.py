@@ -1059,3 +1059,28 @@ def test_auto_dtype_keeps_a_hugging_face_models_fp16_on_a_gpu(tmp_path):
     assert _load(str(run), "cpu", "fp16").model.tok_embeddings.weight.dtype == torch.float16
     with pytest.raises(MeshtrainError, match="--dtype fp8 is unknown: use auto, fp32, bf16 or fp16"):
         _load(str(run), "cpu", "fp8")
+
+
+def test_logprobs_give_each_tokens_own_bytes_and_the_likelier_of_two_alike(corpus):
+    """OpenAI's `bytes` rebuild a character split over tokens: each piece's own byte (decoded alone
+    it reads U+FFFD), for a byte-level BPE and for SentencePiece's byte fallback; in the legacy
+    {text: logprob} dict, two tokens that read alike keep the likelier one's logprob."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models
+
+    from meshtrain.data.tokenizer import token_bytes
+    from meshtrain.serve.app import _top_by_text
+
+    bpe = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    ids = bpe.encode("café 日本 <|endoftext|>").ids
+    assert b"".join(token_bytes(bpe, i) for i in ids) == "café 日本 <|endoftext|>".encode()
+    pieces = [i for i in ids if bpe.decode([i]) == "\ufffd"]
+    assert len(pieces) >= 2 and all(len(token_bytes(bpe, i)) == 1 for i in pieces)
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "▁caf": 3}
+    fallback = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    assert [token_bytes(fallback, i) for i in (3, 1, 2)] == [b" caf", b"\xc3", b"\xa9"]
+    served = SimpleNamespace(tokenizer=bpe)
+    first, second = pieces[:2]
+    assert _top_by_text(served, {first: -0.5, second: -3.0}) == {"\ufffd": -0.5}

@@ -356,3 +356,31 @@ def _encode_to_a_cut(tokenizer, text: str) -> tuple[list[int], int]:
         return ids, len(text)
     log.warning(f"a document has no stable token boundary in {len(text):,} characters; cut there")
     return ids[: first[0]], first[1]
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes one token stands for (OpenAI's logprobs `bytes`, from which a client rebuilds a
+    character split over tokens): decoding a token alone turns its piece of a UTF-8 character into
+    U+FFFD. A byte-level BPE's (GPT-2, Llama 3, Qwen) characters map back to bytes; SentencePiece's
+    byte fallback piece <0xNN> is that byte; an added token, or any other, is its decoded text."""
+    from tokenizers import decoders
+
+    piece = tokenizer.id_to_token(token)
+    if piece is None or token in tokenizer.get_added_tokens_decoder():
+        return (piece or "").encode("utf-8")
+    if isinstance(tokenizer.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_CHAR for c in piece):
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return tokenizer.decode([token]).encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable Latin-1 bytes stand for themselves, the
+    other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()

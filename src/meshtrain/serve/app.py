@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshtrain.data.tokenizer import token_bytes
 from meshtrain.errors import DataError
 from meshtrain.serve.engine import Engine, SamplingParams
 from meshtrain.serve.engine import Request as Generation
@@ -328,17 +329,24 @@ def _completion_logprobs(served: ServedModel, generation: Generation, prompt_tex
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [
-            None if e.logprob is None else {_token_text(served, t): lp for t, lp in e.top.items()} for e in entries
-        ],
+        "top_logprobs": [None if e.logprob is None else _top_by_text(served, e.top) for e in entries],
         "text_offset": offsets,
     }
 
 
+def _top_by_text(served: ServedModel, top: dict[int, float]) -> dict[str, float]:
+    """The legacy format's {token text: logprob}: where two tokens read alike (pieces of one UTF-8
+    character both read U+FFFD) the likelier one's (`top` runs from the likeliest) is kept."""
+    by_text = {}
+    for token, logprob in top.items():
+        by_text.setdefault(_token_text(served, token), logprob)
+    return by_text
+
+
 def _chat_logprobs(served: ServedModel, generation: Generation) -> dict:
     def entry(token: int, logprob: float) -> dict:
-        text = _token_text(served, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        raw = token_bytes(served.tokenizer, token)  # a piece of a character: its own byte, not U+FFFD's
+        return {"token": _token_text(served, token), "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [
