@@ -36,7 +36,8 @@ class PrepareOptions:
     """chat, preference: leave out (and count) conversations (pairs with an answer) longer than this many
     tokens."""
     workers: int | None = option(None, gt=0)
-    """Tokenizing processes on this machine (default: every core)."""
+    """Tokenizing processes of this prepare, or of each rank where a job runs it on several (default:
+    every core the process may run on; under srun each task's own)."""
     tokenizer_sample: int | None = option(None, parse=parse_size)
     """Text read to train the BPE, spread over the input (default 64M; not with --tokenizer)."""
     tokenizer: str | None = option(None, exclusive="tokenizer")
