@@ -804,3 +804,59 @@ def test_pinned_degrees_that_leave_no_layout_name_the_rule(capsys, tmp_path):
             for batch in (12, 16):
                 estimates, refused = search(w, dev, inter, gpus, batch, fixed, base, PRESETS["tiny"])
                 assert estimates or (refused and all(refused)), (gpus, fixed, batch)
+
+
+def test_a_written_plan_is_the_planned_job(capsys, tmp_path):
+    """--peak-tflops is the peak of the training's dtype alone (fp32 GEMMs of bf16 training keep the
+    data sheet's fp32 peak); --write-config pins the planned device, says where it wrote on stderr
+    under --json (stdout is the JSON), and writes nothing when --verify refuses the job."""
+    import tomllib
+
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[model]\npreset = "tiny"\n[training]\ndtype = "bf16"\nbf16_compute = "fp32"\nglobal_batch_size = 8\n'
+    )
+
+    def best(*args: str) -> dict:
+        code, out, err = plan_here(
+            capsys, "--config", str(config), "--gpu", "h100-80gb", "--gpus", "1", "--json", *args
+        )
+        assert code == 0, err
+        return json.loads(out)["layouts"][0]
+
+    plain, peaked = best(), best("--peak-tflops", "1500")
+    assert peaked["tokens_per_s_per_gpu"] == plain["tokens_per_s_per_gpu"] and peaked["mfu"] < plain["mfu"]
+
+    written = tmp_path / "best.toml"
+    for gpu, device in (("h100-80gb", "cuda"), ("cpu", "cpu")):
+        args = (
+            "--model",
+            "tiny",
+            "--gpu",
+            gpu,
+            "--gpus",
+            "1",
+            "--dtype",
+            "fp32",
+            "--json",
+            "--write-config",
+            str(written),
+        )
+        code, out, err = plan_here(capsys, *args)
+        assert code == 0 and json.loads(out)["layouts"] and f"wrote {written}" in err, err
+        assert tomllib.loads(written.read_text())["launch"]["device"] == device
+    written.unlink()
+    args = (
+        "--model",
+        "tiny",
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        "2",
+        "--verify",
+        "--compile",
+        "--write-config",
+        str(written),
+    )
+    code, _, err = plan_here(capsys, *args)
+    assert code == 2 and "training.compile" in err and not written.exists()

@@ -287,14 +287,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     gpus = planned_gpus(o, cfg)
     global_batch = t.global_batch_size if explain or "training.global_batch_size" in given else 4 * gpus
     gpus_per_node = o.gpus_per_node or (gpus if o.gpu == "cpu" else min(gpus, 8))
-    peak = t.peak_tflops or None
     links = (o.network, o.intra_node_gbps, o.inter_node_gbps)
-    dev, inter = device(o.gpu, gpus_per_node, *links, o.memory_gib, peak, o.efficiency, o.comm, o.host_memory_gib)
+    dev, inter = device(o.gpu, gpus_per_node, *links, o.memory_gib, o.efficiency, o.comm, o.host_memory_gib)
     check_links(o, gpus, dev.gpus_per_node)
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
     dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
     dev.peak(dtype)  # a clear error for bf16 on a V100
+    dev = dev.with_peak(dtype, t.peak_tflops) if t.peak_tflops else dev
     check_precision(dev, t.fp8, cfg.parallel.cpu_offload, o.host_memory_gib)
     check_peak(t.peak_tflops, t.fp8)
     compiled, cuda_graphs = (getattr(t, k) if explain or f"training.{k}" in given else False for k in COMPILE_KEYS)
@@ -317,12 +317,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     training.bf16_compute = t.bf16_compute if dtype == "bf16" else "auto"
     # the planned vocabulary, written: a search plans the preset's, where train would take the data's
     vocab = dataclasses.replace(cfg.model, vocab_size=model.vocab_size)
-    base = dataclasses.replace(cfg, model=vocab, training=training, peft=planned_peft(cfg, peft))
+    # the planned device, written: a CPU plan's arithmetic (its probe's) is not a GPU's
+    launch = dataclasses.replace(cfg.launch, device="cpu" if o.gpu == "cpu" else "cuda")
+    base = dataclasses.replace(cfg, model=vocab, training=training, peft=planned_peft(cfg, peft), launch=launch)
     estimates, refused = search(w, dev, inter, gpus, global_batch, fixed, base if llama else None, model)
 
+    built = _verify(o, estimates, base, model) if o.verify else {}  # its refusals before anything is written
     if o.write_config:
         _write_config(o, estimates, base)
-    built = _verify(o, estimates, base, model) if o.verify else {}
     if o.json:
         report = {
             "model": {"arch": shape.arch, "params": shape.n_params(), **dataclasses.asdict(shape)},
@@ -490,5 +492,6 @@ def _write_config(o: PlanOptions, estimates, base: Config) -> None:
     path = write_text(o.write_config, f"{PLAN_HEADER}\n{to_toml(best.validate())}")  # what is written must train
     print(
         f"wrote {path} ({fitting[0].layout.describe()}); run it with `meshtrain train --config {path}` on "
-        f"{fitting[0].layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`"
+        f"{fitting[0].layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`",
+        file=sys.stderr if o.json else sys.stdout,  # --json: stdout is the JSON alone
     )

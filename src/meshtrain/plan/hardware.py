@@ -58,6 +58,12 @@ class Device:
     pcie_gbs: float = 0.0  # host <-> device copies per GPU, GB/s as pinned-memory copies reach them
     host_memory_gib: float = 0.0  # host memory of a node (what CPU offload fills)
 
+    def with_peak(self, dtype: str, tflops: float) -> Device:
+        """training.peak_tflops: what `train` divides MFU by, the peak of the training's dtype. That
+        dtype's alone: fp32 GEMMs of bf16 training keep the data sheet's fp32 peak, FP8's stays too
+        (refused with it: checks.check_peak)."""
+        return dataclasses.replace(self, peak_tflops={**self.peak_tflops, dtype: tflops})
+
     def peak(self, dtype: str) -> float:
         value = self.peak_tflops.get(dtype, 0.0)
         if value <= 0:
@@ -155,7 +161,6 @@ def device(
     intra_node_gbps: float | None = None,
     inter_node_gbps: float | None = None,
     memory_gib: float | None = None,
-    peak_tflops: float | None = None,
     efficiency: float | None = None,
     comm_files: list[str] = (),
     host_memory_gib: float | None = None,
@@ -195,8 +200,6 @@ def device(
             if value <= 0:
                 raise MeshtrainError(f"--{key.replace('_', '-')} must be positive, got {value}")
             changes[key] = value
-    if peak_tflops is not None:  # the training dtype's peak; FP8's stays the data sheet's (refused: checks.check_peak)
-        changes["peak_tflops"] = {k: peak_tflops if v > 0 and k != "fp8" else v for k, v in dev.peak_tflops.items()}
     if inter_node_gbps is not None:
         if inter_node_gbps <= 0:
             raise MeshtrainError(f"--inter-node-gbps must be positive, got {inter_node_gbps}")
