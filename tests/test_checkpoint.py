@@ -288,6 +288,14 @@ def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
     assert "damaged" in warnings[-1] and "__0_0.distcp" in warnings[-1]
     with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
         find_resume(str(root / "step_00000008"), root, warnings.append)
+    # every checkpoint unusable beside the run's trained weights: a fresh start would replace them
+    (root / "step_00000004" / MARKER).unlink()
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"trained")
+    with pytest.raises(CheckpointError, match="model.safetensors holds the run's trained weights"):
+        find_resume("auto", root, warnings.append, retire_skipped=True, results=weights)
+    assert (root / "step_00000008").is_dir() and (root / "step_00000004").is_dir()  # nothing retired
+    assert find_resume("auto", root, warnings.append, results=tmp_path / "none.safetensors") is None
 
 
 def test_a_job_that_comes_back_continues_from_its_newest_checkpoint_not_the_named_one(saved, corpus, cli_env, tmp_path):

@@ -171,11 +171,15 @@ def refuse_overwriting_results(resume: str, root: Path, run_dir: Path) -> None:
         )
 
 
-def find_resume(resume: str, root: Path, warn, retire_skipped: bool = False) -> Path | None:
+def find_resume(
+    resume: str, root: Path, warn, retire_skipped: bool = False, results: Path | None = None
+) -> Path | None:
     """The checkpoint to resume from: for "auto" the newest complete one (newer uncommitted or
     damaged ones are skipped with a warning, and with retire_skipped taken out of the lineage), for
     a path that checkpoint (it must be complete). Under a process group all ranks decide together:
-    rank 0 lists the candidates, every rank checksums a share of each, all get the same answer."""
+    rank 0 lists the candidates, every rank checksums a share of each, all get the same answer.
+    `results`: the run's trained weights; where every checkpoint was skipped and they exist, the fresh
+    start that follows would replace them: refused, before anything is retired."""
     if resume == "none":
         return None
     rank = rank_world()[0]
@@ -185,12 +189,19 @@ def find_resume(resume: str, root: Path, warn, retire_skipped: bool = False) -> 
         if problem:
             raise CheckpointError(problem)
         return path
-    chosen = None
+    chosen, skipped = None, []
     for path in agreed(step_dirs(root)[::-1]):
         problem = agreed_problem(path)
         if problem is None:
             chosen = path
             break
+        skipped.append((path, problem))
+    if chosen is None and skipped and results is not None and agreed(results.is_file()):
+        raise CheckpointError(
+            f"no checkpoint of {root} can be resumed ({skipped[0][1]}), and {results} holds the run's trained "
+            "weights, which a fresh start would replace: repair or move the checkpoints, or use a new run.dir"
+        )
+    for path, problem in skipped:
         if rank == 0:
             uncommitted = "never committed" in problem
             warn(

@@ -155,7 +155,8 @@ def resume(s: TrainState) -> tuple[int, int]:
     LoRA the checkpoint holds the adapters only: the base is loaded (and quantized) first, as at
     the start, and must be the one the adapters were trained on."""
     ckpt = s.checkpointer
-    path = find_resume(s.cfg.checkpoint.resume, ckpt.root, log.warning, retire_skipped=True)
+    results = Path(s.cfg.run.dir) / "model.safetensors"
+    path = find_resume(s.cfg.checkpoint.resume, ckpt.root, log.warning, retire_skipped=True, results=results)
     if path is not None:
         check_same_base(s, path)
     if path is None or s.lora is not None or s.model.reference is not None:
