@@ -269,6 +269,7 @@ def test_corrupt_checkpoints_are_named(saved, tmp_path):
 
 
 def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
+    import json
     import shutil
 
     root = tmp_path / "checkpoints"
@@ -288,6 +289,11 @@ def test_auto_resume_skips_uncommitted_and_picks_the_newest(saved, tmp_path):
     assert "damaged" in warnings[-1] and "__0_0.distcp" in warnings[-1]
     with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
         find_resume(str(root / "step_00000008"), root, warnings.append)
+    marker = json.loads((root / "step_00000004" / MARKER).read_text())
+    for broken in ({**marker, "files": list(marker["files"])}, {k: v for k, v in marker.items() if k != "step"}):
+        (root / "step_00000008" / MARKER).write_text(json.dumps(broken))  # a hand-edited marker: one line, no traceback
+        with pytest.raises(CheckpointError, match="COMMITTED.json is corrupt"):
+            find_resume(str(root / "step_00000008"), root, warnings.append)
     # every checkpoint unusable beside the run's trained weights: a fresh start would replace them
     (root / "step_00000004" / MARKER).unlink()
     weights = tmp_path / "model.safetensors"

@@ -35,8 +35,10 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
         raise CheckpointError(f"checkpoint {path} was never committed (no {MARKER}): an interrupted save")
     try:
         marker = json.loads(marker_path.read_text())
-        files = marker["files"]
-    except (ValueError, KeyError):
+    except ValueError:
+        marker = None
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not _well_formed(marker, files):
         raise CheckpointError(f"{marker_path} is corrupt; resume from an earlier checkpoint") from None
     k, n = share
     for name, expected in sorted(files.items())[k::n]:
@@ -54,6 +56,19 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
                 "changed after the save); resume from an earlier one"
             )
     return marker
+
+
+def _well_formed(marker, files) -> bool:
+    """A marker as a save writes it (not one edited by hand into another shape): its step, and the
+    size and checksum of every file."""
+    return (
+        isinstance(files, dict)
+        and isinstance(marker.get("step"), int)
+        and all(
+            isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), str)
+            for e in files.values()
+        )
+    )
 
 
 def step_dirs(root: Path) -> list[Path]:
