@@ -83,6 +83,33 @@ def test_export_from_checkpoint_equals_export_from_final_weights(trained, tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_damaged_final_weights_or_model_json_are_one_line(trained, tmp_path):
+    """Export of a run's final weights: a truncated model.safetensors, a model.json that is not JSON,
+    has an unknown key, or is missing, each named in one line (they were tracebacks)."""
+    from meshtrain.errors import CheckpointError
+
+    run_dir, _ = trained
+    final = tmp_path / "final"
+    final.mkdir()
+    for name in ("model.safetensors", "model.json", "tokenizer.json"):
+        shutil.copy(run_dir / name, final / name)
+    shape = (final / "model.json").read_text()
+    (final / "model.safetensors").write_bytes((run_dir / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="model.safetensors cannot be read .* truncated or not a safetensors"):
+        export_hf(final, tmp_path / "a")
+    shutil.copy(run_dir / "model.safetensors", final / "model.safetensors")
+    for text, named in (("{", "is not valid JSON"), ('{"dimm": 3}', "dimm"), (None, "model.json is missing")):
+        if text is None:
+            (final / "model.json").unlink()
+        else:
+            (final / "model.json").write_text(text)
+        with pytest.raises(Exception, match=named) as refused:
+            export_hf(final, tmp_path / "b")
+        assert "\n" not in str(refused.value) and "model.json" in str(refused.value)
+    (final / "model.json").write_text(shape)
+    assert export_hf(final, tmp_path / "c").is_dir()
+
+
 def test_large_exports_are_split_into_indexed_shards(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 

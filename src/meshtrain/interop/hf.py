@@ -29,7 +29,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
 from meshtrain.interop.families import check_longer_context, config_to_args, export_config
 from meshtrain.interop.hf_dir import HFWeights, check_model_directory
-from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, run_weights
+from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, read_weights, run_model_args, run_weights
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
 from meshtrain.model.lora import ADAPTER_NAMES, apply_lora, merge_state_dict, quantize_base
@@ -131,7 +131,6 @@ def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
 
 
 def _load_model(ckpt: Path | None, run_dir: Path) -> tuple[Llama, ModelArgs]:
-    from safetensors.torch import load_file
 
     if ckpt is not None:  # verified by run_weights
         train_state = json.loads((ckpt / TRAIN_STATE).read_text())
@@ -139,7 +138,7 @@ def _load_model(ckpt: Path | None, run_dir: Path) -> tuple[Llama, ModelArgs]:
         if train_state.get("peft"):
             return _merged_lora_checkpoint(ckpt, args, train_state["peft"]), args
     else:
-        args = ModelArgs(**json.loads((run_dir / "model.json").read_text()))
+        args = run_model_args(run_dir / "model.json")
     model = Llama(args)
     model.init_weights(0)
     if ckpt is not None:
@@ -147,7 +146,7 @@ def _load_model(ckpt: Path | None, run_dir: Path) -> tuple[Llama, ModelArgs]:
         _dcp_load(state, ckpt)
         model.load_state_dict(state["model"])
     else:
-        model.load_full_state(load_file(run_dir / "model.safetensors"))
+        model.load_full_state(read_weights(run_dir / "model.safetensors"))
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model, args
@@ -351,7 +350,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
     """A LoRA run's adapters in the peft format (adapter_config.json + adapter_model.safetensors),
     which `peft.PeftModel.from_pretrained` loads onto the Hugging Face model the run started from.
     From the run's adapter.safetensors, or the adapters of any of its checkpoints."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from meshtrain.model.args import HF_NAMES
 
@@ -362,7 +361,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
     if ckpt is not None:
         args = ModelArgs(**json.loads((ckpt / TRAIN_STATE).read_text())["model"])
     else:
-        args = ModelArgs(**json.loads((run_dir / "model.json").read_text()))
+        args = run_model_args(run_dir / "model.json")
     if not record:
         raise MeshtrainError(f"{source} was trained without adapters (peft.method none): export it without --adapter")
     if "init_from" not in record["base"]:
@@ -379,7 +378,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
         _dcp_load(state, ckpt)
         adapters = state["model"]
     else:
-        adapters = load_file(run_dir / ADAPTER_FILE)
+        adapters = read_weights(run_dir / ADAPTER_FILE)
     dtype = SHORT_DTYPES.get(dtype, "float32" if dtype == "auto" else dtype)
     tensors = {}
     for name, t in adapters.items():

@@ -94,6 +94,11 @@ def run_weights(source: Path) -> tuple[Path | None, Path]:
         return newest, source
     if final.is_file() and (source / "model.json").is_file():
         return None, source
+    if final.is_file() and not (source / "config.json").is_file():
+        raise CheckpointError(
+            f"{source / 'model.json'} is missing beside model.safetensors: the weights have no recorded shape; "
+            "restore it from the run, or export one of its checkpoints"
+        )
     if (source / "config.json").is_file():
         raise MeshtrainError(
             f"{source} is a Hugging Face directory: export takes a meshtrain run or checkpoint (train from it with "
@@ -144,8 +149,11 @@ def _final_is_newer(final: Path, ckpt: Path) -> bool:
 
     from meshtrain.logs import log
 
-    with safe_open(final, "pt") as f:
-        step = (f.metadata() or {}).get("step")
+    try:
+        with safe_open(final, "pt") as f:
+            step = (f.metadata() or {}).get("step")
+    except Exception as e:  # safetensors' own error type: a truncated or overwritten file
+        raise damaged_weights(final, e) from None
     if step is not None:
         return int(step) > json.loads((ckpt / MARKER).read_text())["step"]
     newer = final.stat().st_mtime > (ckpt / MARKER).stat().st_mtime
@@ -159,3 +167,30 @@ def peft_record_of(ckpt: Path | None, run_dir: Path) -> dict | None:
     if ckpt is not None:
         return json.loads((ckpt / TRAIN_STATE).read_text()).get("peft")
     return json.loads(record.read_text()) if (record := run_dir / ADAPTER_RECORD).is_file() else None
+
+
+def damaged_weights(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path} cannot be read ({str(error).splitlines()[0] if str(error) else type(error).__name__}): it is "
+        "truncated or not a safetensors file; export one of the run's checkpoints instead (RUN/checkpoints/step_N)"
+    )
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A run's safetensors file (model.safetensors, its adapters), or one line saying it is damaged."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors' own error type
+        raise damaged_weights(path, e) from None
+
+
+def run_model_args(path: Path) -> ModelArgs:
+    """The shape a run recorded in model.json, or one line saying the file is not one meshtrain wrote."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the run's weights have no recorded shape; restore it from the run")
+    try:
+        return ModelArgs(**read_json_object(path))
+    except (MeshtrainError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a model.json meshtrain wrote ({e}): restore it from the run") from None
