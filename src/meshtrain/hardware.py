@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import json
 import math
 import os
@@ -243,8 +242,12 @@ def mfu_peak_floor(device: torch.device, training_dtype: str, override: float = 
     it to a rate a run reached (raise_cpu_peak, for the dtype whose peak MFU divides by); else None."""
     if device.type != "cpu" or override > 0:
         return None
-    dtype = max({_half_dtype(training_dtype), torch.float32}, key=cpu_peak_tflops)
-    return functools.partial(raise_cpu_peak, dtype)
+
+    def raise_peak(achieved_tflops: float) -> float:  # which dtype's: looked up only when a window beats it
+        dtype = max({_half_dtype(training_dtype), torch.float32}, key=cpu_peak_tflops)
+        return raise_cpu_peak(dtype, achieved_tflops)
+
+    return raise_peak
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float:
