@@ -41,8 +41,9 @@ from bench.common import data_overrides, device, markdown, run_train, steady_tok
 from bench.throughput import EMULATED_BF16, HFStep
 from meshtrain.config import load_config
 from meshtrain.hardware import mfu_peak_tflops
+from meshtrain.job.arithmetic import CANDIDATES, resolve
+from meshtrain.job.model import model_args
 from meshtrain.model.shapes import Shape
-from meshtrain.train.arithmetic import CANDIDATES, resolve
 
 CHOICES = {name: (dtype, compute) for name, dtype, compute in CANDIDATES}
 HF = {"hf fp32": ("fp32", False), "hf bf16": ("bf16", False), "hf+compile fp32": ("fp32", True)}
@@ -52,7 +53,7 @@ HF["hf+compile bf16"] = ("bf16", True)
 def hf_tokens_per_s(preset: str, a, skip: frozenset[str]) -> dict[str, float]:
     """The HF loops' tokens/s, interleaved in this (fresh) process (the loops in `skip` not run)."""
     dev, batch, seq_len, steps, rounds = device(), a.batch, a.seq_len, a.steps, a.rounds
-    args = load_config(overrides={"model.preset": preset}).model_args()
+    args = model_args(load_config(overrides={"model.preset": preset}))
     tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     data = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
     hf = {name: how for name, how in HF.items() if name not in skip}
@@ -73,7 +74,7 @@ def emulated(preset: str, a) -> dict[str, float]:
     overrides = {"model.preset": preset, "training.dtype": "auto", "training.seq_len": a.seq_len}
     overrides |= {"training.micro_batch_size": a.batch, "training.global_batch_size": a.batch}
     cfg = load_config(overrides=overrides)
-    step_ms = resolve(cfg, cfg.model_args(), device())[1].step_ms
+    step_ms = resolve(cfg, model_args(cfg), device())[1].step_ms
     if not step_ms:  # a GPU: no probe, every arithmetic runs
         return {}
     slowdown = {name: ms / min(step_ms.values()) for name, ms in step_ms.items()}
@@ -177,7 +178,7 @@ def main(a) -> list[dict]:
         not_run = emulated(preset, a)
         skip = frozenset(not_run)
         looks = [hf_look(preset, a, skip)]
-        args = load_config(overrides={"model.preset": preset}).model_args()
+        args = model_args(load_config(overrides={"model.preset": preset}))
         measured = []
         for compiled in (True, False) if preset in eager else (True,):
             for procs in (1, 2) if device().type == "cpu" else (1,):

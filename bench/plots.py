@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from bench.common import RESULTS
+from meshtrain.job.model import model_args
 
 
 def _load(name: str) -> list[dict] | None:
@@ -33,7 +34,7 @@ def main(_=None) -> list[str]:
             sizes = []
             for r in mine:
                 with torch.device("meta"):
-                    model = Llama(load_config(overrides={"model.preset": r["preset"]}).model_args())
+                    model = Llama(model_args(load_config(overrides={"model.preset": r["preset"]})))
                 sizes.append(num_params(model) / 1e6)
             for i, name in enumerate(VARIANTS):  # one colour per variant in every panel
                 if f"{name}_tokens_per_s" in mine[0]:

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import device, markdown, write_results
 from bench.throughput import EMULATED_BF16, HFStep, MeshtrainStep, bf16_kernel_slowdown, meshtrain_config
 from meshtrain.config import load_config
+from meshtrain.job.model import model_args
 from meshtrain.model.shapes import Shape
 
 CATEGORIES = ("matmul", "attention", "optimizer", "compiled", "other")
@@ -98,7 +99,7 @@ def main(a) -> list[dict]:
     rows = []
     for preset in a.presets.split(","):
         for dtype in a.dtypes.split(","):
-            args = load_config(overrides={"model.preset": preset}).model_args()
+            args = model_args(load_config(overrides={"model.preset": preset}))
             tokens = torch.randint(
                 0, args.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0)
             )

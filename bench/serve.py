@@ -22,8 +22,9 @@ from bench.common import markdown, write_results
 from meshtrain.config import load_config
 from meshtrain.interop import export_hf
 from meshtrain.interop.weights import save_model
+from meshtrain.job.data import ensure_dataset
+from meshtrain.job.model import model_args
 from meshtrain.model import Llama
-from meshtrain.train.preflight import ensure_dataset
 
 PROMPTS = ["def ", "import os\n", "class Foo", "    return ", "for i in range(", "# ", "if x ==", "print("]
 
@@ -34,7 +35,7 @@ def exported_model(preset: str, data_path: str, out: Path) -> Path:
     data = {"data.path": data_path, "data.corpus": ""} if data_path else {}
     cfg = load_config(overrides={"model.preset": preset, **data})
     dataset = ensure_dataset(cfg)
-    args = cfg.model_args(dataset.vocab_size)
+    args = model_args(cfg, dataset.vocab_size)
     model = Llama(args)
     model.init_weights(0)
     run_dir = out / "run"

@@ -22,9 +22,9 @@ from bench.common import markdown, write_results
 PROBE = """
 import json, sys, torch
 from meshtrain.config import load_config
-from meshtrain.train.arithmetic import CANDIDATES, cpu_choice
+from meshtrain.job.arithmetic import CANDIDATES, cpu_choice
 torch.set_num_threads(int(sys.argv[2]))
-args = load_config(overrides={"model.preset": sys.argv[1]}).model_args()
+args = model_args(load_config(overrides={"model.preset": sys.argv[1]}))
 compiled = sys.argv[3] == "compiled"  # the attention shape a compiled run probes at: 8 x 256 tokens
 shape = (8, args.n_heads, args.n_kv_heads, 256, args.head_size) if compiled else None
 choice = cpu_choice(args, 8, 256, [name for name, _, _ in CANDIDATES], shape)
@@ -32,6 +32,7 @@ print(json.dumps({"pick": choice.name, "how": choice.how, "busy": choice.busy, "
 """
 LOAD = """
 import sys, time, torch
+from meshtrain.job.model import model_args
 torch.set_num_threads(1)
 a = torch.randn(512, 512)
 while True:

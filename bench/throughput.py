@@ -55,10 +55,11 @@ from meshtrain.config import load_config
 from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.hardware import cpu_peak_tflops, device_peak_tflops, mfu_peak_tflops
 from meshtrain.interop.families import args_to_config
+from meshtrain.job.arithmetic import resolve
+from meshtrain.job.device import fp8_refusal
+from meshtrain.job.model import model_args
 from meshtrain.model.shapes import Shape
-from meshtrain.parallel.float8 import fp8_refusal
 from meshtrain.parallel.precision import arithmetic_label
-from meshtrain.train.arithmetic import resolve
 from meshtrain.train.build import build
 
 NATIVE = "meshtrain+compile/bf16-kernels"
@@ -94,7 +95,7 @@ def bf16_kernel_slowdown(dtype: str, dev: torch.device, preset: str = "tiny") ->
     if dtype != "bf16" or dev.type != "cpu":
         return 1.0
     cfg = load_config(overrides={"model.preset": preset, "training.dtype": "bf16"})
-    step_ms = resolve(cfg, cfg.model_args(), dev)[1].step_ms
+    step_ms = resolve(cfg, model_args(cfg), dev)[1].step_ms
     return step_ms["bf16"] / step_ms["bf16/fp32"]
 
 
@@ -194,7 +195,7 @@ class HFStep:
 
 def run(preset: str, dtype: str, batch_size: int, seq_len: int, steps: int, rounds: int) -> dict:
     dev = device()
-    args = load_config(overrides={"model.preset": preset}).model_args()
+    args = model_args(load_config(overrides={"model.preset": preset}))
     tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
     arithmetic = "bf16" if dtype in FP8 else "auto"

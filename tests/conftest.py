@@ -106,6 +106,8 @@ def train_args(corpus: Path, run_dir: Path, *extra: str, model: list[str] | tupl
         "",
         "--run.tensorboard",
         "false",
+        "--training.dtype",  # the numbers tests compare, whatever the CPU (auto may pick bf16 on one)
+        "fp32",
         *extra,
     ]
 
@@ -249,6 +251,6 @@ def pretend_other_load(monkeypatch, share: float) -> None:
     """Every look of the CPU probes reads `share` of the machine used by others, whatever /proc/stat
     says (a clock tick inside a look would otherwise replace a patched class default with the
     machine's real reading)."""
-    from meshtrain.train.probe_timing import OtherLoad
+    from meshtrain.job.probe_timing import OtherLoad
 
     monkeypatch.setattr(OtherLoad, "__exit__", lambda self, *exc: setattr(self, "share", share))

@@ -80,6 +80,7 @@ def main() -> None:
         if arg.startswith("memory:"):
             directory = Path(arg.removeprefix("memory:"))
             overrides = {"model.init_from": f"hf:{directory}", "training.seq_len": 64, "parallel.zero": 3}
+            overrides["training.dtype"] = "fp32"
             state = build(load_config(None, {**overrides, "launch.device": "cpu"}), with_data=False)
             peak = import_peak(state, directory)
             (out / f"memory-{dist.get_rank()}.json").write_text(json.dumps({"peak": peak}))
@@ -92,6 +93,7 @@ def main() -> None:
                 "training.global_batch_size": 2,
                 "training.micro_batch_size": 1,
                 "launch.device": "cpu",
+                "training.dtype": "fp32",
                 **layout,
             }
             state = build(load_config(None, overrides), with_data=False)

@@ -1,5 +1,5 @@
 """Attention's backward recomputed from matmuls (model/recompute_attention.py) and the probe that
-picks it (train/attention_backward.py)."""
+picks it (job/attention_backward.py)."""
 
 import json
 
@@ -10,14 +10,15 @@ import torch.nn.functional as F
 from conftest import pretend_other_load
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
-from meshtrain.layout import Layout
+from meshtrain.job import arithmetic, attention_backward
+from meshtrain.job.device import check_device
+from meshtrain.job.layout import layout_of
+from meshtrain.job.model import model_args
+from meshtrain.job.probe_timing import own_code
 from meshtrain.model import Llama
 from meshtrain.model.llama import ModelArgs
 from meshtrain.model.masks import dense_mask, document_ids
 from meshtrain.model.recompute_attention import MAX_SCORES, applies, recomputed_attention
-from meshtrain.train import arithmetic, attention_backward
-from meshtrain.train.preflight import check_device
-from meshtrain.train.probe_timing import own_code
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -101,7 +102,7 @@ def config(**training):
 def test_auto_is_measured_compiled_on_a_cpu_once_and_the_kernel_elsewhere(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
-    layout = Layout.from_config(config(), 1)
+    layout = layout_of(config(), 1)
     for cfg, device, kind, how in [
         (config(attention_backward="recompute"), CPU, "recompute", "given"),
         (config(attention_backward="flash", compile=True), CPU, "flash", "given"),
@@ -147,8 +148,8 @@ def test_a_compiled_run_s_arithmetic_probe_times_its_contenders_compiled(monkeyp
     monkeypatch.setattr(
         attention_backward, "cpu_choice", lambda shape, dtype: attention_backward.AttentionBackward(kinds[dtype], "x")
     )
-    args = config().model_args()
-    layout = Layout.from_config(config(), 1)
+    args = model_args(config())
+    layout = layout_of(config(), 1)
     eager = arithmetic.resolve(config(dtype="auto"), args, CPU, layout)[1]
     assert eager.name == "bf16/bf16-gemm" and probed == [None]  # 59 ms a micro-batch against 65
     compiled = arithmetic.resolve(config(dtype="auto", compile=True), args, CPU, layout)[1]
@@ -196,7 +197,7 @@ def test_recompute_is_refused_on_a_gpu_and_beyond_its_memory_bound():
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
     too_large = config(attention_backward="recompute", seq_len=64, micro_batch_size=MAX_SCORES // (4 * 64 * 64) + 1)
     with pytest.raises(ConfigError, match="over its bound"):
-        attention_backward.resolve(too_large, args, Layout.from_config(config(), 1), CPU)
+        attention_backward.resolve(too_large, args, layout_of(config(), 1), CPU)
 
 
 # --- a DPO micro-batch holds two rows a sample (train/step.py's rows_per_sample) ---
@@ -204,7 +205,7 @@ def test_recompute_is_refused_on_a_gpu_and_beyond_its_memory_bound():
 
 def test_a_dpo_micro_batch_counts_as_two_rows_a_pair_in_the_recompute_bound_and_the_probes(monkeypatch):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
-    layout = Layout.from_config(config(), 1)
+    layout = layout_of(config(), 1)
     micro = MAX_SCORES // (2 * 4 * 64 * 64) + 1  # within the bound as plain rows, over it as pairs
 
     def rows(n):  # a rank's q at run time: n rows of 4 heads x 64 tokens (expanded: no memory)

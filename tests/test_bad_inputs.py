@@ -104,7 +104,7 @@ CASES = {
     "nproc zero": (["--nproc", "0"], "--nproc"),
     "max restarts negative": (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts"),
     "nnodes zero": (["--nproc", "2", "--nnodes", "0"], "--nnodes"),
-    "batch does not divide over ranks": (["--nproc", "3"], "/nonexistent/meshtrain-data"),
+    "batch does not divide over ranks": (["--nproc", "3"], "micro_batch_size (8) x data-parallel degree (3) = 24"),
     "launcher forced under nproc": (
         ["--nproc", "2", "--launch.env", "single"],
         "launch.env = single (MESHTRAIN_LAUNCHER or the config), but --nproc",
@@ -238,10 +238,10 @@ OTHER = {
     ),
     "serve model": (["serve", "/nonexistent/model"], "/nonexistent/model"),
     "serve empty api key": (["serve", "/nonexistent/model", "--api-key", " "], "leave out --api-key"),
-    "serve null api key": (["serve", "/nonexistent/model", "--api-key", "null"], "--api-key 'null' is no key"),
+    "serve null api key": (["serve", "/nonexistent/model", "--api-key", "null"], "--api-key: 'null': is no key"),
     "serve api key no client sends": (["serve", "/nonexistent/model", "--api-key", "clé"], "no client could send it"),
     "serve api key with a space": (["serve", "/nonexistent/model", "--api-key", "abc "], "no client could send it"),
-    "serve empty host": (["serve", "/nonexistent/model", "--host", ""], "--host is empty"),
+    "serve empty host": (["serve", "/nonexistent/model", "--host", ""], "--host: '': is empty"),
     "serve context of one token": (["serve", "/nonexistent/model", "--max-context", "1"], "--max-context"),
     "generate temperature": (
         ["generate", "/nonexistent/model", "--prompt", "x", "--temperature", "5"],

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.job.model import model_args
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -72,7 +74,7 @@ def test_precision_rows_time_steps_that_train_in_their_precision():
     from bench.throughput import HFStep, MeshtrainStep, meshtrain_config
     from meshtrain.config import load_config
 
-    args = load_config(overrides={"model.preset": "tiny"}).model_args()
+    args = model_args(load_config(overrides={"model.preset": "tiny"}))
     tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1], tokens[:, 1:])
     fp16 = {

@@ -22,6 +22,7 @@ from meshtrain.data.prepare import ChatOptions
 from meshtrain.data.tokenizer import end_of_text, load_tokenizer
 from meshtrain.data.windows import IGNORE_INDEX
 from meshtrain.errors import DataError
+from meshtrain.job.model import model_args
 from meshtrain.model import Llama
 from meshtrain.train.build import build as build_state
 
@@ -284,11 +285,12 @@ def test_the_loss_is_the_mean_over_target_tokens_of_the_whole_batch():
             *"--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 128".split(),
             *"--model.vocab_size 256 --model.max_seq_len 32 --training.seq_len 16".split(),
             *"--training.global_batch_size 4 --training.micro_batch_size 2 --training.grad_clip 0".split(),
+            *"--training.dtype fp32".split(),
         ],
     )
     state = build_state(cfg, with_data=False)
     model = state.model.parts[0]
-    ref = Llama(cfg.model_args())
+    ref = Llama(model_args(cfg))
     ref.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(3)
     inputs = torch.randint(0, 256, (4, 16), generator=gen)

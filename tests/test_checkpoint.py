@@ -538,7 +538,7 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
     from meshtrain.checkpoint import TRAIN_STATE
     from meshtrain.config import load_config
     from meshtrain.errors import MeshtrainError
-    from meshtrain.interop.hf import base_identity
+    from meshtrain.interop.base import base_identity
     from meshtrain.train.base import check_same_base
 
     base, other = tmp_path / "base", tmp_path / "other"
@@ -601,7 +601,8 @@ def test_lora_adapters_on_a_base_stored_otherwise_name_what_auto_chose(tmp_path)
         ("given", r"another setting or base \(base_storage fp32 -> bf16\)"),
     ):
         chosen = SimpleNamespace(how=how, describe=lambda: "bf16 (measured)")
-        s = SimpleNamespace(cfg=cfg, lora=adapters, base=base, arithmetic=chosen, model=SimpleNamespace(reference=None))
+        job = SimpleNamespace(arithmetic=chosen)
+        s = SimpleNamespace(cfg=cfg, lora=adapters, base=base, job=job, model=SimpleNamespace(reference=None))
         with pytest.raises(MeshtrainError, match=message):
             check_same_base(s, tmp_path)
 

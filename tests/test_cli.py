@@ -162,3 +162,22 @@ def test_configs_are_built_in_code_without_strings():
     cfg.training.steps = 0
     with pytest.raises(ConfigError, match="training.steps = 0 must be positive"):
         cfg.validate()
+
+
+def test_the_built_in_defaults_are_what_help_says():
+    """`meshtrain train --help` says the built-in defaults are configs/tiny.toml: every key's default
+    in the help is the value a config without that key reads, and the file sets nothing else."""
+    from pathlib import Path
+
+    from meshtrain.cli.options import add_config_keys
+    from meshtrain.config import load_config
+
+    built_in = load_config(None)
+    assert load_config(Path(__file__).parents[1] / "configs" / "tiny.toml") == built_in
+    parser = argparse.ArgumentParser()
+    add_config_keys(parser)
+    for action in parser._actions:
+        if (d := getattr(action, "declared", None)) is not None and action.option_strings[0] == f"--{d.name}":
+            section, _, name = d.name.partition(".")
+            assert f"(default: {getattr(getattr(built_in, section), name.replace('async', 'async_'))!r})" in action.help
+    assert built_in.training.dtype == "auto"

@@ -2,9 +2,11 @@ import re
 
 import pytest
 
-from meshtrain.config import check_model_args, config_keys, load_config, parse_overrides, resolved, to_toml
+from meshtrain.config import config_keys, load_config, parse_overrides, resolved, to_toml
 from meshtrain.errors import ConfigError
-from meshtrain.train.preflight import model_args, preflight
+from meshtrain.job import resolve
+from meshtrain.job.layout import layout_of
+from meshtrain.job.model import check_model_args, model_args
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -15,15 +17,15 @@ def test_defaults_and_overrides(tmp_path):
     )
     assert cfg.training.steps == 9 and cfg.training.lr == 1.0 and isinstance(cfg.training.lr, float)
     assert cfg.run.dir == "x/y" and cfg.model.tie_embeddings is True and cfg.model.preset == "small"
-    assert cfg.model_args().dim == 640  # "none" keeps the preset's value
+    assert model_args(cfg).dim == 640  # "none" keeps the preset's value
 
 
 def test_model_args_merge_preset_overrides_and_data_vocab():
     cfg = load_config(None, ["--model.n_layers", "3"])
-    args = cfg.model_args(vocab_size=1000)
+    args = model_args(cfg, 1000)
     assert (args.n_layers, args.dim, args.vocab_size) == (3, 256, 1000)
     cfg = load_config(None, ["--model.vocab_size", "2048"])
-    assert cfg.model_args(vocab_size=1000).vocab_size == 2048
+    assert model_args(cfg, 1000).vocab_size == 2048
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,7 @@ def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):
     path = tmp_path / "c.toml"
     path.write_text(toml)
     with pytest.raises(ConfigError) as e:
-        load_config(path, overrides)
+        resolve(load_config(path, overrides), 1)  # read, or resolved (the model's shape)
     for fragment in fragments:
         assert fragment in str(e.value)
     assert "\n" not in str(e.value)
@@ -61,28 +63,27 @@ def test_invalid_values_are_named(tmp_path, toml, overrides, fragments):
 
 def test_batch_must_divide_over_data_parallel_ranks():
     cfg = load_config(None, ["--training.global_batch_size", "16", "--training.micro_batch_size", "8"])
-    preflight(cfg, 2)
+    resolve(cfg, 2)
     with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*micro_batch_size \(8\).*\(3\) = 24"):
-        preflight(cfg, 3)
+        resolve(cfg, 3)
 
 
 def test_compile_with_tensor_parallel_and_fsdp_is_accepted():
     cfg = load_config(None, ["--training.compile", "true", "--parallel.tp", "2", "--parallel.zero", "3"])
-    preflight(cfg, 2)  # TP alone: the whole model compiled
-    preflight(cfg, 4)  # TP x FSDP: each block (tests/test_compile_tp_fsdp.py)
+    resolve(cfg, 2)  # TP alone: the whole model compiled
+    resolve(cfg, 4)  # TP x FSDP: each block (tests/test_compile_tp_fsdp.py)
 
 
 def test_a_zero_stage_with_one_data_parallel_rank_is_named_idle_at_the_start():
     """A config kept across world sizes (torchtitan's FSDP degree -1): ZeRO over one rank shards
     nothing, and the start line says so instead of dropping it."""
-    from meshtrain.layout import Layout
     from meshtrain.parallel.mesh import ParallelDims
 
     cfg = load_config(None, ["--parallel.tp", "2", "--parallel.zero", "3"])
-    assert ParallelDims(Layout.from_config(cfg, 4)).describe() == "FSDP 2 x TP 2, ZeRO-3"
-    idle = ParallelDims(Layout.from_config(cfg, 2)).describe()
+    assert ParallelDims(layout_of(cfg, 4)).describe() == "FSDP 2 x TP 2, ZeRO-3"
+    idle = ParallelDims(layout_of(cfg, 2)).describe()
     assert idle == "TP 2 (ZeRO-3 idle: one data-parallel rank, nothing to shard)"
-    assert ParallelDims(Layout.from_config(load_config(None, []), 1)).describe() == "single process"
+    assert ParallelDims(layout_of(load_config(None, []), 1)).describe() == "single process"
 
 
 def test_model_vocab_smaller_than_data_is_rejected():
@@ -93,10 +94,10 @@ def test_model_vocab_smaller_than_data_is_rejected():
 
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["--model.n_layers", "3", "--training.lr", "0.01"])
-    args = cfg.model_args(vocab_size=777)
+    args = model_args(cfg, 777)
     (tmp_path / "config.toml").write_text(to_toml(resolved(cfg, args)))
     again = load_config(tmp_path / "config.toml")
-    assert again.model_args() == args and again.training == cfg.training
+    assert model_args(again) == args and again.training == cfg.training
 
 
 def test_missing_config_file():
@@ -141,7 +142,7 @@ def test_a_pretrained_directory_is_the_shape_and_a_preset_beside_it_is_refused(t
 
     from meshtrain.interop.families import args_to_config
 
-    small = load_config(None, {"model.preset": "small"}).model_args()
+    small = model_args(load_config(None, {"model.preset": "small"}))
     (tmp_path / "config.json").write_text(json.dumps(args_to_config(small, "float32", None, [])))
     pretrained = load_config(None, {"model.init_from": f"hf:{tmp_path}"})
     assert (model_args(pretrained).dim, model_args(pretrained).n_layers) == (small.dim, small.n_layers)
@@ -205,13 +206,13 @@ PIPELINE = {"parallel.pp": 2, "model.n_layers": 4, "training.global_batch_size":
 def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fragment, with_the_other):
     cfg = load_config(None, given)  # read as given: `meshtrain plan` may search the other key
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        preflight(cfg, 1)
+        resolve(cfg, 1)
     cfg = load_config(None, {**given, **with_the_other})
-    preflight(cfg, cfg.parallel.pp * cfg.parallel.tp)
+    resolve(cfg, cfg.parallel.pp * cfg.parallel.tp)
 
 
 def test_a_quiet_run_may_turn_the_sample_off():
-    preflight(load_config(None, {"run.log_level": "warning", "run.sample_prompt": ""}), 1)
+    resolve(load_config(None, {"run.log_level": "warning", "run.sample_prompt": ""}), 1)
 
 
 def test_the_config_tree_and_the_command_line_read_without_torch():
@@ -260,7 +261,7 @@ def test_a_sample_that_would_not_fit_the_context_is_refused_before_training(corp
 
     def start(*sample):
         cfg = load_config(None, [*SMALL_MODEL, "--data.path", str(corpus), "--training.seq_len", "32", *sample])
-        return preflight(cfg, 1, Blend(str(corpus), 32))
+        return resolve(cfg, 1, Blend(str(corpus), 32))
 
     prompt = ["--run.sample_prompt", "import os\nimport sys\n"]
     start(*prompt)  # the default length: cut to fit
@@ -287,3 +288,19 @@ def test_a_run_dir_holding_another_directorys_files_is_refused(tmp_path, name, w
         load_config(None, ["--run.dir", str(tmp_path)])
     (tmp_path / "arithmetic.json").write_text("{}")
     load_config(None, ["--run.dir", str(tmp_path)])
+
+
+def test_a_keys_short_spelling_reads_as_the_key_everywhere():
+    """The short flags declared with a key (--seq-len, --compile) mean the key in every reader: the
+    train and plan parsers, and the overrides a jobscript passes on (config.parse_overrides)."""
+    pairs = parse_overrides(["--micro-batch", "1", "--seq-len=64", "--compile", "--no-sequence-parallel"])
+    assert pairs == [
+        ("training.micro_batch_size", "1"),
+        ("training.seq_len", "64"),
+        ("training.compile", "true"),
+        ("parallel.sequence_parallel", "false"),
+    ]
+    cfg = load_config(None, ["--tp", "2", "--zero", "3"])
+    assert (cfg.parallel.tp, cfg.parallel.zero) == (2, 3)
+    with pytest.raises(ConfigError, match="--compile is a switch"):
+        parse_overrides(["--compile=true"])

@@ -755,7 +755,7 @@ def test_a_vocabulary_size_set_for_data_prepared_with_another_is_refused(corpus)
     """data.vocab_size is the BPE trained for the default corpus: beside data already prepared with
     another vocabulary it would be silently ignored, so it is refused (unset, the data's is used)."""
     from meshtrain.config import load_config
-    from meshtrain.train.preflight import ensure_dataset
+    from meshtrain.job.data import ensure_dataset
 
     given = {"data.path": str(corpus), "data.corpus": ""}
     assert ensure_dataset(load_config(None, given)).vocab_size == 512

@@ -25,7 +25,14 @@ def write_jsonl(path, rows) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-MODEL = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 128}
+MODEL = {
+    "training.dtype": "fp32",
+    "model.dim": 64,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.ffn_dim": 128,
+}
 
 
 def pair_batch(pairs: int, seq: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,14 +12,16 @@ import torch
 from conftest import run_cli
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
+from meshtrain.job import resolve
+from meshtrain.job.layout import layout_of
 from meshtrain.layout import Layout
 from meshtrain.model.presets import PRESETS
 from meshtrain.model.shapes import Shape
 from meshtrain.plan import Workload, activation_bytes, estimate_memory
+from meshtrain.plan.workload import workload_of
 from meshtrain.train.dry_run import busiest_ranks, dry_run
-from meshtrain.train.preflight import workload_of
 
-TINY = ["--model.preset", "tiny", "--model.n_layers", "4", "--training.seq_len", "256"]
+TINY = ["--model.preset", "tiny", "--model.n_layers", "4", "--training.seq_len", "256", "--training.dtype", "fp32"]
 TINY += ["--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--data.corpus", "stdlib"]
 BIG = ["--training.micro_batch_size", "1", "--training.dtype", "bf16", "--training.bf16_compute", "bf16"]
 LAYOUTS = {
@@ -78,7 +80,7 @@ def test_the_built_job_matches_the_planner(name, tmp_path):
     world, overrides = LAYOUTS[name]
     cfg = load_config(None, [*overrides, "--data.path", str(tmp_path / "data")])
     reports = dry_run(cfg, world)
-    layout = Layout.from_config(cfg, world)
+    layout = layout_of(cfg, world)
     assert [r.rank for r in reports] == busiest_ranks(layout)
     for r in reports:
         for key in ("params", "grads", "optimizer"):
@@ -243,9 +245,8 @@ def test_the_plan_covers_every_rank_of_uneven_stages(tmp_path):
     overrides = [*TINY, "--model.n_layers", "5", "--parallel.pp", "2", "--training.activation_checkpointing", "full"]
     cfg = load_config(None, [*overrides, "--data.path", str(tmp_path / "data")])
     reports = dry_run(cfg, 2, [0, 1])
-    layout = Layout.from_config(cfg, 2)
-    args = dataclasses.replace(PRESETS["tiny"], n_layers=5)
-    plan = estimate_memory(workload_of(cfg, args, torch.device("cpu")), layout)
+    job = dataclasses.replace(resolve(cfg, 2), device=torch.device("cpu"))
+    plan = estimate_memory(workload_of(job), job.layout)
     for key in ("params", "grads", "optimizer"):
         assert plan[key] == pytest.approx(max(r.built[key] for r in reports), rel=0.01), key
     assert reports[0].built["params"] != pytest.approx(reports[1].built["params"], rel=0.05)

@@ -18,7 +18,8 @@ from conftest import assert_user_error, read_metrics, run_cli, train_args
 from meshtrain.errors import MeshtrainError
 from meshtrain.interop import export_hf, hf_model_args, load_hf_weights
 from meshtrain.interop.families import args_to_config, config_to_args, same_model
-from meshtrain.interop.hf import end_tokens, keep_source_files, load_full_model
+from meshtrain.interop.hf import end_tokens, load_full_model
+from meshtrain.interop.hf_import import keep_source_files
 from meshtrain.interop.weights import save_model
 from meshtrain.model import PRESETS, Llama
 from meshtrain.serve.engine import Engine, SamplingParams
@@ -287,7 +288,7 @@ def test_a_context_raised_past_config_json_must_fit_its_sliding_window(models, t
     covered config.json's own context: past it transformers attends within the window. A model with
     no window (Llama) may be raised."""
     from meshtrain.config import load_config
-    from meshtrain.train.preflight import model_args
+    from meshtrain.job.model import model_args
 
     config = json.loads((models["mistral"] / "config.json").read_text())
     config.pop("sliding_window", None)  # transformers' 4096-token window

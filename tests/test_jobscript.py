@@ -215,7 +215,7 @@ def test_the_trainium_compile_trial_starts_whatever_the_end_of_run_keys_say(cli_
     import shlex
 
     from meshtrain.config import load_config
-    from meshtrain.train.preflight import preflight
+    from meshtrain.job import resolve
 
     repo = Path(__file__).parents[1]
     config = tmp_path / "trial.toml"
@@ -232,7 +232,7 @@ def test_the_trainium_compile_trial_starts_whatever_the_end_of_run_keys_say(cli_
     del overrides[overrides.index("--nproc") : overrides.index("--nproc") + 2]
     cfg = load_config(trial[start + 1], overrides)
     assert cfg.training.steps == 10 and cfg.training.stop_at_step == 0 and not cfg.run.save_model
-    preflight(cfg, 128, None)  # the trial's 2 x 64 ranks start
+    resolve(cfg, 128, None)  # the trial's 2 x 64 ranks start
 
 
 def test_pcluster_gpu_nodes_run_one_rank_per_gpu(cli_env, tmp_path):

@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.model.args import LoraSpec, parse_targets
+from meshtrain.job import resolve
+from meshtrain.job.model import adapters_of
+from meshtrain.model.args import parse_targets
 from meshtrain.model.lora import merge_state_dict
 from meshtrain.parallel.memory import model_state_bytes
 from meshtrain.train.build import build as build_state
-from meshtrain.train.preflight import preflight
 
 QLORA = {"method": "qlora"}
 ODD_MODEL = {"dim": 36, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 36}  # 36 x 36 weights: not blocks of 64
@@ -39,8 +40,8 @@ def test_targets_take_our_names_or_hugging_faces():
         ({"training": {"dpo_beta": 0.2}}, 1, "training.dpo_beta is DPO's"),
         ({"training": {"objective": "dpo", "document_masking": False}}, 1, "one conversation a row"),
         ({"peft": {"method": "qlora"}}, 1, "set training.dtype = bf16"),
-        ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"zero": 3}}, 2, "one process or DDP"),
-        ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"tp": 2}}, 2, "one process or DDP"),
+        ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"zero": 3}}, 2, "one process or plain DDP"),
+        ({"peft": QLORA, "training": {"dtype": "bf16"}, "parallel": {"tp": 2}}, 2, "one process or plain DDP"),
         ({"peft": QLORA, "training": {"dtype": "bf16"}, "model": ODD_MODEL}, 1, "(36, 36) does not divide"),
         (
             {"peft": {"method": "lora"}, "training": {"objective": "dpo"}, "parallel": {"pp": 2}},
@@ -52,7 +53,7 @@ def test_targets_take_our_names_or_hugging_faces():
 def test_peft_and_objective_keys_take_effect_or_are_refused(overrides, world, message):
     with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
         cfg = load_config(None, dotted(overrides))
-        preflight(cfg, world)
+        resolve(cfg, world)
 
 
 def dotted(sections: dict) -> dict:
@@ -62,7 +63,7 @@ def dotted(sections: dict) -> dict:
 def test_the_optimizer_holds_the_adapters_only():
     """The default model with LoRA on every linear: the optimizer's states are a few percent of the
     parameters' bytes, the base is frozen, and B starts at zero (the model starts as the base)."""
-    cfg = load_config(None, {"peft.method": "lora", "run.dir": "unused"})
+    cfg = load_config(None, {"peft.method": "lora", "run.dir": "unused", "training.dtype": "fp32"})
     s = build_state(cfg, with_data=False)
     part = s.model.parts[0]
     used = model_state_bytes(list(part.parameters()), s.optimizer)
@@ -186,7 +187,7 @@ def test_qlora_keeps_its_frozen_base_in_4_bit_and_trains(corpus, tmp_path):
         "data": {"path": str(corpus), "corpus": ""},
         "run": {"dir": str(tmp_path / "run")},
     }
-    s = build_state(load_config(None, dotted(overrides)))
+    s = build_state(load_config(None, {"training.dtype": "fp32", **dotted(overrides)}))
     load_base(s)
     linears = lora_modules(s.model.parts[0])
     assert linears and all(is_nf4(m.weight) for m in linears)
@@ -202,9 +203,9 @@ def test_qlora_keeps_its_frozen_base_in_4_bit_and_trains(corpus, tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
     # merged: the dequantized base plus B A
     state = s.model.parts[0].state_dict()
-    merged, adapters = merge_state_dict(state, LoraSpec.from_config(s.cfg.peft))
+    merged, adapters = merge_state_dict(state, adapters_of(s.cfg.peft))
     name = "layers.0.attention.wq"
-    want = state[f"{name}.weight"].get_original_weight().float() + LoraSpec.from_config(s.cfg.peft).scale * (
+    want = state[f"{name}.weight"].get_original_weight().float() + adapters_of(s.cfg.peft).scale * (
         adapters[f"{name}.lora_b"] @ adapters[f"{name}.lora_a"]
     )
     assert torch.equal(merged[f"{name}.weight"], want)
@@ -217,7 +218,10 @@ def test_dropout_draws_the_same_masks_when_a_checkpointed_block_is_recomputed(ac
     grads = []
     for mode in ("none", ac):
         overrides = {"peft.method": "lora", "peft.dropout": 0.5, "training.activation_checkpointing": mode}
-        s = build_state(load_config(None, {**overrides, "run.dir": "unused", "model.n_layers": 2}), with_data=False)
+        s = build_state(
+            load_config(None, {"training.dtype": "fp32", **overrides, "run.dir": "unused", "model.n_layers": 2}),
+            with_data=False,
+        )
         tokens = torch.randint(0, s.args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():  # B starts at zero: give the adapters something to pass on
             for name, p in s.model.parts[0].named_parameters():
@@ -246,7 +250,10 @@ def test_bf16_compute_s_fp32_gemms_reach_the_adapted_linears(compute):
     from meshtrain.parallel.precision import FP32_CLASSES, Fp32ComputeLinear, Fp32ComputeLoRALinear
 
     overrides = {"peft.method": "lora", "training.dtype": "bf16", "training.bf16_compute": compute}
-    s = build_state(load_config(None, {**overrides, "run.dir": "unused", "model.n_layers": 2}), with_data=False)
+    s = build_state(
+        load_config(None, {"training.dtype": "fp32", **overrides, "run.dir": "unused", "model.n_layers": 2}),
+        with_data=False,
+    )
     part = s.model.parts[0]
     fp32_gemm = FP32_CLASSES[compute][0]
     adapted = lora_modules(part)

@@ -9,6 +9,7 @@ import torch
 
 from conftest import assert_same_run, train_args, train_together
 from meshtrain.config import load_config
+from meshtrain.job.model import model_args
 from meshtrain.layout import Layout
 from meshtrain.model import Llama
 from meshtrain.model.shapes import Shape
@@ -28,7 +29,10 @@ def test_op_steps_as_none_does():
     grads = {}
     for mode in ("none", "op"):
         state = build(
-            load_config(None, {"run.dir": "unused", "training.activation_checkpointing": mode}), with_data=False
+            load_config(
+                None, {"run.dir": "unused", "training.activation_checkpointing": mode, "training.dtype": "fp32"}
+            ),
+            with_data=False,
         )
         loss = state.step(tokens[:, :-1], tokens[:, 1:])
         part = state.model.parts[0]
@@ -64,17 +68,19 @@ def test_op_keeps_what_the_planner_predicts_between_full_and_none():
     """What autograd and op's checkpoint cache keep for one micro-batch: strictly between "full" and
     "none", and within 2% of the planner's bytes for "op"."""
     micro, seq = 2, 64
-    cfg = load_config(None, {"training.seq_len": seq, "model.max_seq_len": seq, "model.vocab_size": 2048})
+    cfg = load_config(
+        None, {"training.seq_len": seq, "model.max_seq_len": seq, "model.vocab_size": 2048, "training.dtype": "fp32"}
+    )
     tokens = torch.randint(0, 2048, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
     measured = {}
     for mode in ("none", "op", "full"):
         torch.manual_seed(0)
-        model = Llama(cfg.model_args())
+        model = Llama(model_args(cfg))
         apply_ac(model, mode)
         with SavedActivations(model) as saved:
             cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         measured[mode] = saved.bytes
     assert measured["full"] < measured["op"] < measured["none"], measured
-    w = Workload(Shape.from_args(cfg.model_args()), seq, "fp32", device="cpu")
+    w = Workload(Shape.from_args(model_args(cfg)), seq, "fp32", device="cpu")
     layout = Layout(global_batch_size=micro, micro_batch_size=micro, activation_checkpointing="op")
     assert activation_bytes(w, layout)["saved"] == pytest.approx(measured["op"], rel=0.02)

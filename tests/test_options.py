@@ -93,7 +93,12 @@ def malformed_text(d: Declared) -> st.SearchStrategy[str]:
     if base is bool:
         return garbage.filter(lambda t: t.lower() not in ("true", "false", "1", "0", "yes", "no", "none", "null"))
     if "parse" in d.meta or "check" in d.meta:  # a grammar: generated, kept where the grammar refuses it
-        return st.one_of(garbage, st.sampled_from(["0", "-5M", "1:2:3:4", "x:0,y", "12Q", ":"]))
+        samples = ["0", "-5M", "1:2:3:4", "x:0,y", "12Q", ":", "", " ", "\t", "null", " key "]
+        refused = st.sampled_from([t for t in samples if rejected(d, t)])
+        if any(rejected(d, t) for t in ("abc", "x_y", "a.b", "zz")):
+            return st.one_of(garbage, refused)
+        blank = st.text(alphabet=" \t", max_size=6).filter(lambda t: rejected(d, t))  # what free text refuses
+        return st.one_of(refused, blank)  # free text: a host name, a key
     if base in (int, float):
         not_a_number = garbage.filter(lambda t: not _parses(t, base))
         numbers = out_of_range(d).map(repr)

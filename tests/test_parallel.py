@@ -7,7 +7,9 @@ from safetensors.torch import load_file
 from conftest import assert_same_run, read_metrics, run_cli, train_args, train_together
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
-from meshtrain.train.preflight import preflight
+from meshtrain.job import resolve
+from meshtrain.job.layout import layout_of
+from meshtrain.job.model import model_args
 
 # 4 layers so that 2 pipeline ranks x 2 virtual stages each get one; micro-batch 2 so every
 # layout has enough micro-batches for its schedule.
@@ -202,7 +204,7 @@ def test_bf16_converges_like_fp32(nproc, extra, reference, corpus, cli_env, tmp_
 )
 def test_layout_errors_name_the_numbers(world, overrides, fragment):
     with pytest.raises(ConfigError) as e:
-        preflight(load_config(None, overrides), world)
+        resolve(load_config(None, overrides), world)
     assert fragment in str(e.value)
 
 
@@ -212,7 +214,6 @@ def test_planner_predicts_the_model_state_bytes_of_every_layout(reference, layou
     (and the single process) against what the run measured on its tensors (memory.json), within 2%."""
     import json
 
-    from meshtrain.layout import Layout
     from meshtrain.model.shapes import Shape
     from meshtrain.plan import model_state_bytes
 
@@ -220,7 +221,7 @@ def test_planner_predicts_the_model_state_bytes_of_every_layout(reference, layou
         run_dir = reference if name is None else layout_run(name)[0]
         ranks = json.loads((run_dir / "memory.json").read_text())
         cfg = load_config(run_dir / "config.toml")
-        shape, layout = Shape.from_args(cfg.model_args()), Layout.from_config(cfg, len(ranks))
+        shape, layout = Shape.from_args(model_args(cfg)), layout_of(cfg, len(ranks))
         for rank, measured in enumerate(ranks):
             predicted = model_state_bytes(shape, layout, rank)
             for key, value in predicted.items():

@@ -5,6 +5,7 @@ to memory.json in test_parallel.py; step-time ranking to real runs in test_plan_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from bench.reference import H100_STEPS, LLAMA3_405B, MEGATRON_2021, h100_step, plan_published
 from meshtrain.config import load_config
+from meshtrain.job.model import model_args
 from meshtrain.layout import Layout
 from meshtrain.model import Llama
 from meshtrain.model.shapes import Shape
@@ -24,6 +26,8 @@ from meshtrain.train.step import cross_entropy
 
 def model_overrides(dim, layers, heads, kv_heads, ffn, vocab=2048, seq=256):
     return [
+        "--training.dtype",
+        "fp32",
         "--model.dim",
         str(dim),
         "--model.n_layers",
@@ -63,7 +67,7 @@ SAVED_CASES = [
 def workload(cfg, path: str) -> Workload:
     t = cfg.training
     return Workload(
-        Shape.from_args(cfg.model_args()),
+        Shape.from_args(model_args(cfg)),
         t.seq_len,
         "fp32" if path == "fp32" else "bf16",
         path == "fp32-arithmetic",
@@ -86,7 +90,7 @@ def test_saved_activations_match_the_tensors_autograd_keeps(size, micro, seq, ac
         ],
     )
     torch.manual_seed(0)
-    model = Llama(cfg.model_args())
+    model = Llama(model_args(cfg))
     if path == "fsdp-bf16":  # what FSDP's mixed precision computes with: bf16 parameters
         model = model.to(torch.bfloat16)
     if path == "fp32-arithmetic":
@@ -140,7 +144,7 @@ def _tp_worker(rank: int, store: str, out: str) -> None:
     for size, micro, seq, ac, sp in TP_CASES:
         cfg = load_config(None, [*model_overrides(*SIZES[size], seq=seq), "--training.seq_len", str(seq)])
         with torch.device("meta"):
-            model = Llama(cfg.model_args())
+            model = Llama(model_args(cfg))
         apply_tp(model, mesh, sp, True)
         apply_ac(model, ac, cfg.training.ac_every)
         model.to_empty(device="cpu")
@@ -411,16 +415,17 @@ def test_bad_plan_requests_get_one_line(args, message, cli_env, tmp_path):
 
 
 def test_training_warns_before_a_layout_that_will_not_fit(caplog):
-    from meshtrain.model.presets import PRESETS
-    from meshtrain.train.preflight import warn_if_too_big
+    from meshtrain.job import resolve
+    from meshtrain.train.plan_check import warn_if_too_big
 
-    cfg = load_config(None, ["--model.preset", "llama3-70b", "--training.seq_len", "4096"])
+    cpu = torch.device("cpu")
+    cfg = load_config(None, ["--model.preset", "llama3-70b", "--training.seq_len", "4096", "--training.dtype", "fp32"])
     with caplog.at_level("WARNING", logger="meshtrain"):
-        warn_if_too_big(cfg, PRESETS["llama3-70b"], Layout.from_config(cfg, 1), torch.device("cpu"), 1)
+        warn_if_too_big(dataclasses.replace(resolve(cfg, 1), device=cpu), 1)
     assert "predicts" in caplog.text and "meshtrain plan" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="meshtrain"):
-        warn_if_too_big(load_config(None), PRESETS["tiny"], Layout(), torch.device("cpu"), 1)
+        warn_if_too_big(dataclasses.replace(resolve(load_config(None, {"training.dtype": "fp32"}), 1), device=cpu), 1)
     assert caplog.text == ""
 
 
@@ -444,7 +449,7 @@ def test_predicted_step_times_follow_the_work_a_real_step_does():
         with FlopCounterMode(display=False) as counter:
             state.step(batch[:, :-1], batch[:, 1:])
         flops[ac] = counter.get_total_flops()
-        w = Workload(Shape.from_args(cfg.model_args()), 128, "fp32", device="cpu")
+        w = Workload(Shape.from_args(model_args(cfg)), 128, "fp32", device="cpu")
         predicted[ac] = step_time(
             w, Layout(global_batch_size=8, micro_batch_size=8, activation_checkpointing=ac), dev, inter
         )["step_time_s"]
@@ -478,7 +483,7 @@ def test_saved_activations_of_compiled_blocks():
     micro, seq = 2, 64
     cfg = load_config(None, [*model_overrides(*SIZES["m"], seq=seq), "--training.seq_len", str(seq)])
     torch.manual_seed(0)
-    model = Llama(cfg.model_args())
+    model = Llama(model_args(cfg))
     apply_compile(model)
     loss_fn = torch.compile(cross_entropy)
     tokens = torch.randint(0, 2048, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -487,7 +492,7 @@ def test_saved_activations_of_compiled_blocks():
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     with SavedActivations(model) as saved, autocast:
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-    w = Workload(Shape.from_args(cfg.model_args()), seq, "bf16", device="cpu", compiled=True)
+    w = Workload(Shape.from_args(model_args(cfg)), seq, "bf16", device="cpu", compiled=True)
     predicted = activation_bytes(w, Layout(global_batch_size=micro, micro_batch_size=micro))["saved"]
     # The bf16 weights (the graphs keep them; autocast's cache the output layer's): "other" in the planner
     predicted += 2 * sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "tok_" not in name)
@@ -500,7 +505,7 @@ def test_a_config_that_starts_from_a_pretrained_model_plans_that_model(cli_env, 
     from conftest import run_cli
     from meshtrain.interop.families import args_to_config
 
-    llama = load_config(None, {"model.preset": "llama3-8b"}).model_args()
+    llama = model_args(load_config(None, {"model.preset": "llama3-8b"}))
     (tmp_path / "config.json").write_text(json.dumps(args_to_config(llama, "bfloat16", None, [])))
     config = tmp_path / "finetune.toml"
     config.write_text(f'[model]\ninit_from = "hf:{tmp_path}"\n[training]\nseq_len = 2048\n[parallel]\nzero = 3\n')
@@ -548,10 +553,10 @@ def test_a_comm_file_is_read_only_where_it_measured_training_traffic(tmp_path):
     """A broadcast's bus bandwidth, one process's (which moves nothing) or a zero would each set a
     bandwidth the plan cannot trust: refused; a file measured across nodes where every GPU fits
     on one node is refused as --network is."""
-    from meshtrain.cli.plan import PlanOptions
     from meshtrain.errors import MeshtrainError
     from meshtrain.plan.checks import check_links
     from meshtrain.plan.hardware import read_comm
+    from meshtrain.plan.request import PlanOptions
 
     row = {"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0, "world_size": 8, "nodes": 1}
     path = tmp_path / "comm.json"
@@ -576,9 +581,9 @@ def test_a_bandwidth_within_a_node_needs_two_gpus_on_a_node(capsys, tmp_path):
     """Where no node holds two GPUs the speed model reads only the inter-node bandwidth, so
     --intra-node-gbps or a one-node --comm file would change nothing: refused, as an inter-node
     bandwidth is on one node."""
-    from meshtrain.cli.plan import PlanOptions
     from meshtrain.errors import MeshtrainError
     from meshtrain.plan.checks import check_links
+    from meshtrain.plan.request import PlanOptions
 
     one_node = tmp_path / "one-node.json"
     one_node.write_text(json.dumps([{"op": "all_reduce", "bytes": 2**27, "busbw_GBps": 150.0, "world_size": 8}]))
@@ -688,17 +693,17 @@ def test_an_explained_config_plans_the_vocabulary_of_its_data(corpus, capsys, tm
 def test_heads_on_the_command_line_keep_the_config_files_key_value_heads(tmp_path):
     """--heads without --kv-heads plans multi-head attention, unless the --config file sets
     model.n_kv_heads: then the file's stand (they were replaced)."""
-    from meshtrain.cli.plan import PlanOptions, _load
+    from meshtrain.plan.request import PlanOptions, load_request
 
     config = tmp_path / "gqa.toml"
     config.write_text('[model]\npreset = "tiny"\nn_kv_heads = 2\n')
     options = PlanOptions(gpu="h100-80gb", config=str(config))
-    assert _load(options, ["--model.n_heads", "16"])[0].model.n_kv_heads == 2
-    assert _load(options, ["--model.n_heads", "16", "--model.n_kv_heads", "4"])[0].model.n_kv_heads == 4
+    assert load_request(options, ["--model.n_heads", "16"])[0].model.n_kv_heads == 2
+    assert load_request(options, ["--model.n_heads", "16", "--model.n_kv_heads", "4"])[0].model.n_kv_heads == 4
     config.write_text('[model]\npreset = "tiny"\n')
-    assert _load(options, ["--model.n_heads", "16"])[0].model.n_kv_heads == 16
+    assert load_request(options, ["--model.n_heads", "16"])[0].model.n_kv_heads == 16
     flags = ["--model.preset", "tiny", "--model.n_heads", "16"]
-    assert _load(PlanOptions(gpu="h100-80gb"), flags)[0].model.n_kv_heads == 16
+    assert load_request(PlanOptions(gpu="h100-80gb"), flags)[0].model.n_kv_heads == 16
 
 
 def test_a_pinned_schedule_and_stage_count_are_kept_or_refused_as_train_refuses_them(capsys, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import run_cli
 from meshtrain.config import load_config
+from meshtrain.job.layout import layout_of
 from meshtrain.layout import Layout
 from meshtrain.model.presets import PRESETS
 from meshtrain.model.shapes import Shape
@@ -161,7 +162,7 @@ def test_the_dry_run_builds_cp_layouts_as_planned(name, tmp_path):
 
     world, overrides = DRY_RUNS[name]
     cfg = load_config(None, [*TINY, *overrides, "--data.path", str(tmp_path / "data")])
-    layout = Layout.from_config(cfg, world)
+    layout = layout_of(cfg, world)
     assert layout.cp > 1
     for r in dry_run(cfg, world):
         for key in ("params", "grads", "optimizer"):

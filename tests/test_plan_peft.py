@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from meshtrain.config import load_config
+from meshtrain.job.model import model_args
 from meshtrain.layout import Layout
 from meshtrain.model import Llama
 from meshtrain.model.args import LoraSpec
@@ -141,7 +142,7 @@ def test_saved_activations_of_adapted_blocks(path, ac, targets, dropout):
     cfg = load_config(None, [*overrides, "--model.max_seq_len", str(seq), "--training.seq_len", str(seq)])
     spec = LoraSpec("lora", rank=8, dropout=dropout, targets=parse_targets(targets))
     torch.manual_seed(0)
-    model = Llama(cfg.model_args())
+    model = Llama(model_args(cfg))
     apply_lora(model, spec, torch.bfloat16 if path != "fp32" else None)
     if path == "fsdp-bf16":  # FSDP's mixed precision computes with bf16 parameters, adapters included
         model = model.to(torch.bfloat16)
@@ -152,7 +153,7 @@ def test_saved_activations_of_adapted_blocks(path, ac, targets, dropout):
     fsdp = path == "fsdp-bf16"
     layout = Layout(global_batch_size=micro, micro_batch_size=micro, activation_checkpointing=ac, zero=3 if fsdp else 0)
     layout = dataclasses.replace(layout, dp_shard=2 if fsdp else 1)
-    w = Workload(Shape.from_args(cfg.model_args()), seq, "fp32" if path == "fp32" else "bf16", device="cpu", peft=spec)
+    w = Workload(Shape.from_args(model_args(cfg)), seq, "fp32" if path == "fp32" else "bf16", device="cpu", peft=spec)
     predicted = activation_bytes(w, layout)["saved"]
     if path == "autocast":  # autocast's bf16 copies of the adapters (counted under "other", once per step)
         predicted += 2 * sum(p.numel() for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b")))

@@ -11,6 +11,7 @@ import pytest
 
 from meshtrain.config import load_config
 from meshtrain.errors import MeshtrainError
+from meshtrain.job.model import model_args
 from meshtrain.layout import Layout
 from meshtrain.model.presets import PRESETS
 from meshtrain.model.shapes import Shape
@@ -44,7 +45,7 @@ def test_fp8_speeds_up_as_torchtitan_measured_and_needs_fp8_units(cli_env, tmp_p
     result = plan(cli_env, tmp_path, "--model", "tiny", "--gpu", "a100-80gb", "--fp8", "tensorwise")
     assert result.returncode == 2 and "a100-80gb has no FP8 units" in result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
-    from meshtrain.cli.plan import check_precision
+    from meshtrain.plan.checks import check_precision
 
     with pytest.raises(MeshtrainError, match="v100-16gb has no FP8 units"):
         check_precision(device("v100-16gb")[0], "rowwise", False)
@@ -131,7 +132,7 @@ def test_cpu_offload_moves_the_states_to_the_host_and_pays_pcie():
 def test_cpu_offload_only_where_pinned_and_only_on_zero_3():
     shape, _, dev, inter, w = offload_case()
     base = load_config(None, ["--training.dtype", "fp16", "--training.seq_len", "256"])
-    args = base.model_args()
+    args = model_args(base)
     free, _ = search(w, dev, inter, 4, 8, {}, base, args)
     assert free and not any(e.layout.cpu_offload for e in free)  # never searched: off unless asked
     pinned, refused = search(w, dev, inter, 4, 8, {"cpu_offload": True}, base, args)
@@ -152,7 +153,7 @@ def test_13b_llama_on_32_v100s_fits_in_fp16(cli_env, tmp_path):
     V100; not without sharding them. CPU offload frees the GPU of those 6.1 GiB, costs a node 8 x
     that in host memory and is slower (PCIe and a CPU optimizer step): the plan does not pick it."""
     cfg = load_config(None, LLAMA_13B + ["--training.seq_len", "2048", "--training.dtype", "fp16"])
-    model = cfg.model_args()
+    model = model_args(cfg)
     w = Workload(Shape.from_args(model), 2048, "fp16")
     dev, inter = device("v100-16gb", 8)
     assert w.shape.n_params() == pytest.approx(13.0e9, rel=0.01)

@@ -14,12 +14,13 @@ from torch import nn
 from conftest import pretend_other_load
 from meshtrain import hardware
 from meshtrain.errors import MeshtrainError
+from meshtrain.job import arithmetic
+from meshtrain.job.model import model_args
 from meshtrain.model import Llama
 from meshtrain.model.llama import Attention, ModelArgs
 from meshtrain.parallel import precision
 from meshtrain.parallel.compile import EXACT_CASTS
 from meshtrain.parallel.precision import Fp32ComputeAttention, Fp32ComputeLinear, apply_fp32_compute
-from meshtrain.train import arithmetic
 
 BF16 = torch.bfloat16
 
@@ -162,7 +163,7 @@ def test_auto_resolves_from_the_config_the_device_or_the_probe(monkeypatch, tmp_
     blocks = {"bf16": 10.0, "fp32": 30.0, "bf16/bf16-gemm": 8.0, "bf16/bf16-attention": 31.0, "bf16/fp32": 29.0}
     heads = {"bf16": 5.0, "fp32": 15.0, "bf16/fp32": 16.0}
     fake_probe(monkeypatch, blocks, heads, calls)
-    args = config().model_args()
+    args = model_args(config())
     for cfg, device, expected, how in [
         (config("fp32"), CPU, ("fp32", "auto"), "given"),
         (config("bf16", "fp32"), CPU, ("bf16", "fp32"), "given"),
@@ -195,7 +196,7 @@ def test_fp32_wins_where_bf16_is_emulated_and_ties_keep_all_bf16(monkeypatch, tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     emulated = {"bf16": 300.0, "fp32": 10.0, "bf16/bf16-gemm": 280.0, "bf16/bf16-attention": 40.0, "bf16/fp32": 11.0}
     fake_probe(monkeypatch, emulated, {"bf16": 200.0, "fp32": 5.0, "bf16/fp32": 6.0}, [])
-    cfg, choice = arithmetic.resolve(config(), config().model_args(), CPU)
+    cfg, choice = arithmetic.resolve(config(), model_args(config()), CPU)
     assert (cfg.training.dtype, choice.name) == ("fp32", "fp32")
     assert "fp32" in choice.describe() and "measured" in choice.describe()
     # All-bf16 is kept unless beaten by more than noise (fp32) or than the casts of fp32 arithmetic on
@@ -270,13 +271,13 @@ def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_r
     torch.set_num_threads(2)
     try:
         for start in range(2):
-            _, choice = arithmetic.resolve(config(), config().model_args(), CPU)
+            _, choice = arithmetic.resolve(config(), model_args(config()), CPU)
             assert (choice.name, choice.how, choice.busy) == ("bf16/bf16-gemm", "busy", 0.7)
             assert threads[-3:] == [2, 1, 1] and len(threads) == 3 * (start + 1)  # measured again at the next start
         assert "other processes used 70% of the CPUs" in choice.describe()
         pretend_other_load(monkeypatch, 0.01)  # a quiet start: kept
-        assert arithmetic.resolve(config(), config().model_args(), CPU)[1].how == "measured"
-        assert arithmetic.resolve(config(), config().model_args(), CPU)[1].how == "cached"
+        assert arithmetic.resolve(config(), model_args(config()), CPU)[1].how == "measured"
+        assert arithmetic.resolve(config(), model_args(config()), CPU)[1].how == "cached"
     finally:
         torch.set_num_threads(original)
 

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer
 from meshtrain.checkpoint import MARKER
 from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.errors import MeshtrainError
-from meshtrain.interop.hf import export_adapter, export_hf, load_base_model, load_full_model
+from meshtrain.interop.base import load_base_model
+from meshtrain.interop.hf import export_adapter, export_hf, load_full_model
 from meshtrain.interop.weights import save_model
 from meshtrain.model import Llama, ModelArgs
 from meshtrain.model.args import LoraSpec
@@ -164,7 +165,7 @@ def test_a_lora_base_with_other_weights_of_the_same_shape_is_refused(lora_run):
     before the fingerprint was kept (only config.json's checksum) still loads."""
     from safetensors.torch import save_file
 
-    from meshtrain.interop.hf import weights_fingerprint
+    from meshtrain.interop.base import weights_fingerprint
 
     _, base, record = lora_run
     recorded = {**record["base"], "weights_sha256": weights_fingerprint(base)}

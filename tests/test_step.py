@@ -5,10 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.config import load_config
+from meshtrain.job.model import model_args
 from meshtrain.model import Llama
 from meshtrain.train.build import build as build_state
 
 MODEL = [
+    "--training.dtype",
+    "fp32",
     "--model.dim",
     "64",
     "--model.n_layers",
@@ -47,7 +50,7 @@ def batches(n: int):
 
 def test_clipping_in_the_optimizer_equals_clip_grad_norm_then_adamw():
     cfg, model, step = build(clip=0.05)  # small enough that every step clips
-    ref = Llama(cfg.model_args())
+    ref = Llama(model_args(cfg))
     ref.load_state_dict(model.state_dict())
     t = cfg.training
     decay = [p for p in ref.parameters() if p.ndim >= 2]
@@ -153,7 +156,8 @@ def test_gradients_for_cuda_graphs_accumulate_in_buffers_of_their_own():
     for stable in (False, True):
         cfg = load_config(None, MODEL)
         state = build_state(cfg, with_data=False)
-        state.cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, cuda_graphs=stable))
+        training = dataclasses.replace(state.cfg.training, cuda_graphs=stable)
+        state.job = dataclasses.replace(state.job, cfg=dataclasses.replace(state.cfg, training=training))
         model = state.model.parts[0]
         buffers, losses = [], []
         for tokens in batches(3):
@@ -172,14 +176,15 @@ def test_cuda_graphs_are_refused_where_they_cannot_run():
     import pytest
 
     from meshtrain.errors import ConfigError
-    from meshtrain.train.preflight import check_device, preflight
+    from meshtrain.job import resolve
+    from meshtrain.job.device import check_device
 
     with pytest.raises(ConfigError, match="training.compile is false"):
         load_config(None, [*MODEL, "--training.cuda_graphs", "true"])
     cfg = load_config(None, [*MODEL, "--training.compile", "true", "--training.cuda_graphs", "true"])
-    preflight(cfg, 1)
+    resolve(cfg, 1)
     with pytest.raises(ConfigError, match="this layout has 2 ranks"):
-        preflight(cfg, 2)
+        resolve(cfg, 2)
     check_device(cfg, torch.device("cuda", 0))
     with pytest.raises(ConfigError, match="this job trains on cpu"):
         check_device(cfg, torch.device("cpu"))

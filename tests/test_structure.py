@@ -1,6 +1,8 @@
-"""The package's shape, held: no import cycle (the planner is an estimator below the trainer), no
-function over 100 lines or module over 500, one layout whose fields are config keys, and one
-preflight that every entry point runs."""
+"""The package's shape, held: no import cycle (the planner is an estimator below the trainer, the
+job's resolution below both), no function over 100 lines or module over 600 (a guard well above what a
+module of one responsibility needs), one layout whose fields are config keys, one resolution of a job
+that every entry point runs, each derived object made in one place, config errors refused only where
+a config is declared or resolved, and command modules that are glue."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import dataclasses
 from pathlib import Path
 
 import meshtrain
-from meshtrain.config import config_keys
+from meshtrain.config import Config, config_keys
+from meshtrain.job.layout import layout_of
 from meshtrain.layout import Layout
+from meshtrain.model.args import LoraSpec
 
 SRC = Path(meshtrain.__file__).parent
-MAX_FUNCTION_LINES, MAX_MODULE_LINES = 100, 500
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 100, 600
 
 
 def modules() -> dict[str, ast.Module]:
@@ -96,6 +100,7 @@ def test_no_import_cycle_between_modules_or_parts():
         parts.setdefault(package(a), set()).update(package(b) for b in targets if package(b) != package(a))
     assert cycles(parts) == []
     assert "meshtrain.train" not in parts["meshtrain.plan"] and "meshtrain.cli" not in parts["meshtrain.plan"]
+    assert not parts["meshtrain.job"] & {"meshtrain.plan", "meshtrain.train", "meshtrain.cli", "meshtrain.serve"}
     assert not any("meshtrain.cli" in targets for part, targets in parts.items() if part != "meshtrain.__main__")
 
 
@@ -123,25 +128,104 @@ def test_the_layout_speaks_config_keys():
         ["--parallel.pp", "2", "--training.micro_batch_size", "2", "--parallel.pp_schedule", "interleaved_1f1b"]
         + ["--parallel.pp_virtual_stages", "2", "--training.activation_checkpointing", "selective"],
     )
-    layout = Layout.from_config(cfg, 4)
+    layout = layout_of(cfg, 4)
     assert (layout.dp_shard, layout.dp, layout.micro_batches) == (2, 2, 4)
-    again = Layout.from_config(layout.apply_to(load_config(None)), 4)
+    again = layout_of(layout.apply_to(load_config(None)), 4)
     assert again == layout
 
 
-def test_every_entry_point_runs_the_one_preflight():
-    """train's launcher, each worker's build, the dry run and jobscript call `preflight`; the data's
-    tokenizer check runs nowhere else."""
-    calls: dict[str, set[str]] = {"preflight": set(), "check_init_tokenizer": set()}
-    for name, tree in modules().items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call):
-                fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                calls.get(fn, set()).add(name)
-    entry_points = {
+def calls(tree: ast.Module) -> set[str]:
+    """The functions a module calls, by name (`f(...)`, `x.f(...)` -> "f"; `Shape.from_args` whole)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            if isinstance(fn, ast.Attribute):
+                found.add(f"{fn.value.id}.{fn.attr}" if isinstance(fn.value, ast.Name) else fn.attr)
+                found.add(fn.attr)
+            elif isinstance(fn, ast.Name):
+                found.add(fn.id)
+    return found
+
+
+def test_every_entry_point_resolves_the_one_job():
+    """train's launcher, each worker's build, the dry run (so plan --verify) and jobscript resolve
+    the job with `meshtrain.job.resolve` (or resolve_prepared); the data's tokenizer check runs nowhere else."""
+    trees = modules()
+    resolving = {
+        name
+        for name, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module == "meshtrain.job"
+        and {"resolve", "resolve_prepared"} & {a.name for a in node.names}
+    }
+    assert resolving == {
         "meshtrain.cli.train",
-        "meshtrain.cli.jobscript",
+        "meshtrain.job.launch",
         "meshtrain.train.build",
         "meshtrain.train.dry_run",
     }
-    assert calls == {"preflight": entry_points, "check_init_tokenizer": {"meshtrain.train.preflight"}}
+    assert {name for name, tree in trees.items() if "check_init_tokenizer" in calls(tree)} == {"meshtrain.job"}
+
+
+def test_each_derived_object_is_constructed_in_one_place():
+    """The model's shape (ModelArgs), its Shape, the adapters' spec and the Layout are made from a
+    config by job/ alone; the planner calls the same functions for the jobs it searches. (interop
+    shapes a Hugging Face directory's own weights, which no config describes.)"""
+    constructors = {
+        "model_args": {"meshtrain.job.model"},
+        "resolve_model": {"meshtrain.job", "meshtrain.plan.request"},
+        "adapters_of": {"meshtrain.job", "meshtrain.plan.request"},
+        "layout_of": {"meshtrain.job", "meshtrain.plan.search"},
+        "Shape.from_args": {"meshtrain.job.model", "meshtrain.interop.hf_import"},
+        "LoraSpec": {"meshtrain.job.model", "meshtrain.interop.weights", "meshtrain.serve.loading"},
+    }
+    trees = modules()
+    for constructor, allowed in constructors.items():
+        callers = {name for name, tree in trees.items() if constructor in calls(tree)}
+        assert callers <= allowed, (constructor, callers - allowed)
+    assert not any(hasattr(cls, "from_config") for cls in (Layout, LoraSpec))
+    assert not hasattr(Config, "model_args")
+
+
+# Where a config error may be refused: the declarations and checks across keys (config/), the job's
+# resolution (job/), a plan request's resolution (plan/request.py, plan/checks.py), and the device a
+# started process finds (launch/distributed.py).
+REFUSING = (
+    "meshtrain.config",
+    "meshtrain.job",
+    "meshtrain.plan.request",
+    "meshtrain.plan.checks",
+    "meshtrain.launch.distributed",
+)
+
+
+def test_config_refusals_live_with_the_declarations_or_the_resolution():
+    """ConfigError is raised only where a config is declared or resolved, and cli/ (parsing and
+    printing) refuses nothing that names a config key."""
+    keys = set(config_keys())
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if getattr(raised, "id", "") == "ConfigError":
+                assert name.startswith(REFUSING), f"{name}:{node.lineno} raises ConfigError"
+            if name.startswith("meshtrain.cli"):
+                text = " ".join(
+                    c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                )
+                named = [key for key in keys if key in text]
+                assert not named, f"{name}:{node.lineno} refuses {named[0]}: a check for job/ or the declaration"
+
+
+def test_the_command_modules_hold_glue_and_load_no_torch():
+    """cli/ imports no torch (nor the parts that load it) at module load: `meshtrain --help`, a bad
+    flag, plan and jobscript answer without it."""
+    import subprocess
+    import sys
+
+    code = "import sys, meshtrain.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

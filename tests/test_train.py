@@ -7,6 +7,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import assert_same_run, assert_user_error, read_metrics, run_cli, train_args
+from meshtrain.config import load_config
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s")
 
@@ -111,6 +112,10 @@ def test_default_job_prepares_its_corpus_and_learns(cli_env, tmp_path):
     assert choice["how"] in ("measured", "cached") and len(choice["step_ms"]) == 5
     assert all(m["arithmetic"] == label for m in metrics if "arithmetic" in m)
     assert "arithmetic: " in result.stdout and "ms per micro-batch" in result.stdout
+    # the run records its config as given (dtype auto, the model's shape spelled out), beside the choice
+    recorded = load_config(tmp_path / "run" / "config.toml")
+    assert recorded.training.dtype == "auto" == load_config(None).training.dtype
+    assert recorded.model.dim == 256 and recorded.model.vocab_size == 8192
 
 
 @pytest.mark.multiproc

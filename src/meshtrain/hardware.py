@@ -1,6 +1,6 @@
 """Facts about the machine a process runs on, read by the trainer's metrics and by the planner:
 the dense peak of each GPU (data sheets), and the CPU's matmul peak measured on the spot, cached per
-CPU model and thread count (train/arithmetic.py keeps its own probe in the same cache directory)."""
+CPU model and thread count (job/arithmetic.py keeps its own probe in the same cache directory)."""
 
 from __future__ import annotations
 

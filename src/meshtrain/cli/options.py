@@ -118,13 +118,10 @@ class ConfigKey(argparse.Action):
         namespace.overrides = [*(getattr(namespace, "overrides", None) or []), f"--{self.key}", value]
 
 
-def add_config_keys(
-    parser: argparse.ArgumentParser, keys: list[str] | None = None, aliases: dict[str, tuple[str, ...]] | None = None
-) -> None:
+def add_config_keys(parser: argparse.ArgumentParser, keys: list[str] | None = None) -> None:
     """Flags for config keys (all of them, or `keys`), with their declared type, default and doc, in
-    sections of --help; `aliases`: short spellings. Boolean keys given `aliases` are switches
-    (--compile / --no-compile); the others take a value."""
-    aliases = aliases or {}
+    sections of --help. A key declared with short spellings (`option(flags=...)`) takes them too on
+    every command: a boolean key's as switches (--compile / --no-compile), the others' with a value."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for key, d in config_keys().items():
         if keys is not None and key not in keys:
@@ -132,17 +129,12 @@ def add_config_keys(
         section = key.split(".")[0]
         if section not in groups:
             groups[section] = parser.add_argument_group(f"[{section}] config keys")
-        names = (f"--{key}", *aliases.get(key, ()))
+        short = d.meta.get("flags", ())
         help_text = f"{d.doc} (default: {d.default!r})".replace("%", "%%")
-        if d.base is bool and key in aliases:
-            names = (*names, *(f"--no-{n[2:]}" for n in names))
-            groups[section].add_argument(
-                *names, action=ConfigKey, key=key, nargs=0, default=argparse.SUPPRESS, help=help_text
-            ).declared = d
-            continue
         text_choices = d.choices if d.choices is not None and all(isinstance(c, str) for c in d.choices) else None
         groups[section].add_argument(
-            *names,
+            f"--{key}",
+            *(() if d.base is bool else short),
             action=ConfigKey,
             key=key,
             metavar=metavar(d),
@@ -150,3 +142,8 @@ def add_config_keys(
             default=argparse.SUPPRESS,
             help=help_text,
         ).declared = d
+        if d.base is bool and short:
+            switches = (*short, *(f"--no-{flag[2:]}" for flag in short))
+            groups[section].add_argument(
+                *switches, action=ConfigKey, key=key, nargs=0, default=argparse.SUPPRESS, help=f"--{key} as a switch"
+            ).declared = d

@@ -9,20 +9,34 @@ from typing import Literal
 
 from meshtrain.cli.options import add_options, options_of
 from meshtrain.config import DEVICES, option
-from meshtrain.errors import MeshtrainError
 
 DEVICE_FLAGS = ("--launch.device", "--device")
+
+
+def check_host(host: str) -> None:
+    if not host.strip():
+        raise ValueError("is empty (it would listen on every address): give one (127.0.0.1, 0.0.0.0), or leave it out")
+
+
+def check_api_key(key: str | None) -> None:
+    if key is None:
+        return
+    if not key.strip() or key.lower() in ("none", "null"):  # an unset variable in --api-key "$KEY", or jq's null
+        raise ValueError("is no key: give the key, or leave out --api-key to serve without one")
+    if not (key == key.strip() and key.isascii() and key.isprintable()):
+        # HTTP drops a header's surrounding spaces and reads it as latin-1: no request could match
+        raise ValueError("holds spaces at its ends or characters outside printable ASCII: no client could send it")
 
 
 @dataclass
 class ServeOptions:
     model: str = option(positional=True)
     """A run directory, a checkpoint, or a directory `meshtrain export` wrote."""
-    host: str = "127.0.0.1"
+    host: str = option("127.0.0.1", check=check_host)
     """Address to bind (default: loopback only)."""
     port: int = option(8000, ge=1, le=65535)
     """Port to listen on."""
-    api_key: str | None = option(None, verbatim=True)
+    api_key: str | None = option(None, verbatim=True, check=check_api_key)
     """Require Authorization: Bearer KEY (an empty KEY, or one no client can send, is refused)."""
     max_batch: int = option(16, ge=1)
     """Requests decoded together (KV-cache slots)."""
@@ -68,22 +82,6 @@ def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtrain.serve import serve
 
     o: ServeOptions = options_of(args, ServeOptions)
-    if o.api_key is not None and (not o.api_key.strip() or o.api_key.lower() in ("none", "null")):
-        # as from an unset variable in --api-key "$KEY", or `jq -r` printing a missing field
-        raise MeshtrainError(
-            f"--api-key {o.api_key!r} is no key: give the key, or leave out --api-key to serve without one"
-        )
-    if o.api_key is not None and not (
-        o.api_key == o.api_key.strip() and o.api_key.isascii() and o.api_key.isprintable()
-    ):
-        # HTTP drops a header's surrounding spaces and reads it as latin-1: no request could match
-        raise MeshtrainError(
-            "--api-key holds spaces at its ends or characters outside printable ASCII: no client could send it"
-        )
-    if not o.host.strip():
-        raise MeshtrainError(
-            "--host is empty (it would listen on every address): give one (127.0.0.1, 0.0.0.0), or leave it out"
-        )
     return serve(o.model, o.host, o.port, o.api_key, o.max_batch, o.max_context, o.device, o.dtype)
 
 

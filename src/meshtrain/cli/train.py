@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
-    """Prepare the data and run the preflight once, before any worker starts; hold the run directory
+    """Prepare the data and resolve the job once, before any worker starts; hold the run directory
     for the whole job, across its workers' restarts (on a multi-node job started by hand: node 0's
     launcher); start the workers."""
     from meshtrain.checkpoint import (
@@ -101,27 +101,18 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
         refuse_another_lineage,
         refuse_overwriting_results,
     )
+    from meshtrain.job import resolve
+    from meshtrain.job.data import ensure_dataset
+    from meshtrain.job.device import check_device, workers_device
+    from meshtrain.job.launch import check_local_launch
     from meshtrain.launch.distributed import require_device
-    from meshtrain.launch.env import chosen_launcher, env_int
+    from meshtrain.launch.env import env_int
     from meshtrain.launch.local import launch_workers
     from meshtrain.lock import TOKEN_VARIABLE
     from meshtrain.logs import setup_logging
-    from meshtrain.train.preflight import check_device, ensure_dataset, preflight, workers_device
 
     setup_logging(0, cfg.run.log_level)
-    launcher = chosen_launcher(cfg.launch.env)
-    if launcher not in ("auto", "torchrun"):
-        raise MeshtrainError(
-            f"launch.env = {launcher} (MESHTRAIN_LAUNCHER or the config), but --nproc starts torch elastic's "
-            "workers (torchrun's variables): set launch.env to auto or torchrun, or leave out --nproc and start the "
-            "job with that launcher"
-        )
-    if o.max_restarts and cfg.training.time_limit:
-        raise MeshtrainError(
-            f"training.time_limit with --nproc's --max-restarts {o.max_restarts}: each restart would start the "
-            "limit's clock again, and the stop at the limit (exit 75) would count as a failure to restart; leave "
-            "restarts to the scheduler's requeue (docs/launching.md), or drop one of them"
-        )
+    check_local_launch(cfg, o.max_restarts)
     nodes = o.nnodes or env_int(os.environ, "SLURM_STEP_NUM_NODES", default=1)
     require_device(cfg.launch.device)
     cfg = continue_job(cfg)  # a requeued job; its workers, restarted by torch elastic, decide again
@@ -129,8 +120,9 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
     lock = job_locks(cfg)  # node 0's launcher holds them for the job; it alone checks the run dir
     if not o.node_rank and not lock.held_by_this_job():  # else this is the job itself, requeued
         refuse_overwriting_results(cfg.checkpoint.resume, checkpoint_root(cfg), Path(cfg.run.dir))
+    resolve(cfg, o.nproc * nodes)  # what needs no data is refused before the data is prepared
     dataset = ensure_dataset(cfg)  # once, before any worker starts; also surfaces data errors here
-    preflight(cfg, o.nproc * nodes, dataset)
+    resolve(cfg, o.nproc * nodes, dataset)
     check_device(cfg, workers_device(cfg), launcher=True)
     if not o.node_rank:
         lock.acquire()
@@ -145,8 +137,8 @@ def _launch(cfg, o: TrainOptions, overrides: list[str]) -> int:
 
 
 def _dry_run(cfg, o: TrainOptions) -> int:
+    from meshtrain.job.data import check_objective_data, default_corpus_pending
     from meshtrain.train.dry_run import KEYS, dry_run
-    from meshtrain.train.preflight import check_objective_data, default_corpus_pending
 
     if default_corpus_pending(cfg):  # train would prepare the default corpus here: plain text
         check_objective_data(cfg, None)

@@ -1,7 +1,7 @@
 """One typed config tree: the schema (documented, declared dataclasses), reading (TOML + dotted
 overrides) and checks. Every failure is one line naming the key, the value and what is allowed."""
 
-from meshtrain.config.checks import SHAPED_BY, check_keys_in_force, check_model_args
+from meshtrain.config.checks import SHAPED_BY, check_keys_in_force
 from meshtrain.config.grammar import parse_data_path, parse_duration, parse_size
 from meshtrain.config.loading import load_config, parse_overrides, set_dotted, set_value
 from meshtrain.config.options import Declared, declared, field_docs, option
@@ -44,7 +44,6 @@ __all__ = [
     "TrainingConfig",
     "SHAPED_BY",
     "check_keys_in_force",
-    "check_model_args",
     "config_keys",
     "declared",
     "field_docs",

@@ -1,6 +1,6 @@
-"""Checks across values that need no process group: values against each other, and the model's
-resolved shape against the sequence length and the data. Single values are checked by their
-declarations (config/options.py); layout checks live with the layout (`Layout.validate`)."""
+"""Checks across values, made when a config is read: values against each other and paths that must
+exist. Single values are checked by their declarations (config/options.py); what needs the model's
+resolved shape, the world size, the data or the device is checked where a job is resolved (job/)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 from meshtrain.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema calls these checks
-    from meshtrain.config.schema import Config, ModelArgs, TrainingConfig
+    from meshtrain.config.schema import Config, TrainingConfig
 
 
 def check_across_keys(cfg: Config) -> None:
-    """What single declarations cannot say: values against each other, paths that must exist, and the
-    preset's shape. Each value's own type, bounds and grammar were checked where it was declared."""
+    """What single declarations cannot say: values against each other and paths that must exist. Each
+    value's own type, bounds and grammar were checked where it was declared."""
     t, c = cfg.training, cfg.checkpoint
     if t.stop_at_step > t.steps:
         raise ConfigError(f"training.stop_at_step = {t.stop_at_step} must be between 0 and training.steps ({t.steps})")
@@ -40,8 +40,6 @@ def check_across_keys(cfg: Config) -> None:
         )
     check_peft_keys(cfg)
     check_run_dir_apart(cfg)
-    if not cfg.model.init_from:
-        check_model_args(cfg.model_args(), cfg)
 
 
 # Files of a directory a run must not write into (unless it is a meshtrain run, which keeps arithmetic.json).
@@ -79,7 +77,7 @@ def check_run_dir_apart(cfg: Config) -> None:
 
 
 def check_precision_keys(cfg: Config) -> None:
-    """fp16's loss-scale keys and FP8 only where they take effect (CPU offload: Layout.from_config)."""
+    """fp16's loss-scale keys and FP8 only where they take effect (CPU offload: job/layout.py)."""
     t = cfg.training
     for key in ("initial_loss_scale", "loss_scale_window"):
         if getattr(t, key) is not None and t.dtype != "fp16":
@@ -122,58 +120,6 @@ def check_peft_keys(cfg: Config) -> None:
         raise ConfigError(
             f"peft.method = qlora computes in bf16 over its 4-bit base, but training.dtype is {t.dtype}: "
             "set training.dtype = bf16 (or use peft.method = lora)"
-        )
-
-
-# What a Hugging Face config.json fixes when model.init_from names one.
-SHAPE_KEYS = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "vocab_size",
-    "rope_theta",
-    "norm_eps",
-    "tie_embeddings",
-    "head_dim",
-    "qkv_bias",
-    "qk_norm",
-    "family",
-)
-
-
-def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None = None) -> None:
-    """The resolved model shape against itself, the sequence length and the data's vocabulary."""
-    from meshtrain.model.family import inexpressible
-
-    if problem := inexpressible(args):
-        raise ConfigError(
-            f"model.family = {args.family!r} has no {problem}: pick the family whose architecture has it "
-            "(qwen2: qkv_bias; qwen3: qk_norm) or drop the option"
-        )
-    if args.head_dim is None and args.dim % args.n_heads:
-        raise ConfigError(f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads})")
-    if args.head_size % 2:
-        raise ConfigError(f"the head dimension ({args.head_size}) must be even for rotary embeddings")
-    if args.n_heads % args.n_kv_heads:
-        raise ConfigError(f"model.n_heads ({args.n_heads}) must be a multiple of model.n_kv_heads ({args.n_kv_heads})")
-    if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len ({cfg.training.seq_len}) is longer than the model allows "
-            f"(model.max_seq_len = {args.max_seq_len}); lower it or raise model.max_seq_len"
-        )
-    given_tokens = cfg.run.sample_tokens != type(cfg.run)().sample_tokens  # the default is cut to fit
-    if cfg.run.sample_prompt and given_tokens and cfg.run.sample_tokens >= args.max_seq_len:
-        raise ConfigError(
-            f"run.sample_tokens = {cfg.run.sample_tokens} would not fit the model's context beside the prompt "
-            f"(model.max_seq_len = {args.max_seq_len}): lower it"
-        )
-    explicit_vocab = cfg.model.vocab_size is not None or cfg.model.init_from
-    if data_vocab_size is not None and explicit_vocab and args.vocab_size < data_vocab_size:
-        raise ConfigError(
-            f"the model's vocabulary ({args.vocab_size}) is smaller than the data's ({data_vocab_size}); "
-            "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from"
         )
 
 

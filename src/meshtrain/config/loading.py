@@ -38,11 +38,37 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
     return cfg.validate()
 
 
+def short_flags() -> dict[str, tuple[str, str | None]]:
+    """Each key's declared short spelling (`option(flags=...)`) -> (the key, the value of a boolean
+    key's switch: --compile "true", --no-compile "false"; None where the flag takes a value)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for key, d in config_keys().items():
+        for flag in d.meta.get("flags", ()):
+            if d.base is bool:
+                out |= {flag: (key, "true"), f"--no-{flag[2:]}": (key, "false")}
+            else:
+                out[flag] = (key, None)
+    return out
+
+
 def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
-    """`--training.steps 50` or `--training.steps=50` -> [("training.steps", "50")]."""
-    pairs, i = [], 0
+    """`--training.steps 50` or `--training.steps=50` -> [("training.steps", "50")]; a key's short
+    spelling as declared (`--seq-len 50`, `--compile`) reads the same."""
+    pairs, i, shorts = [], 0, short_flags()
     while i < len(argv):
         arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in shorts:
+            key, switch = shorts[name]
+            if switch is not None:
+                if "=" in arg:
+                    raise ConfigError(
+                        f"{name} is a switch and takes no value: {name}, or --{key} {arg.split('=', 1)[1]}"
+                    )
+                pairs.append((key, switch))
+                i += 1
+                continue
+            arg = f"--{key}{arg[len(name) :]}"
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
         if "=" in arg:

@@ -41,10 +41,11 @@ def option(
 ) -> Any:
     """A dataclass field with bounds (ge/gt/le/lt), a text grammar (`parse`: text -> value, such as
     a size "64M" -> bytes) and a check of the typed value (`check`: raises ValueError with the reason).
-    For a command's own options: its flag spellings (default --field-name), or a positional; `nargs`
-    "+" (a list in one flag) or "?" with `const` (the value of the bare flag); `exclusive`: a group
-    of options of which one at most may be given; `verbatim`: the text as given, "none" and "null"
-    included (a secret, which must not silently read as unset)."""
+    `flags`: a command option's spellings (default --field-name), or a config key's short spellings,
+    which every command that reads config keys takes beside --section.key. For a command's own
+    options: a positional; `nargs` "+" (a list in one flag) or "?" with `const` (the value of the bare
+    flag); `exclusive`: a group of options of which one at most may be given; `verbatim`: the text as
+    given, "none" and "null" included (a secret, which must not silently read as unset)."""
     given = {"ge": ge, "gt": gt, "le": le, "lt": lt, "parse": parse, "check": check, "flags": flags}
     given |= {"positional": positional, "nargs": nargs, "const": const, "exclusive": exclusive, "verbatim": verbatim}
     meta = {k: v for k, v in given.items() if v is not None and v is not False and v != ()}

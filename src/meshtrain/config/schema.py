@@ -41,21 +41,21 @@ def check_init_from(value: str) -> None:
 
 @dataclass
 class ModelConfig:
-    preset: str | None = option(None, check=check_preset)
+    preset: str | None = option(None, check=check_preset, flags=("--model",))
     """Named shape (unset: tiny): tiny, small, gpt2-124m, gpt2-345m, llama3-8b/70b/405b,
     llama3.1-8b/70b/405b, llama3.2-1b/3b, mistral-7b, qwen2.5-7b/72b, qwen3-8b/32b. Refused beside
     model.init_from, whose config.json is the shape."""
-    dim: int | None = option(None, gt=0)
+    dim: int | None = option(None, gt=0, flags=("--hidden",))
     """Hidden size (unset: the preset's)."""
-    n_layers: int | None = option(None, gt=0)
+    n_layers: int | None = option(None, gt=0, flags=("--layers",))
     """Transformer blocks (unset: the preset's)."""
-    n_heads: int | None = option(None, gt=0)
+    n_heads: int | None = option(None, gt=0, flags=("--heads",))
     """Attention heads (unset: the preset's)."""
-    n_kv_heads: int | None = option(None, gt=0)
+    n_kv_heads: int | None = option(None, gt=0, flags=("--kv-heads",))
     """Key/value heads for grouped-query attention (unset: the preset's)."""
-    ffn_dim: int | None = option(None, gt=0)
+    ffn_dim: int | None = option(None, gt=0, flags=("--ffn",))
     """SwiGLU hidden size (unset: the preset's)."""
-    vocab_size: int | None = option(None, gt=0)
+    vocab_size: int | None = option(None, gt=0, flags=("--vocab",))
     """Vocabulary (unset: the prepared data's)."""
     max_seq_len: int | None = option(None, gt=0)
     """Longest sequence the rotary tables cover (unset: the preset's)."""
@@ -107,11 +107,11 @@ def _off_or_at_least(value: float, least: float, unit: str) -> None:
 class TrainingConfig:
     steps: int = option(100, gt=0)
     """Optimizer steps of the schedule."""
-    global_batch_size: int = option(16, gt=0)
+    global_batch_size: int = option(16, gt=0, flags=("--global-batch",))
     """Sequences per optimizer step, over all data-parallel ranks."""
-    micro_batch_size: int = option(8, gt=0)
+    micro_batch_size: int = option(8, gt=0, flags=("--micro-batch",))
     """Sequences per forward/backward on one rank (gradient accumulation or pipeline micro-batches)."""
-    seq_len: int = option(256, gt=0)
+    seq_len: int = option(256, gt=0, flags=("--seq-len",))
     """Tokens per sequence."""
     lr: float = option(1e-3, gt=0)
     """Peak learning rate."""
@@ -129,7 +129,7 @@ class TrainingConfig:
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     seed: int = option(0, ge=0, lt=2**63)
     """Seed of the weights and the data order."""
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", flags=("--dtype",))
     """Training precision: fp32; bf16 mixed precision (fp32 master weights and optimizer states); fp16
     mixed precision with dynamic loss scaling (for GPUs without bf16 units, such as the V100: a step
     whose gradients overflow is skipped and the scale halved); or "auto": bf16 where the device runs
@@ -155,13 +155,13 @@ class TrainingConfig:
     """With dtype fp16: the loss scale of the first step (unset: 65536, torch's GradScaler default)."""
     loss_scale_window: int | None = option(None, gt=0)
     """With dtype fp16: steps without overflow after which the loss scale doubles (unset: 2000)."""
-    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    fp8: Literal["off", "tensorwise", "rowwise"] = option("off", flags=("--fp8",))
     """FP8 GEMMs in the blocks' linears (torchao float8 training; the embedding and output stay in
     the training dtype): "tensorwise" (one scale per tensor; its all-gather under ZeRO-3 is in fp8)
     or "rowwise" (a scale per row: more accurate, slower). On a GPU it needs FP8 units (compute
     capability 8.9: Ada, Hopper and later); on a CPU it runs emulated (same numbers, no speed-up),
     for tests."""
-    activation_checkpointing: Literal["none", "full", "selective", "op"] = "none"
+    activation_checkpointing: Literal["none", "full", "selective", "op"] = option("none", flags=("--ac",))
     """Recompute activations in backward: "full" every block, "selective" every ac_every-th block, "op"
     (torchtitan's op-level selective checkpointing) every block but keeping the matmul, attention and
     collective outputs, so only the cheap memory-bound ops (norms, rotary, SwiGLU, casts) rerun."""
@@ -177,22 +177,21 @@ class TrainingConfig:
     mask (shorter rows, very many documents, compiled); a batch without any boundary runs plain causal
     attention (model/masks.py). Off:
     causal attention across the packed documents at positions 0..seq_len-1."""
-    compile: bool = False
+    compile: bool = option(False, flags=("--compile",))
     """torch.compile the model (whole on one process or under TP, per block with DP/FSDP/PP) and the
     loss; the first step pays the compile."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool = option(False, flags=("--cuda-graphs",))
     """With training.compile on one GPU: replay the compiled model's forward and backward as CUDA graphs
     (torch.compile's "reduce-overhead"), one launch each where the host would launch hundreds of
-    kernels. A model too small to keep a GPU busy waits on those launches: `small` (8 x 1,024 tokens a
-    step) on one H200 took 24.8 ms a step compiled and 9.6 with CUDA graphs. For one process without
-    tensor, pipeline or data parallelism (the whole-model graph); refused elsewhere and off CUDA. The
-    graphs hold their activations in a pool of their own, and a batch of another shape records another
-    graph."""
+    kernels: for a model too small to keep a GPU busy, whose step waits on those launches
+    (bench/README.md, "One GPU"). For one process without tensor, pipeline or data parallelism (the
+    whole-model graph); refused elsewhere and off CUDA. The graphs hold their activations in a pool of
+    their own, and a batch of another shape records another graph."""
     eval_every: int = option(50, ge=0)
     """Steps between validation passes; 0 = only at the end."""
     eval_batches: int = option(4, gt=0)
     """Global batches of validation data per pass, at most one pass over the split (named at start)."""
-    peak_tflops: float = option(0.0, ge=0)
+    peak_tflops: float = option(0.0, ge=0, flags=("--peak-tflops",))
     """Per-device peak for MFU; 0 = look up the GPU or measure the CPU."""
     stop_at_step: int = option(0, ge=0)
     """Checkpoint and exit 0 after this step (a long schedule as a chain of jobs); 0: run to the end."""
@@ -202,7 +201,7 @@ class TrainingConfig:
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A NaN/Inf loss or gradient norm: skip the update, or stop with an error. Under fp16 an overflow
     always skips the step (and lowers the loss scale); "stop" stops once the scale is below 1."""
-    objective: Literal["lm", "dpo"] = "lm"
+    objective: Literal["lm", "dpo"] = option("lm", flags=("--objective",))
     """What the loss learns: "lm", next-token cross-entropy (plain text, or chat data's answers); "dpo",
     Direct Preference Optimization (Rafailov et al. 2023) on data prepared with --format preference, against
     the frozen base as the reference (with LoRA: the same weights, adapters off). With dpo the batch sizes
@@ -218,34 +217,34 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = option(1, gt=0)
+    tp: int = option(1, gt=0, flags=("--tp",))
     """Tensor-parallel degree (within a node). DP = world / (tp x pp x cp)."""
-    pp: int = option(1, gt=0)
+    pp: int = option(1, gt=0, flags=("--pp",))
     """Pipeline-parallel degree."""
-    cp: int = option(1, gt=0)
+    cp: int = option(1, gt=0, flags=("--cp",))
     """Context-parallel degree: each sequence split into cp contiguous slices, one per rank, for
     sequences longer than one rank can hold. Attention gathers the whole sequence for a share of the
     heads by an all-to-all (DeepSpeed-Ulysses), so n_heads / tp must divide by cp (and n_kv_heads / tp
     by cp, or cp by it: key/value heads are then copied). Gradients average and ZeRO shards over
     dp x cp. DP = world / (tp x pp x cp)."""
-    dp_replicate: int = option(1, gt=0)
+    dp_replicate: int = option(1, gt=0, flags=("--dp-replicate",))
     """> 1 with zero 2/3: hybrid sharding, shard within groups of DP / dp_replicate and replicate across."""
     dp_shard: int = option(0, ge=0)
     """Ranks each parameter is sharded over (ZeRO-2/3; DDP replicas under zero 0/1); 0: the rest of the world,
     world / (tp x pp x dp_replicate) (torchtitan's -1); a set value must equal that."""
-    zero: Literal[0, 1, 2, 3] = 0
+    zero: Literal[0, 1, 2, 3] = option(0, flags=("--zero",))
     """0: DDP; 1: + optimizer states sharded; 2: + gradients sharded (FSDP2); 3: + parameters sharded (FSDP2)."""
-    sequence_parallel: bool = True
+    sequence_parallel: bool = option(True, flags=("--sequence-parallel",))
     """With tp > 1: norms and residuals sharded along the sequence."""
     loss_parallel: bool = True
     """With tp > 1: cross-entropy on vocabulary-sharded logits."""
-    pp_schedule: Literal[PP_SCHEDULES] = "1f1b"
+    pp_schedule: Literal[PP_SCHEDULES] = option("1f1b", flags=("--pp-schedule",))
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble or zbv."""
     pp_microbatches: int = option(0, ge=0)
     """0: derived, local batch / training.micro_batch_size (a set value must equal it)."""
-    pp_virtual_stages: int = option(1, gt=0)
+    pp_virtual_stages: int = option(1, gt=0, flags=("--virtual-stages",))
     """Pipeline stages per rank (interleaved schedules need >= 2, zbv exactly 2)."""
-    cpu_offload: bool = False
+    cpu_offload: bool = option(False, flags=("--cpu-offload",))
     """With zero 3: keep the parameter shards, their gradients and the optimizer states in host
     memory (FSDP2's CPUOffloadPolicy); the optimizer steps on the CPU. Fits a larger model on small
     GPUs at the price of PCIe traffic each step. Needs a GPU (on a CPU there is nowhere to offload)."""
@@ -259,17 +258,17 @@ def check_lora_targets(text: str) -> None:
 
 @dataclass
 class PeftConfig:
-    method: Literal["none", "lora", "qlora"] = "none"
+    method: Literal["none", "lora", "qlora"] = option("none", flags=("--peft",))
     """Parameter-efficient fine-tuning: "none" trains every weight; "lora" freezes the base and trains
     low-rank adapters B A beside the target linears (Hu et al. 2021); "qlora" also stores the frozen
     target weights in 4-bit NF4 (Dettmers et al. 2023) and computes in bf16."""
-    rank: int | None = option(None, gt=0)
+    rank: int | None = option(None, gt=0, flags=("--lora-rank",))
     """The adapters' rank r (unset: 8)."""
-    alpha: float | None = option(None, gt=0)
+    alpha: float | None = option(None, gt=0, flags=("--lora-alpha",))
     """The adapters' scale is alpha / rank (unset: 2 x rank)."""
-    dropout: float | None = option(None, ge=0, lt=1)
+    dropout: float | None = option(None, ge=0, lt=1, flags=("--lora-dropout",))
     """Dropout on the adapters' input (unset: 0)."""
-    targets: str | None = option(None, check=check_lora_targets)
+    targets: str | None = option(None, check=check_lora_targets, flags=("--lora-targets",))
     """The linears that get adapters: "all" (unset), "attention", "mlp", or a comma list of wq, wk, wv,
     wo, w1, w2, w3 (or their Hugging Face names q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj,
     up_proj)."""
@@ -301,7 +300,8 @@ class LaunchConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/tiny"
-    """Where metrics, TensorBoard events, the resolved config, checkpoints and the weights go."""
+    """Where metrics, TensorBoard events, the config as given (config.toml), what "auto" chose
+    (arithmetic.json), checkpoints and the weights go."""
     log_every: int = option(10, gt=0)
     """Steps between logged metrics."""
     log_level: Literal[LOG_LEVELS] = "info"
@@ -343,17 +343,6 @@ class Config:
             declared_key.check(getattr(getattr(self, section), ALIASES.get(name, name)))
         check_across_keys(self)
         return self
-
-    def model_args(self, vocab_size: int | None = None, base: ModelArgs | None = None) -> ModelArgs:
-        """`base` (default: the preset) with this config's overrides; `vocab_size` fills an unset one."""
-        args = dataclasses.replace(base or PRESETS[self.model.preset or DEFAULT_PRESET])
-        for f in dataclasses.fields(ModelArgs):
-            value = getattr(self.model, f.name, None)
-            if value is not None:
-                setattr(args, f.name, value)
-        if self.model.vocab_size is None and vocab_size is not None and base is None:
-            args.vocab_size = vocab_size
-        return args
 
 
 ALIASES = {"async": "async_"}  # TOML keys that are Python keywords

@@ -1,21 +1,10 @@
-"""Hugging Face interop: export a run or checkpoint as a Hugging Face directory of its family
-(Llama, Mistral, Qwen2, Qwen3; config.json in interop/families.py), and start training, serving or
-generating from one (`model.init_from = "hf:DIR"`, `serve DIR`).
-
-Names map one to one except for the rotary layout: meshtrain rotates adjacent pairs (x[2i],
-x[2i+1]) as in the RoFormer paper and Meta's reference code, Hugging Face rotates halves
-(x[i], x[i + d/2]); the q and k projections' output rows (and their biases, and Qwen3's per-head
-norms) are permuted per head to match, which moves values without changing them. Padded vocabulary
-rows (model.vocab_multiple) are stripped on export and re-added on import. Import reads one tensor
-at a time from the safetensors files, and only those this rank keeps: a model under ZeRO-3, TP or
-a pipeline never passes through one rank's memory whole.
-"""
+"""Hugging Face export: a run or checkpoint written as a Hugging Face directory of its family
+(Llama, Mistral, Qwen2, Qwen3; config.json in interop/families.py), merged or as peft adapters,
+with its tokenizer, chat template and end tokens; and a run's model loaded whole for it."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import json
 import shutil
 import warnings
@@ -27,99 +16,25 @@ from meshtrain.checkpoint import TRAIN_STATE
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
-from meshtrain.interop.families import check_longer_context, config_to_args, export_config
-from meshtrain.interop.hf_dir import HFWeights, check_model_directory
+from meshtrain.interop.base import check_base, load_base_model
+from meshtrain.interop.families import export_config
+from meshtrain.interop.hf_import import SOURCE_DIR, SOURCE_FILES
+from meshtrain.interop.hf_names import (
+    SHORT_DTYPES,
+    TORCH_DTYPES,
+    hf_state_dict,
+    pairs_to_halves,
+    rotary_heads,
+    to_hf_name,
+)
 from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, read_weights, run_model_args, run_weights
 from meshtrain.model.args import LoraSpec
-from meshtrain.model.llama import Llama, ModelArgs, clean_fqn, copy_full_into
+from meshtrain.model.llama import Llama, ModelArgs
 from meshtrain.model.lora import ADAPTER_NAMES, apply_lora, merge_state_dict, quantize_base
-from meshtrain.model.shapes import Shape
 
-LAYER_NAMES = {
-    **{
-        f"attention.{ours}.{kind}": f"self_attn.{theirs}.{kind}"
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
-        for kind in ("weight", "bias")
-    },
-    **{
-        f"feed_forward.{ours}.{kind}": f"mlp.{theirs}.{kind}"
-        for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
-        for kind in ("weight", "bias")
-    },
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# The files of a Hugging Face directory besides its weights: kept with a run that starts from one
-# (<run>/hf_source/), so its export and its server use the model's own tokenizer, end tokens and
-# chat template, and its config.json comes back unchanged.
-SOURCE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    TEMPLATE_FILE,
-)
-SOURCE_DIR = "hf_source"
 # written into every directory `meshtrain export` writes (merged or adapters): what marks a directory as
 # its own earlier output, which a new export may replace (peft's adapter_config.json is not: any peft run has one)
 EXPORT_MARKER = "meshtrain.json"
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # meshtrain's names -> config.json's
-
-
-def pairs_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows (of a weight, a bias or a per-head norm) from interleaved pairs to
-    rotate-half order."""
-    rows, rest = w.shape[0], w.shape[1:]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(rows, *rest)
-
-
-def halves_to_pairs(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, rest = w.shape[0], w.shape[1:]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, -1).transpose(1, 2).reshape(rows, *rest)
-
-
-def rotary_heads(name: str, args: ModelArgs) -> int | None:
-    """How many heads' rows a tensor holds in rotary order (None: no rotary rows)."""
-    if ".wq." in name:
-        return args.n_heads
-    if ".wk." in name:
-        return args.n_kv_heads
-    if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return 1
-    return None
-
-
-def to_hf_name(name: str) -> str:
-    if name.startswith("layers."):
-        _, i, rest = name.split(".", 2)
-        return f"model.layers.{i}.{LAYER_NAMES[rest]}"
-    return {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }[name]
-
-
-FROM_HF = {v: k for k, v in LAYER_NAMES.items()}
-
-
-def from_hf_name(name: str) -> str:
-    if name.startswith("model.layers."):
-        _, _, i, rest = name.split(".", 3)
-        return f"layers.{i}.{FROM_HF[rest]}"
-    return {
-        "model.embed_tokens.weight": "tok_embeddings.weight",
-        "model.norm.weight": "norm.weight",
-        "lm_head.weight": "output.weight",
-    }[name]
-
-
-# ---------------------------------------------------------------------------------------------
-# Export
 
 
 def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
@@ -160,76 +75,6 @@ def _dcp_load(state: dict, ckpt: Path) -> None:
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
 
 
-def base_identity(cfg) -> dict:
-    """The model a LoRA run's adapters belong to: model.init_from's directory, its config.json's
-    SHA-256 and its weights' fingerprint, or the seed of a random initialisation."""
-    if not cfg.model.init_from:
-        return {"seed": cfg.training.seed}
-    directory = Path(cfg.model.init_from.removeprefix("hf:")).resolve()
-    return {
-        "init_from": str(directory),
-        "config_sha256": _config_sha256(directory),
-        "weights_sha256": weights_fingerprint(directory),
-    }
-
-
-def _config_sha256(directory: Path) -> str:
-    return hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
-
-
-FINGERPRINT_BLOCKS = 16  # blocks of 4 KiB read from each weight file's data
-
-
-def weights_fingerprint(directory: Path) -> str:
-    """A SHA-256 of each safetensors file's name, size, header and 16 blocks of 4 KiB spread over its
-    data: another model of the same shape (retrained, exported again) differs in nearly every byte,
-    so it differs here, without reading gigabytes at each save and resume."""
-    digest = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            header = min(int.from_bytes(f.read(8), "little"), size)  # not a safetensors file: its bytes
-            digest.update(f.read(header))
-            start = 8 + header
-            for i in range(FINGERPRINT_BLOCKS):
-                f.seek(start + max(size - start, 0) * i // FINGERPRINT_BLOCKS)
-                digest.update(f.read(4096))
-    return digest.hexdigest()
-
-
-def check_base(base: dict) -> None:
-    """Refuse a LoRA run's Hugging Face base that is gone or is no longer the model its adapters were
-    trained on (config.json's checksum or the weights' fingerprint differs; a record without one was
-    saved before it was kept): adapters on another base are silently wrong weights."""
-    if "init_from" not in base:
-        return
-    directory = Path(base["init_from"])
-    if not (directory / "config.json").is_file():
-        raise MeshtrainError(f"the adapters were trained on {directory}, which is gone: put the base model back there")
-    for key, what, now in (
-        ("config_sha256", "config.json differs", _config_sha256),
-        ("weights_sha256", "its weights differ", weights_fingerprint),
-    ):
-        if base.get(key) not in (None, now(directory)):
-            raise MeshtrainError(
-                f"the base model at {directory} changed since the adapters were trained on it ({what}): "
-                "restore the model the run started from there"
-            )
-
-
-def load_base_model(args: ModelArgs, base: dict) -> Llama:
-    """A LoRA run's base on the CPU, as the run started from it."""
-    model = Llama(args)
-    model.init_weights(base.get("seed", 0))
-    check_base(base)
-    if "init_from" in base:
-        load_hf_weights([model], Path(base["init_from"]), args)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    return model
-
-
 def _merged_lora_checkpoint(ckpt: Path, args: ModelArgs, record: dict) -> Llama:
     spec = LoraSpec.from_dict(record)
     model = load_base_model(args, record["base"])
@@ -246,20 +91,6 @@ def _merged_lora_checkpoint(ckpt: Path, args: ModelArgs, record: dict) -> Llama:
     if args.tie_embeddings:
         plain.output.weight = plain.tok_embeddings.weight
     return plain
-
-
-def hf_state_dict(model: Llama, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if args.tie_embeddings and name == "output.weight":
-            continue
-        t = tensor.detach()
-        if name in ("tok_embeddings.weight", "output.weight"):
-            t = t[: args.vocab_size]  # strip the padding rows
-        elif (heads := rotary_heads(name, args)) is not None:
-            t = pairs_to_halves(t, heads)
-        out[to_hf_name(name)] = t.to(dtype).contiguous().clone()
-    return out
 
 
 def end_tokens(directory: Path, tokenizer) -> tuple[str | None, list[int]]:
@@ -409,91 +240,3 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         mark_output(tmp, EXPORT_MARKER, {"adapter_of": record["base"]})
     return out
-
-
-def keep_source_files(directory: str | Path, run_dir: Path) -> None:
-    """Copy a Hugging Face directory's files other than its weights into <run>/hf_source/."""
-    from meshtrain.files import copy_file
-
-    for name in SOURCE_FILES:
-        if (Path(directory) / name).is_file():
-            copy_file(Path(directory) / name, run_dir / SOURCE_DIR / name)
-
-
-# ---------------------------------------------------------------------------------------------
-# Import
-
-
-def hf_model_args(directory: str | Path, vocab_multiple: int = 64) -> ModelArgs:
-    """The shape of a Hugging Face directory's model: the first thing training, serving and generating
-    read from it, so a directory transformers would load as another model is refused before any work."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise MeshtrainError(f"model.init_from: {path} does not exist (expected a Hugging Face model directory)")
-    check_model_directory(Path(directory))
-    return config_to_args(read_json_object(path), f"model.init_from: {path}", vocab_multiple)
-
-
-def check_context_length(directory: str | Path, max_seq_len: int, length: str = "model.max_seq_len") -> None:
-    """A context longer than the directory's config.json gives (`length`: the setting that raised it)
-    is refused where transformers would attend within a sliding window past that config's context."""
-    path = Path(directory) / "config.json"
-    check_longer_context(read_json_object(path), max_seq_len, length, f"model.init_from: {path}")
-
-
-def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
-    """Copy Hugging Face weights into this rank's (possibly sharded, possibly partial) model, one
-    tensor at a time."""
-    directory = Path(directory)
-    wanted = {clean_fqn(n): p for part in parts for n, p in part.named_parameters() if not n.endswith(ADAPTER_NAMES)}
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        weights = HFWeights(directory, stack)
-        ours_all = {p.name for p in Shape.from_args(args).parameters()} | {"output.weight"}
-        unknown = [
-            n
-            for n in weights.names()
-            if _safe(from_hf_name, n) not in ours_all and not n.endswith("rotary_emb.inv_freq")
-        ]
-        if unknown:
-            raise MeshtrainError(
-                f"model.init_from: {directory} has weights meshtrain cannot place: {', '.join(unknown[:3])}"
-            )
-        if args.tie_embeddings and "lm_head.weight" in weights.where:
-            if not torch.equal(weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")):
-                raise MeshtrainError(
-                    f"model.init_from: {directory} ties its embeddings (tie_word_embeddings) but holds an "
-                    "lm_head.weight that differs from them: set tie_word_embeddings to false to use both"
-                )
-        for ours, param in wanted.items():
-            name = (
-                to_hf_name(ours)
-                if not (args.tie_embeddings and ours == "output.weight")
-                else "model.embed_tokens.weight"
-            )
-            if name not in weights.where:
-                raise MeshtrainError(f"model.init_from: {directory} has no {name} (needed for {ours})")
-            t = weights.get(name)
-            if (heads := rotary_heads(ours, args)) is not None and t.shape[0] % (2 * heads) == 0:
-                t = halves_to_pairs(t, heads)
-            if ours in ("tok_embeddings.weight", "output.weight") and t.shape[0] != args.vocab_size:
-                raise MeshtrainError(
-                    f"model.init_from: {name} has {t.shape[0]} rows, but config.json's vocab_size is "
-                    f"{args.vocab_size}: they must agree (correct vocab_size)"
-                )
-            if ours in ("tok_embeddings.weight", "output.weight") and t.shape[0] < param.shape[0]:
-                full = torch.zeros(param.shape)
-                full[: t.shape[0]] = t
-                t = full
-            if tuple(t.shape) != tuple(param.shape):
-                raise MeshtrainError(
-                    f"model.init_from: {name} has shape {tuple(t.shape)}, the model needs {tuple(param.shape)}"
-                )
-            copy_full_into(param, t)
-            del t
-
-
-def _safe(fn, arg):
-    try:
-        return fn(arg)
-    except (KeyError, ValueError):
-        return None

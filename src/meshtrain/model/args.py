@@ -71,7 +71,7 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """[peft] with its defaults resolved (rank 8, alpha 2 x rank, no dropout, every linear)."""
+    """[peft] with its defaults resolved (rank 8, alpha 2 x rank, no dropout, every linear: job/model.py)."""
 
     method: str  # "lora" or "qlora"
     rank: int = 8
@@ -86,15 +86,6 @@ class LoraSpec:
     @property
     def quantized(self) -> bool:
         return self.method == "qlora"
-
-    @classmethod
-    def from_config(cls, peft) -> LoraSpec | None:
-        """None when peft.method is "none"."""
-        if peft.method == "none":
-            return None
-        rank = peft.rank or 8
-        alpha = peft.alpha if peft.alpha is not None else 2.0 * rank
-        return cls(peft.method, rank, alpha, peft.dropout or 0.0, parse_targets(peft.targets))
 
     def to_dict(self) -> dict:
         return {

@@ -7,7 +7,7 @@ forward's log-sum-exp, then four batched matmuls) took 9 ms compiled. Under torc
 elementwise work between those matmuls fuses into a few kernels; eagerly it does not, and there the
 recomputation was 3x slower than the kernel. It also holds the batch's whole score matrix (batch x
 heads x seq x seq in fp32) for one layer's backward, where the flash kernel holds a block: it is
-used only within MAX_SCORES, and only where train/arithmetic.py timed it faster at the run's own
+used only within MAX_SCORES, and only where job/arithmetic.py timed it faster at the run's own
 shapes (`training.attention_backward`), for causal attention and the dense document masks of a
 compiled CPU step (model/masks.py). The forward, and so the numbers of the loss, are the kernel's;
 the gradients agree with it to rounding.

@@ -92,7 +92,7 @@ def parallelize(
 ) -> ParallelModel:
     """`model` is built on the meta device; returns materialised, initialised parts. Who holds and
     computes what comes from the layout (`dims.layout`) alone; from `training` only the arithmetic
-    (dtype, bf16_compute, compile; "auto" resolved by train/arithmetic.py) and the seed of the
+    (dtype, bf16_compute, compile; "auto" resolved by job/arithmetic.py) and the seed of the
     weights. `materialize`: the context the parameters are allocated and initialised in (a dry run's
     FakeTensorMode, which allocates nothing). `lora`: adapters on a frozen base (its storage bf16
     under bf16/fp16 training). `frozen`: nothing trains (DPO's reference model): no DDP, bf16/fp16

@@ -79,7 +79,7 @@ def apply_compile(
     if whole_model:
         model.trunk = torch.compile(model.trunk, fullgraph=True, options=options or None)
         return
-    assert not cuda_graphs, "CUDA graphs need the whole-model graph (plan/workload.py: cuda_graphs_refusal)"
+    assert not cuda_graphs, "CUDA graphs need the whole-model graph (job/refusals.py: layout_refusal)"
     for block in model.layers.values():
         # A hook of a compiled module is traced unless disabled (wrapped here, not at import: the
         # decorator loads torch._dynamo, a second per process that a run without compile never uses).

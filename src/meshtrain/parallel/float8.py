@@ -12,7 +12,8 @@ with their scales computed once per step for every weight at once after the opti
 (`precompute_scales`). gloo cannot all-gather float8 tensors; FSDP2 sends a group of mixed dtypes as
 bytes, and each block's group also holds its norms, so it never asks gloo to.
 
-A GPU needs FP8 units (compute capability 8.9: Ada, Hopper and later). A CPU has a reference
+A GPU needs FP8 units (compute capability 8.9: Ada, Hopper and later; job/device.py refuses others).
+A CPU has a reference
 `_scaled_mm` about 1000x slower than a bf16 matmul, so there torchao's emulation runs the same
 casts and scales with a high-precision matmul: same numbers, for tests, not speed.
 """
@@ -22,25 +23,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import torch
 from torch import nn
 
-FP8_CAPABILITY = (8, 9)
 GEMM_MULTIPLE = 16  # torch._scaled_mm wants both dimensions of each operand divisible by 16
-
-
-def fp8_refusal(recipe: str, device: torch.device) -> str:
-    """Why training.fp8 cannot run on this device ("" if it can)."""
-    if recipe == "off" or device.type != "cuda":
-        return ""
-    capability = torch.cuda.get_device_capability(device)
-    if capability >= FP8_CAPABILITY:
-        return ""
-    name = torch.cuda.get_device_name(device)
-    return (
-        f"training.fp8 = {recipe!r} needs FP8 units (compute capability 8.9 or newer: Ada, Hopper, Blackwell), but "
-        f"{name} has {capability[0]}.{capability[1]}: set training.fp8 = off (bf16 is this GPU's fastest)"
-    )
 
 
 def apply_fp8(model: nn.Module, recipe: str, emulate: bool, fp8_all_gather: bool) -> None:

@@ -5,7 +5,7 @@ products, at or below the fp32 FMA rate (on a 2-core Xeon, oneDNN's bf16 GEMM re
 against 0.25 for fp32, and the bf16 flash-attention backward is 3x slower than the fp32 one); others
 (an AMD EPYC with AVX512-BF16) run bf16 GEMMs 3x faster than fp32, and on some of them the bf16
 attention is still the slower one. `training.bf16_compute` picks, class by class, which work runs in
-fp32 arithmetic ("auto": train/arithmetic.py times each choice at the model's shapes): everything
+fp32 arithmetic ("auto": job/arithmetic.py times each choice at the model's shapes): everything
 bf16 training stores stays bf16
 (activations saved for backward, FSDP's gathered parameters, the tensors between layers) and the
 inputs of every matmul are rounded to bf16 exactly as autocast does, but multiplied with fp32
@@ -37,10 +37,10 @@ FP32_CLASSES = {
 
 def fp32_classes(training) -> tuple[bool, bool]:
     """(GEMMs, attention) computed in fp32 arithmetic on bf16 storage, for a training config whose
-    "auto" values were resolved (train/arithmetic.py); plain fp32 training swaps nothing."""
+    "auto" values were resolved (job/arithmetic.py); plain fp32 training swaps nothing."""
     if training.dtype == "auto" or (training.dtype == "bf16" and training.bf16_compute == "auto"):
         raise MeshtrainError(
-            "training.dtype / bf16_compute are still 'auto': resolve them with meshtrain.train.arithmetic.resolve first"
+            "training.dtype / bf16_compute are still 'auto': resolve them with meshtrain.job.arithmetic.resolve first"
         )
     return FP32_CLASSES[training.bf16_compute] if training.dtype == "bf16" else (False, False)
 
@@ -48,7 +48,7 @@ def fp32_classes(training) -> tuple[bool, bool]:
 def arithmetic_label(training) -> str:
     """What the step computes in (logged with the metrics): "fp32", or bf16 storage with the
     bf16_compute choice ("bf16", "fp32", "bf16-gemm", "bf16-attention") as "bf16/<choice>"."""
-    fp8 = getattr(training, "fp8", "off")  # a train/arithmetic.Choice has none
+    fp8 = getattr(training, "fp8", "off")  # a job/arithmetic.Choice has none
     fp8 = "" if fp8 == "off" else f"+fp8-{fp8}"
     if training.dtype in ("fp32", "fp16"):
         return training.dtype + fp8

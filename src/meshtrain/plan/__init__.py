@@ -19,7 +19,7 @@ from meshtrain.plan.memory import activation_bytes, estimate_memory
 from meshtrain.plan.search import Estimate, evaluate, search
 from meshtrain.plan.speed import step_time
 from meshtrain.plan.states import host_state_bytes, model_state_bytes, nf4_bytes
-from meshtrain.plan.workload import Workload, workload_of_config, workload_refusal
+from meshtrain.plan.workload import Workload, workload_of, workload_refusal
 
 __all__ = [
     "CATALOG",
@@ -35,6 +35,6 @@ __all__ = [
     "nf4_bytes",
     "search",
     "step_time",
-    "workload_of_config",
+    "workload_of",
     "workload_refusal",
 ]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from meshtrain.config import SINGLE_STAGE_SCHEDULES, Config
 from meshtrain.errors import ConfigError
+from meshtrain.job.layout import check_layout, check_schedule, layout_of
 from meshtrain.layout import AC_MODES, Layout
 from meshtrain.plan.hardware import Device
 from meshtrain.plan.memory import estimate_memory
@@ -77,7 +78,7 @@ def check(w: Workload, layout: Layout, base: Config | None, args) -> str:
         cfg = layout.apply_to(base)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_shard=base.parallel.dp_shard))
         try:
-            Layout.from_config(cfg, layout.world).validate(args, cfg)
+            check_layout(layout_of(cfg, layout.world), args, cfg)
         except ConfigError as e:
             return str(e)
         return ""
@@ -106,14 +107,14 @@ def schedule_refusal(schedule: str, stages: int) -> str:
     pinned pair before the search)."""
     probe = Layout(pp=2, pp_schedule=schedule, pp_virtual_stages=stages, global_batch_size=2)
     try:
-        probe.validate_schedule(0)  # the rule Layout.validate applies, without a model or a config
+        check_schedule(probe, 0)  # the rule check_layout applies, without a model or a config
     except ConfigError as e:
         return str(e)
     return ""
 
 
 def degrees_refusal(gpus: int, fixed: dict) -> str:
-    """Why no layout's degrees fit `gpus` ("" if some do), in train's words (Layout.from_config's first
+    """Why no layout's degrees fit `gpus` ("" if some do), in train's words (layout_of's first
     two rules): pinned tp, pp and cp whose product does not divide the world, or a pinned dp_replicate
     that does not divide the data-parallel degree left. The others are judged at 1, the degree the search
     always tries: if the pins fail there they fail everywhere. Without it the search would have no
@@ -124,7 +125,7 @@ def degrees_refusal(gpus: int, fixed: dict) -> str:
     probe = Config()
     probe = dataclasses.replace(probe, parallel=dataclasses.replace(probe.parallel, **degrees))
     try:
-        Layout.from_config(probe, gpus)
+        layout_of(probe, gpus)
     except ConfigError as e:
         return str(e)
     return ""

@@ -58,14 +58,9 @@ class ServedModel:
 
 
 def load_served_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> ServedModel:
-    from meshtrain.interop.hf import (
-        SOURCE_DIR,
-        end_tokens,
-        hf_model_args,
-        load_full_model,
-        load_hf_weights,
-    )
+    from meshtrain.interop.hf import end_tokens, load_full_model
     from meshtrain.interop.hf_dir import PEFT_ADAPTERS
+    from meshtrain.interop.hf_import import SOURCE_DIR, hf_model_args, load_hf_weights
 
     path = Path(source)
     if not path.exists():

@@ -78,10 +78,10 @@ def check_same_base(s: TrainState, path: Path) -> None:
             "peft settings it was saved with, or set checkpoint.resume = none"
         )
     diff = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v)
-    if [k for k in mine if saved.get(k) != mine[k]] == ["base_storage"] and s.arithmetic.how != "given":
+    if [k for k in mine if saved.get(k) != mine[k]] == ["base_storage"] and s.job.arithmetic.how != "given":
         raise MeshtrainError(  # training.dtype = auto can choose otherwise on another machine, thread count, load
             f"checkpoint {path} holds adapters trained on a {saved['base_storage']} base, but this start stores it "
-            f"in {mine['base_storage']} ({s.arithmetic.describe()}): set training.dtype = {saved['base_storage']} "
+            f"in {mine['base_storage']} ({s.job.arithmetic.describe()}): set training.dtype = {saved['base_storage']} "
             "to resume them"
         )
     raise MeshtrainError(

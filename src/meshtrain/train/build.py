@@ -1,5 +1,5 @@
-"""Everything a training step needs, built once: who am I -> data -> preflight -> arithmetic ("auto"
-resolved) -> model on the mesh -> optimizer.
+"""Everything a training step needs, built once: who am I -> data -> the Job resolved (job/) ->
+its arithmetic on this device ("auto" resolved) -> model on the mesh -> optimizer.
 
 `build(cfg)` is what the loop, the tests and the benchmarks use, so all three train the same thing;
 the dry run builds the same `build_model` on a fake process group and fake tensors.
@@ -20,6 +20,9 @@ from meshtrain.config import Config
 from meshtrain.data import Blend, DistributedLoader, validation_batches
 from meshtrain.errors import DataError
 from meshtrain.hardware import keep_freed_memory
+from meshtrain.job import Job, resolve
+from meshtrain.job.data import ensure_dataset
+from meshtrain.job.device import check_device
 from meshtrain.launch import LaunchEnv, detect
 from meshtrain.launch.distributed import init_distributed
 from meshtrain.layout import Layout
@@ -28,18 +31,9 @@ from meshtrain.model import Llama, ModelArgs, num_params
 from meshtrain.model.args import LoraSpec
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
-from meshtrain.train.arithmetic import Choice
-from meshtrain.train.arithmetic import resolve as resolve_arithmetic
-from meshtrain.train.attention_backward import AttentionBackward
-from meshtrain.train.attention_backward import resolve as resolve_attention_backward
 from meshtrain.train.loss_scale import LossScaler
+from meshtrain.train.plan_check import warn_if_too_big
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
-from meshtrain.train.preflight import (
-    check_device,
-    ensure_dataset,
-    preflight,
-    warn_if_too_big,
-)
 from meshtrain.train.step import cross_entropy, step_context, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
 
@@ -58,20 +52,16 @@ def verify_data(dataset: Blend, rank: int, world: int) -> None:
 
 @dataclass
 class TrainState:
-    """This rank's share of a training run."""
+    """This rank's share of a training run: the Job it runs (resolved on this rank's device) and
+    what was built for it."""
 
-    cfg: Config
+    job: Job
     env: LaunchEnv
-    device: torch.device
     dims: ParallelDims
-    args: ModelArgs
     n_params: int
     model: ParallelModel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    arithmetic: Choice  # what training.dtype / bf16_compute "auto" resolved to (cfg holds the result)
-    attention: AttentionBackward  # what training.attention_backward "auto" resolved to
-    dataset: Blend | None = None
     loader: DistributedLoader | None = None
     val: dict[str, list] = field(default_factory=dict)  # validation batches of each source
     checkpointer: Checkpointer | None = None
@@ -82,14 +72,31 @@ class TrainState:
             self.scaler = LossScaler(self.cfg.training, self.device, self.model.fsdp)
 
     @property
+    def cfg(self) -> Config:
+        """The job's config, its "auto" arithmetic resolved."""
+        return self.job.cfg
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.job.args
+
+    @property
+    def device(self) -> torch.device:
+        return self.job.device
+
+    @property
+    def dataset(self) -> Blend | None:
+        return self.job.dataset
+
+    @property
     def lora(self) -> LoraSpec | None:
-        return LoraSpec.from_config(self.cfg.peft)
+        return self.job.lora
 
     @cached_property
     def base(self) -> dict:
-        """The model this run started from (interop/hf.base_identity: its directory, config and weights'
+        """The model this run started from (interop/base.base_identity: its directory, config and weights'
         fingerprint), read once: every save records it."""
-        from meshtrain.interop.hf import base_identity
+        from meshtrain.interop.base import base_identity
 
         return base_identity(self.cfg)
 
@@ -131,38 +138,34 @@ class TrainState:
 
 
 def build_model(
-    cfg: Config,
-    args: ModelArgs,
-    layout: Layout,
-    device: torch.device,
-    materialize: contextlib.AbstractContextManager | None = None,
+    job: Job, materialize: contextlib.AbstractContextManager | None = None
 ) -> tuple[ParallelDims, ParallelModel, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, int]:
-    """This rank's part of the job, on the process group that is up: the DeviceMesh, the model built
-    on the meta device with the layout applied, and the optimizer (with its ZeRO-1 partition).
-    `materialize`: the context parameters and optimizer states are allocated in (the dry run's
-    FakeTensorMode: shapes, no memory). Returns the mesh, the model, the optimizer, the LR schedule
-    and the full model's parameter count."""
+    """This rank's part of the job, on the process group that is up and the job's device: the
+    DeviceMesh, the model built on the meta device with the layout applied, and the optimizer (with
+    its ZeRO-1 partition). `materialize`: the context parameters and optimizer states are allocated in
+    (the dry run's FakeTensorMode: shapes, no memory). Returns the mesh, the model, the optimizer, the
+    LR schedule and the full model's parameter count."""
+    t, device, layout = job.cfg.training, job.device, job.layout
     dims = ParallelDims(layout)
     dims.build_mesh(device.type)
     with torch.device("meta"):
-        full_model = Llama(args)
-    lora = LoraSpec.from_config(cfg.peft)
-    model = parallelize(full_model, dims, cfg.training, device, cross_entropy, materialize, lora)
-    if cfg.training.objective == "dpo":
-        model.preference = PreferenceLoss(cfg.training.dpo_beta or DEFAULT_BETA, device)
-        if lora is None:  # the reference: a frozen copy of the base, laid out as the model
+        full_model = Llama(job.args)
+    model = parallelize(full_model, dims, t, device, cross_entropy, materialize, job.lora)
+    if t.objective == "dpo":
+        model.preference = PreferenceLoss(t.dpo_beta or DEFAULT_BETA, device)
+        if job.lora is None:  # the reference: a frozen copy of the base, laid out as the model
             with torch.device("meta"):
-                copy = Llama(args)
-            reference = parallelize(copy, dims, cfg.training, device, cross_entropy, materialize, frozen=True)
+                copy = Llama(job.args)
+            reference = parallelize(copy, dims, t, device, cross_entropy, materialize, frozen=True)
             model.reference = reference.parts
     with materialize or contextlib.nullcontext():
         dp_group = dims.dp_group if layout.dp_cp > 1 else None
-        optimizer, scheduler = build_optimizer(model.parameters(), cfg.training, layout.zero, dp_group)
+        optimizer, scheduler = build_optimizer(model.parameters(), t, layout.zero, dp_group)
     return dims, model, optimizer, scheduler, num_params(full_model)
 
 
 def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> TrainState:
-    """Start the process group, read the data (rank 0 prepares it first), run the preflight, build
+    """Start the process group, read the data (rank 0 prepares it first), resolve the Job, build
     the model on the meta device and apply the layout, then the optimizer. Without data, the model's
     vocabulary is model.vocab_size (or the preset's): for tests and benchmarks that bring their own
     batches."""
@@ -173,7 +176,7 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     check_device(cfg, device)
     if device.type == "cpu":  # each step's activations in the pages the last one used (hardware.py)
         keep_freed_memory()
-    dataset = None
+    job = resolve(cfg, env.world_size)  # what needs no data is refused before the data is read
     if with_data:
         if env.rank == 0:
             ensure_dataset(cfg)
@@ -186,17 +189,14 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
                 f"training.document_masking: {', '.join(dataset.unmasked_text)} has no end-of-text token to end "
                 "its documents, so its sequences train with plain causal attention"
             )
-    args, layout = preflight(cfg, env.world_size, dataset)
-    cfg, arithmetic = resolve_arithmetic(cfg, args, device, layout)
-    cfg, attention = resolve_attention_backward(cfg, args, layout, device)
-    t = cfg.training
+        job = resolve(cfg, env.world_size, dataset)  # the data's vocabulary, tokenizer and kind checked too
+    job = job.on_device(device)
+    cfg, layout, t, dataset = job.cfg, job.layout, job.cfg.training, job.dataset
     torch.manual_seed(t.seed)
     if env.rank == 0:
-        warn_if_too_big(cfg, args, layout, device, env.local_world_size)
-    dims, model, optimizer, scheduler, n_params = build_model(cfg, args, layout, device)
-    state = TrainState(
-        cfg, env, device, dims, args, n_params, model, optimizer, scheduler, arithmetic, attention, dataset
-    )
+        warn_if_too_big(job, env.local_world_size)
+    dims, model, optimizer, scheduler, n_params = build_model(job)
+    state = TrainState(job, env, dims, n_params, model, optimizer, scheduler)
     if dataset is not None:
         state.loader = dataset.loader(t.global_batch_size, dims.dp_rank, layout.dp, t.seed, device.type == "cuda")
         for name, source in zip(dataset.names, dataset.sources):

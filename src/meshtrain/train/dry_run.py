@@ -3,7 +3,7 @@ process on torch's fake process group, and measure the busiest ranks' memory wit
 
 For each rank looked at (the first and the last pipeline stage's rank 0, or --dry-run-rank), the
 process joins a fake process group as that rank of WORLD (a collective returns at once and moves
-nothing), after the trainer's own preflight (so a job the trainer refuses is refused here in the
+nothing), after the trainer's own job resolution (so a job the trainer refuses is refused here in the
 same words), and runs the trainer's own `build_model`: the DeviceMesh, the model on the meta device,
 `parallelize()` (TP/SP plans, FSDP2 groups, the pipeline split and schedule, DDP) and the optimizer
 (with its ZeRO-1 partition), with every parameter materialised as a FakeTensor: shapes and dtypes,
@@ -38,11 +38,12 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.config import Config
-from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.errors import MeshtrainError
+from meshtrain.job import Job, check_dry_run, resolve_prepared
+from meshtrain.job.device import check_device
 from meshtrain.layout import Layout
-from meshtrain.model.args import LoraSpec
-from meshtrain.train.arithmetic import resolve as resolve_arithmetic
-from meshtrain.train.preflight import check_device, model_args, preflight, prepared_dataset, workload_of
+from meshtrain.plan.request import Plan
+from meshtrain.plan.workload import workload_of
 
 KEYS = ("params", "grads", "optimizer", "activations", "other", "total")
 
@@ -75,24 +76,15 @@ def busiest_ranks(layout: Layout) -> list[int]:
 
 def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[RankReport]:
     """The reports of `ranks` (default: the busiest) of a WORLD-rank job; the trainer's one-line
-    error for a job it would refuse (the same preflight, word for word)."""
-    dataset = prepared_dataset(cfg)
-    args, layout = preflight(cfg, world, dataset)
-    if cfg.training.compile:  # inductor's kernels read the fake tensors' memory: the process crashes
-        raise ConfigError(
-            "training.compile: a dry run builds the job on fake tensors, which compiled kernels cannot run; dry-run "
-            "it with training.compile = false (the eager step holds at least as much memory)"
-        )
+    error for a job it would refuse (the same resolution, word for word)."""
+    job = resolve_prepared(cfg, world)
+    check_dry_run(job, ranks or [])
     if cfg.launch.device in ("cpu", "cuda"):  # the device is fixed: what it must offer, as train checks it
         check_device(cfg, torch.device(cfg.launch.device), launcher=True)
     # "auto" arithmetic as the job's devices would resolve it: a GPU job (launch.device auto or cuda)
     # runs bf16 where its GPUs have bf16 units; a CPU job measures this host's CPU.
-    cfg, _ = resolve_arithmetic(cfg, args, torch.device("cpu" if cfg.launch.device == "cpu" else "cuda"))
-    for rank in ranks or []:
-        if not 0 <= rank < world:
-            raise ConfigError(f"--dry-run-rank {rank} is not a rank of a {world}-rank job (0 to {world - 1})")
-    vocab = dataset.vocab_size if dataset is not None else None
-    return _in_children(_dry_run_rank, [(cfg, world, rank, vocab) for rank in ranks or busiest_ranks(layout)])
+    job = job.on_device(torch.device("cpu" if cfg.launch.device == "cpu" else "cuda"), time_attention=False)
+    return _in_children(_dry_run_rank, [(job, rank) for rank in ranks or busiest_ranks(job.layout)])
 
 
 def _in_children(fn, calls: list[tuple]) -> list:
@@ -143,8 +135,9 @@ def _answer(process, parent) -> tuple:
     return answer
 
 
-def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> RankReport:
-    """`build_model` as `rank` of a fake WORLD-rank process group, on fake tensors; then a step."""
+def _dry_run_rank(job: Job, rank: int) -> RankReport:
+    """`build_model` as `rank` of the job's fake process group, on fake tensors (on this CPU, whose
+    kernels the planned figures are then of); then a step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -153,20 +146,21 @@ def _dry_run_rank(cfg: Config, world: int, rank: int, vocab: int | None) -> Rank
     from meshtrain.train.build import build_model
     from meshtrain.train.step import step_context
 
-    device = torch.device("cpu")
-    notes = []
-    if cfg.parallel.cpu_offload:
+    device, cfg, notes = torch.device("cpu"), job.cfg, []
+    if job.layout.cpu_offload:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cpu_offload=False))
+        job = dataclasses.replace(job, cfg=cfg, layout=dataclasses.replace(job.layout, cpu_offload=False))
         notes.append("cpu_offload: built without CPUOffloadPolicy (no fake pinned memory); the states are host memory")
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    job = dataclasses.replace(job, device=device)
+    args, layout = job.args, job.layout
+    dist.init_process_group("fake", rank=rank, world_size=job.world, store=FakeStore())
     try:
-        args, layout = model_args(cfg, vocab), Layout.from_config(cfg, world)  # preflight passed in the parent
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        _, model, optimizer, _, _ = build_model(cfg, args, layout, device, materialize=fake)
-        if (lora := LoraSpec.from_config(cfg.peft)) is not None and lora.quantized:
+        _, model, optimizer, _, _ = build_model(job, materialize=fake)
+        if job.lora is not None and job.lora.quantized:
             notes.append(_qlora_note(model))
         c = layout.coordinates(rank)
-        workload = workload_of(cfg, args, device)
+        workload = workload_of(job)
         report = RankReport(rank, c, {}, rank_memory(workload, layout, c["pp"]), notes)
         context = lambda: step_context(model, cfg.training, device)  # noqa: E731
         with fake, _no_gradient_sync(model):
@@ -342,3 +336,25 @@ def _marking_blocks(part, saved):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def verify(plan: Plan, arch: str, n: int) -> dict[int, dict]:
+    """`plan --verify N`: the dry run of the best `n` layouts of a plan, each at its world size. Per
+    layout, what the busiest built rank holds (GiB, None where the dry run does not measure it), beside
+    the planner's figures for that rank and the kernels the dry run executed (`planned`), and the dry
+    run's notes on where what it built is not what runs (a QLoRA base in bf16, CPU offload's states on
+    the GPU, rules it added)."""
+    if arch != "llama":
+        raise MeshtrainError("--verify builds the layout with meshtrain's trainer, which trains Llama (--arch llama)")
+    out = {}
+    for i, e in enumerate(plan.estimates[:n]):
+        job = e.layout.apply_to(plan.base)
+        job = dataclasses.replace(job, model=dataclasses.replace(job.model, vocab_size=plan.model.vocab_size))
+        reports = dry_run(job, e.layout.world)
+        busiest = max(reports, key=lambda r: sum(r.built.values()))
+
+        def gib(values: dict) -> dict:
+            return {k: round(values[k] / 2**30, 3) if values.get(k) is not None else None for k in KEYS}
+
+        out[i] = {"rank": busiest.rank, **gib(busiest.built), "planned": gib(busiest.planned), "notes": busiest.notes}
+    return out

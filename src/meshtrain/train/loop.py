@@ -30,14 +30,13 @@ from meshtrain.data.tokenizer import copy_tokenizer
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import ensure_room, write_json, write_text
 from meshtrain.hardware import mfu_peak_floor, mfu_peak_tflops
-from meshtrain.interop.hf import keep_source_files
+from meshtrain.interop.hf_import import keep_source_files
 from meshtrain.launch import detect
 from meshtrain.launch.distributed import agreed
 from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.lock import JobLocks
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
-from meshtrain.model.shapes import Shape
 from meshtrain.optim import restore_schedule
 from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
@@ -91,14 +90,15 @@ def agree(signals: StopSignals, deadline: float, step_time: float, ckpt: Checkpo
 
 
 def record_run(s: TrainState) -> None:
-    """The run's record: its resolved config, arithmetic, tokenizer (and template) and the pretrained
-    model's files, for serve and export. Written once the start is known to go ahead, so that a
+    """The run's record: its config as given with the model's shape spelled out, what "auto" resolved
+    to (arithmetic.json), its tokenizer (and template) and the pretrained model's files, for serve and
+    export. Written once the start is known to go ahead, so that a
     refused resume (another base, shape or step count) leaves the record of the run as it was."""
     run_dir = Path(s.cfg.run.dir)
-    write_text(run_dir / "config.toml", to_toml(resolved(s.cfg, s.args)))
+    write_text(run_dir / "config.toml", to_toml(resolved(s.job.given or s.cfg, s.args)))
     write_json(
         run_dir / "arithmetic.json",
-        dataclasses.asdict(s.arithmetic) | {"attention_backward": dataclasses.asdict(s.attention)},
+        dataclasses.asdict(s.job.arithmetic) | {"attention_backward": dataclasses.asdict(s.job.attention)},
     )
     copy_tokenizer(s.dataset.tokenizer_path, run_dir, s.dataset.template_path)
     if s.cfg.model.init_from:  # the pretrained model's config, tokenizer files and end tokens, for export
@@ -109,18 +109,18 @@ def announce(s: TrainState) -> None:
     t = s.cfg.training
     log.info(
         f"meshtrain | {s.cfg.model.source()}: {s.n_params / 1e6:.2f}M params | world {s.env.world_size} "
-        f"({s.dims.describe()}) | {s.device.type} {s.arithmetic.name} | global batch {t.global_batch_size} x "
+        f"({s.dims.describe()}) | {s.device.type} {s.job.arithmetic.name} | global batch {t.global_batch_size} x "
         f"{t.seq_len} tokens (micro {t.micro_batch_size} x {s.layout.micro_batches}"
         f"{' pipeline micro-batches' if s.layout.pp > 1 else ' accumulation'}) | {t.steps} steps"
     )
-    log.info(f"  arithmetic: {s.arithmetic.describe()}")
-    log.info(f"  attention backward: {s.attention.describe()}")
+    log.info(f"  arithmetic: {s.job.arithmetic.describe()}")
+    log.info(f"  attention backward: {s.job.attention.describe()}")
     if t.cuda_graphs:
         log.info("  CUDA graphs: the compiled model's forward and backward each replay as one launch")
     if s.lora is not None:
         from meshtrain.model.lora import adapter_count
 
-        trains = adapter_count(Shape.from_args(s.args), s.lora)
+        trains = adapter_count(s.job.shape, s.lora)
         base = "4-bit NF4" if s.lora.quantized else "frozen"
         log.info(
             f"  {s.lora.method}: rank {s.lora.rank}, alpha {s.lora.alpha:g} on {', '.join(s.lora.targets)}: "
@@ -229,9 +229,9 @@ def report_memory(s: TrainState, metrics: MetricsLogger, quiet: bool = False) ->
     for rank, line in enumerate(report):
         log.info(format_memory(rank, line))
     if s.cfg.run.plan_check:
-        from meshtrain.train.preflight import compare
+        from meshtrain.train.plan_check import compare
 
-        for line in compare(s.cfg, s.args, s.device, report):
+        for line in compare(s.job, report):
             log.info(line)
     metrics.write_json("memory.json", report)
 
@@ -361,7 +361,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         Path(cfg.run.dir), t.steps, env.rank == 0, cfg.run.tensorboard, cfg.run.progress, start_step
     )
     meter = Throughput(
-        Shape.from_args(s.args).flops_per_token(t.seq_len, s.lora, t.objective == "dpo"),
+        s.job.shape.flops_per_token(t.seq_len, s.lora, t.objective == "dpo"),
         mfu_peak_tflops(s.device, t.dtype, t.peak_tflops, t.fp8),
         env.world_size,
         mfu_peak_floor(s.device, t.dtype, t.peak_tflops),

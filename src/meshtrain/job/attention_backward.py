@@ -8,7 +8,7 @@ ms: 8 x 256 tokens, 10 heads of 64 over 5, bf16 kernel 26 / recomputed 15, fp32 
 tokens, bf16 36 / 47). So on a CPU with training.compile the probe compiles both at the run's own
 attention shape (micro-batch rows, two a DPO pair; local heads, seq, head_dim) and arithmetic, times
 forward + backward in interleaved rounds, and takes the recomputation only where it is faster by
-more than MARGIN. Timed like train/arithmetic.py's probe (CPU time on one thread, the second-fastest
+more than MARGIN. Timed like job/arithmetic.py's probe (CPU time on one thread, the second-fastest
 of each, a busy machine's record not reused) and cached beside it. Elsewhere: the flash kernel (GPUs
 keep theirs).
 """
@@ -25,12 +25,12 @@ import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
 from meshtrain.hardware import cached_measurement, cpu_model
+from meshtrain.job.probe_timing import BUSY, OtherLoad, own_code, quiet_record, timed_ms
 from meshtrain.launch.distributed import agreed
 from meshtrain.layout import Layout
 from meshtrain.model.args import ModelArgs
 from meshtrain.model.recompute_attention import MAX_SCORES, recomputed_attention
 from meshtrain.parallel.precision import fp32_classes
-from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, quiet_record, timed_ms
 
 MARGIN = 0.05  # the recomputation must time this much faster than the kernel
 ROUNDS = 4  # interleaved rounds of two back-to-back timings of each after the warm-up

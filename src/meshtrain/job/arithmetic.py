@@ -18,7 +18,7 @@ the output head, and times forward + backward of a micro-batch's sequences in ev
 Each class of work thus runs in each arithmetic at the model's shapes, beside the others as in the
 step. A candidate's time is n_layers x its block + the head in its GEMM arithmetic, per micro-batch.
 For a compiled run the contenders' blocks are timed compiled, with the attention backward that
-train/attention_backward.py picks for their attention arithmetic: compiling fuses away eager's
+job/attention_backward.py picks for their attention arithmetic: compiling fuses away eager's
 elementwise overheads unequally (`tiny`, 8 x 256 tokens, on a Xeon with AMX: the all-bf16 block
 42 -> 22 ms with its recomputed backward, bf16 GEMMs + fp32 attention 32 -> 23 ms).
 
@@ -42,7 +42,7 @@ How it is timed, so that neither a busy machine nor one lucky timing decides:
 
 All-bf16 is kept unless another candidate is faster by more than its MARGIN: a loaded machine does
 not flip the choice between near-equals. The timings are cached per CPU model, core and thread
-count, torch version and shape (~/.cache/meshtrain/arithmetic.json), measured under a file lock so
+count, torch version and shape (~/.cache/meshjob/arithmetic.json), measured under a file lock so
 the ranks of a job probe once, one at a time; every rank takes rank 0's choice.
 """
 
@@ -58,13 +58,13 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.hardware import cached_measurement, cpu_model
+from meshtrain.job import attention_backward
+from meshtrain.job.probe_timing import BUSY, OtherLoad, own_code, quiet_record, timed_ms
 from meshtrain.launch.distributed import agreed
 from meshtrain.layout import Layout
 from meshtrain.model.llama import ModelArgs, TransformerBlock, precompute_rope
 from meshtrain.parallel.compile import EXACT_CASTS
 from meshtrain.parallel.precision import FP32_CLASSES, apply_fp32_compute, arithmetic_label
-from meshtrain.train import attention_backward
-from meshtrain.train.probe_timing import BUSY, OtherLoad, own_code, quiet_record, timed_ms
 
 # (name, dtype, bf16_compute) in order of preference: all-bf16 first (least memory, no casts).
 CANDIDATES = (
@@ -134,7 +134,7 @@ class Choice:
 def resolve(cfg, args: ModelArgs, device: torch.device, layout: Layout | None = None):
     """(the config with dtype and bf16_compute resolved, the Choice). Every rank takes rank 0's.
     With the run's `layout`, a compiled CPU run's contenders are timed compiled, with attention's
-    backward as train/attention_backward.py will pick it for each (the recomputed one is faster only
+    backward as job/attention_backward.py will pick it for each (the recomputed one is faster only
     compiled, and compiling speeds the candidates up unequally)."""
     t = cfg.training
     if t.dtype in ("fp32", "fp16"):
@@ -168,7 +168,7 @@ def cpu_choice(
     args: ModelArgs, micro_batch: int, seq_len: int, names: list[str], attention_shape: tuple | None = None
 ) -> Choice:
     """The fastest candidate at the model's shapes (measured once, cached). `attention_shape`: a
-    compiled run's, whose attention backward is probed first (train/attention_backward.py); the
+    compiled run's, whose attention backward is probed first (job/attention_backward.py); the
     contenders are then timed compiled, each with the backward picked for its attention arithmetic."""
     sequences = micro_batch if attention_shape is not None else max(1, min(micro_batch, PROBE_TOKENS // seq_len))
     key = (

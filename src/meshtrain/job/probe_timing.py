@@ -1,4 +1,4 @@
-"""How the CPU probes time their candidates (train/arithmetic.py, train/attention_backward.py): one
+"""How the CPU probes time their candidates (job/arithmetic.py, job/attention_backward.py): one
 thread by its CPU time, and whether other processes kept the machine busy meanwhile."""
 
 from __future__ import annotations
