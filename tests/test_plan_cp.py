@@ -127,6 +127,7 @@ def test_bad_cp_values_get_one_line(args, message, cli_env, tmp_path):
 
 TINY = ["--model.preset", "tiny", "--model.n_layers", "4", "--training.seq_len", "256"]
 TINY += ["--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--data.corpus", "stdlib"]
+TINY += ["--training.dtype", "fp32"]  # the arithmetic planned; auto would take a GPU job's bf16 here
 BF16 = ["--training.dtype", "bf16", "--training.bf16_compute", "bf16"]
 DRY_RUNS = {
     "cp2-zero3": (2, ["--parallel.cp", "2", "--parallel.zero", "3"]),
