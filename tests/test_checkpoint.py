@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resharding, crash and preemption recovery, corrupt checkpoints."""
 
+import json
 import os
 import signal
 import subprocess
@@ -363,9 +364,21 @@ def test_nonfinite_loss_is_skipped_or_stops(mode, corpus, cli_env, tmp_path):
     )
     if mode == "stop":
         assert_user_error(result, "not finite", "training.on_nonfinite")
-    else:
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert read_metrics(tmp_path)[-1]["skipped_steps"] > 0
+    else:  # the first step's update broke the weights: every later step is skipped, and the run fails
+        assert_user_error(result, "training stopped learning at step 1", "each of the 11 steps after it", "training.lr")
+        assert not (tmp_path / "model.safetensors").exists()
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # strict JSON: no NaN
+        assert metrics[-1]["skipped_steps"] == 11 and metrics[-1]["grad_norm"] is None
+
+
+def test_a_run_whose_every_step_is_skipped_fails_and_saves_no_weights(corpus, cli_env, tmp_path):
+    """fp16 with a loss scale that overflows every step of the run: no update was applied."""
+    overflow = ("--training.dtype", "fp16", "--training.initial_loss_scale", str(2.0**100))
+    result = train(corpus, cli_env, tmp_path, *overflow, check=False)
+    assert_user_error(result, "no step of this run was applied", "each of its 12 steps", "initial_loss_scale")
+    assert not (tmp_path / "model.safetensors").exists()
+    assert all(m["grad_norm"] is None for m in read_metrics(tmp_path))
 
 
 @pytest.mark.multiproc
@@ -456,6 +469,20 @@ def test_a_skipped_checkpoint_leaves_the_lineage_so_no_logged_step_is_lost(corpu
     train(corpus, cli_env, tmp_path, *run)
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
     assert (tmp_path / "checkpoints" / "damaged_step_00000004").is_dir()  # kept to inspect
+
+
+def test_a_start_over_without_a_checkpoint_keeps_the_earlier_record(corpus, cli_env, tmp_path):
+    """A run that died before any checkpoint starts again at step 1: it says so, and the first
+    start's metrics are moved aside (metrics.1.jsonl), never truncated."""
+    died = train(corpus, cli_env, tmp_path, env=faulty(cli_env, MESHTRAIN_FAIL_AT_STEP="5"), check=False)
+    assert died.returncode != 0
+    first = (tmp_path / "metrics.jsonl").read_text()
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    again = train(corpus, cli_env, tmp_path)
+    assert "no checkpoint to continue from: this start begins at step 1" in again.stdout + again.stderr
+    assert str(tmp_path / "metrics.1.jsonl") in again.stdout + again.stderr
+    assert (tmp_path / "metrics.1.jsonl").read_text() == first
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 13))
 
 
 def test_a_resume_keeps_the_schedules_position_and_takes_the_configs_peak_lr():

@@ -5,6 +5,7 @@ rank slowed by SIGSTOP/SIGCONT."""
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def test_a_hung_rank_is_named_with_every_stack_and_the_next_start_resumes(fault,
     ranks = sorted(p.name for p in report.glob("rank*.txt"))
     if fault == "sigstop":
         assert ranks == ["rank0.txt"] and "rank 1 sent no report (frozen or dead)" in summary, summary
+        assert re.search(r"exiting 124: a rerun continues from \S+/checkpoints/step_000000(03|06)\n", summary), summary
     else:
         assert ranks == ["rank0.txt", "rank1.txt"], ranks
         stuck_in = "did not finish data of step 5" if fault == "data" else "did not arrive at all_reduce, held at"

@@ -127,7 +127,7 @@ def test_an_overflow_skips_the_step_and_lowers_the_scale(runs):
     metrics = read_metrics(run_dir)
     skipped = metrics[-1]["skipped_steps"]
     assert 3 <= skipped < 25
-    assert metrics[0]["loss_scale"] == 2.0**39 and not math.isfinite(metrics[0]["grad_norm"])
+    assert metrics[0]["loss_scale"] == 2.0**39 and metrics[0]["grad_norm"] is None  # inf, written as null
     assert metrics[-1]["loss_scale"] == 2.0 ** (40 - skipped) and math.isfinite(metrics[-1]["grad_norm"])
     assert metrics[-1]["loss"] < metrics[skipped]["loss"]  # learning once the scale fits
     assert all(torch.isfinite(w).all() for w in load_file(run_dir / "model.safetensors").values())

@@ -4,6 +4,7 @@ terminal (rank 0). The peaks MFU divides by come from hardware.py."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,9 @@ class MetricsLogger:
         )
         if kept is not None:
             write_text(path, "".join(line + "\n" for line in kept))
+        elif not start_step and path.is_file() and path.stat().st_size:
+            earlier = keep_earlier_record(path)
+            log.warning(f"no checkpoint to continue from: this start begins at step 1 (earlier metrics: {earlier})")
         with writing(path):
             run_dir.mkdir(parents=True, exist_ok=True)
             self.jsonl = path.open("a" if start_step else "w")
@@ -94,7 +98,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.write(json.dumps(strict_json({"step": step, **metrics}), allow_nan=False) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for key, value in metrics.items():
@@ -131,6 +135,28 @@ class MetricsLogger:
             self.jsonl.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def keep_earlier_record(path: Path) -> Path:
+    """Move an earlier start's metrics.jsonl aside (metrics.1.jsonl, .2, ...: the first name free), so
+    that a start from step 1 never truncates a record."""
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(aside)
+    return aside
+
+
+def strict_json(value):
+    """`value` with every NaN or infinity as null: JSON has no such numbers (Python's `json` writes
+    `NaN`, which other readers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def _step_of(line: str) -> int:

@@ -124,7 +124,7 @@ def launch_workers(
         if HANG_EXIT_CODE in codes:
             log.error(
                 f"the job hung (see the `hang:` line above and <run.dir>/hangs/); exit {HANG_EXIT_CODE}: run the "
-                "same command again (or give --max-restarts) to continue from the last checkpoint"
+                "same command again (or give --max-restarts); the `hang:` line says where it continues from"
             )
             return HANG_EXIT_CODE
         failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(e.failures.items()))

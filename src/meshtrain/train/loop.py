@@ -219,6 +219,46 @@ def warn_skips(step: int, skipped: int, reported: int, loss_scale: float | None)
     return skipped
 
 
+def check_trained(s: TrainState, step: int, ran: int, skipped: int, trailing: int) -> None:
+    """A run that trained nothing fails here, before its weights are written as "trained", saying
+    what to change: no step of it applied, the last half or more of its steps all skipped (an update
+    broke the weights: from then on every loss is NaN or infinite), or weights that are not finite.
+    One with some skipped steps says how many. Every rank agrees: the counts are global."""
+    fp16 = s.scaler is not None
+    why = "overflowed fp16's loss scale" if fp16 else "had a loss or gradient norm that was not finite"
+    fix = (
+        "lower training.initial_loss_scale or training.lr, or train in bf16"
+        if fp16
+        else "lower training.lr, or check the data and the model's config (model.init_from's config.json)"
+    )
+    if ran and skipped == ran:
+        raise MeshtrainError(f"no step of this run was applied: each of its {ran} steps {why}; {fix}")
+    if trailing >= 2 and 2 * trailing >= ran:
+        raise MeshtrainError(
+            f"training stopped learning at step {step - trailing}: each of the {trailing} steps after it {why} "
+            f"(of this run's {ran}); {fix}"
+        )
+    broken = torch.zeros((), device=s.device)
+    for p in local_trainable(s.model.parameters()):
+        broken += (~torch.isfinite(p.detach())).sum().to(broken.device)
+    if dist.is_initialized():
+        dist.all_reduce(broken)
+    if broken.item():
+        raise MeshtrainError(
+            f"the trained weights are not finite at step {step} ({int(broken.item()):,} values are NaN or "
+            "infinite: an update overflowed them); lower training.lr or raise training.warmup_steps"
+        )
+    if skipped:
+        log.warning(f"{skipped} of this run's {ran} steps were skipped: each {why}")
+
+
+def local_trainable(parameters):
+    """This rank's part of each trained parameter (a DTensor's local shard)."""
+    for p in parameters:
+        if p.requires_grad:
+            yield p.to_local() if hasattr(p, "to_local") else p
+
+
 def report_memory(s: TrainState, metrics: MetricsLogger, quiet: bool = False) -> None:
     """Every rank's parameter, gradient and optimizer bytes and peak memory: logged (unless `quiet`)
     and written to memory.json."""
@@ -331,7 +371,9 @@ def start_watchdog(s: TrainState) -> Watchdog:
         dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     attempt = agreed(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     timeout = s.cfg.training.hang_timeout
-    return Watchdog(s.cfg.run.dir, s.env.rank, s.env.world_size, timeout, peers, attempt, s.device.type)
+    return Watchdog(
+        s.cfg.run.dir, s.env.rank, s.env.world_size, timeout, peers, attempt, s.device.type, s.checkpointer.root
+    )
 
 
 def log_record(s: TrainState, step: int, lr: float, loss, grad_norm, n_targets, meter, detector) -> dict:
@@ -373,6 +415,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
     last_step = t.stop_at_step or t.steps
     history, exit_code, step_time, step = [], 0, 0.0, start_step
     skipped_total, reported_skips = torch.tensor(float(skipped), device=s.device), skipped
+    trailing_skips = torch.zeros((), device=s.device)  # skipped steps since the last applied one
 
     for step in range(start_step + 1, last_step + 1):
         step_start = time.monotonic()
@@ -383,6 +426,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         loss, grad_norm, skipped_now = s.step(inputs, targets, n_targets, positions)
         phase("logging")
         skipped_total += skipped_now
+        trailing_skips = (trailing_skips + skipped_now) * skipped_now
         # the one mode that syncs every step; under fp16 an overflow is the loss scaler's to skip,
         # until the scale has fallen below 1 (then no scale is to blame)
         if (
@@ -431,6 +475,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         watchdog.first_step_done()
     phase("checkpoint")
     ckpt.wait()
+    if not exit_code:
+        check_trained(s, step, step - start_step, int(skipped_total.item()) - skipped, int(trailing_skips.item()))
     if step == t.steps and not exit_code:
         finish(s, step, int(skipped_total.item()))
     metrics.close()

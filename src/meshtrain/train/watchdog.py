@@ -82,8 +82,12 @@ class Watchdog:
     """The watchdog thread of one rank (see the module docstring). `peers`: every rank's (host,
     pid), gathered at start; `attempt`: a name this start of the job shares on every rank."""
 
-    def __init__(self, run_dir: str | Path, rank: int, world: int, timeout: float, peers, attempt: str, device_type):
+    def __init__(
+        self, run_dir: str | Path, rank: int, world: int, timeout: float, peers, attempt: str, device_type, checkpoints
+    ):
+        """`checkpoints`: the checkpoint root, whose newest committed step a rerun continues from."""
         self.root, self.rank, self.world, self.timeout = Path(run_dir) / "hangs", rank, world, timeout
+        self.checkpoints = Path(checkpoints)
         self.peers, self.attempt, self.cuda = peers, attempt, device_type == "cuda"
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
@@ -188,11 +192,20 @@ class Watchdog:
         first = reports[waiting[0]]
         line = (
             f"hang: {culprit}; {_ranks(waiting)} waited over {limit:.0f} s in {first['phase']} of step "
-            f"{first['step']}. Stacks in {where}/; exiting {HANG_EXIT_CODE} to continue from the last checkpoint"
+            f"{first['step']}. Stacks in {where}/; exiting {HANG_EXIT_CODE}: {self._rerun()}"
         )
         (where / "summary.txt").write_text(line + "\n")
         log.error(line)
         self._kill_local(silent)
+
+    def _rerun(self) -> str:
+        """What running the job again does: continue from the newest checkpoint, or start over."""
+        from meshtrain.checkpoint import committed_checkpoints
+
+        committed = committed_checkpoints(self.checkpoints)
+        if committed:
+            return f"a rerun continues from {committed[-1]}"
+        return "no checkpoint was saved, so a rerun starts again at step 1 (this start's metrics are kept)"
 
     def _kill_local(self, silent: list[int]) -> None:
         """SIGKILL the silent ranks of this host that are still meshtrain processes."""
