@@ -582,6 +582,26 @@ def test_trl_conversational_prompt_completion_rows_learn_the_completion_only(tok
         conversation({**row, "prompt": [prompt[0], {**prompt[1], "weight": 1}, prompt[2]]}, "rows.jsonl:1")
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for m in messages %}<turn>{% endfor %}{{ eos_token }}",  # renders no message at all
+        "{% for m in messages if m['role'] != 'system' %}{{ m['content'] }}{{ eos_token }}{% endfor %}",
+    ],
+    ids=["constant", "drops-system"],
+)
+def test_a_template_that_leaves_out_a_message_is_refused(source, tokenizer):
+    """Its shards would hold the template's own text instead of the conversations, silently."""
+    messages = [
+        {"role": "system", "content": "Reverse the words."},
+        {"role": "user", "content": "red cat"},
+        {"role": "assistant", "content": "cat red"},
+    ]
+    template = ChatTemplate(source, end_of_text(tokenizer)[0])
+    with pytest.raises(DataError, match=r"rows.jsonl:3: the chat template leaves out the text of a (system|user)"):
+        tokenize_conversations(tokenizer, template, [(messages, "rows.jsonl:3")], "assistant")
+
+
 def test_blended_sources_with_other_end_tokens_are_refused(corpus, tmp_path):
     """One tokenizer.json prepared with two tokenizer_config.json (a base's end of text, an instruct
     model's end of turn): the run would keep the first's, and serve would stop on a token the other's

@@ -80,6 +80,29 @@ def test_every_input_format_gives_the_same_documents_in_the_documented_order(tmp
     assert documents(tmp_path / "out") == docs  # byte-level BPE is lossless
 
 
+def test_an_input_given_twice_or_copied_is_refused_before_any_work(tmp_path):
+    """The same file twice, under two spellings, through a link, or inside a directory also given,
+    and a data file copied under another name: each would count its documents twice (and could hold
+    one copy out for validation and train on the other). Plain-text files may share their text."""
+    from meshtrain.data.sources import expand_inputs
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text(json.dumps({"text": TEXT}) + "\n")
+    (tmp_path / "link.jsonl").symlink_to(data / "a.jsonl")
+    spelled = tmp_path / "data" / ".." / "data" / "a.jsonl"
+    for inputs in ([data / "a.jsonl"] * 2, [data / "a.jsonl", spelled], [data, tmp_path / "link.jsonl"]):
+        with pytest.raises(DataError, match=r"jsonl is given twice.*: give each file once"):
+            expand_inputs(inputs)
+    (tmp_path / "copy.jsonl").write_bytes((data / "a.jsonl").read_bytes())
+    with pytest.raises(DataError, match=r"inputs .*a.jsonl and .*copy.jsonl hold the same bytes: give one of them"):
+        prepare([data, tmp_path / "copy.jsonl"], tmp_path / "out", vocab_size=300, val_fraction=0, progress=False)
+    assert not (tmp_path / "out").exists()
+    (data / "empty_a.txt").write_text("")
+    (data / "empty_b.txt").write_text("")
+    assert len(expand_inputs([data])) == 3
+
+
 def test_text_field_names_the_json_key_or_column(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"content": "from jsonl " + TEXT, "text": 1}) + "\n")
     pq.write_table(pa.table({"content": ["from parquet " + TEXT]}), tmp_path / "b.parquet")

@@ -109,6 +109,13 @@ class ChatTemplate:
         turns from message `answers_from` on (those before are a prompt) but those of weight 0, or with
         "all" every token."""
         text = self.render(messages)
+        for message in messages:  # a template that drops them would train on its own constant text
+            content = message.get("content")
+            if isinstance(content, str) and content.split("</think>")[-1].strip() not in text:
+                raise DataError(
+                    f"the chat template leaves out the text of a {message['role']} message ({content[:40]!r}); "
+                    "use a template that renders every message's content"
+                )
         if targets == "all":
             return text, [(0, len(text))]
         spans = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 import codecs
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -155,12 +156,39 @@ def expand_inputs(inputs: list[str | Path], text_field: str = "text") -> list[In
             files.append(InputFile(str(path), kind, stat.st_size, stat.st_mtime_ns))
     if not files:
         raise DataError("no input files given: pass --input FILE_OR_DIR")
+    refuse_duplicates(files)
     if text_field != "text" and all(f.kind == "txt" for f in files):
         raise DataError(
             f"--text-field {text_field} names a JSON field or Parquet column, but every input is plain text "
             "(one document per file): leave --text-field out"
         )
     return files
+
+
+def refuse_duplicates(files: list[InputFile]) -> None:
+    """An input given twice (two spellings of one file, a directory and a file in it, a link) or a
+    data file copied under another name would count its documents twice and could put one copy in
+    the held-out split and the other in training. Plain-text inputs (one document per file) may hold
+    the same text, as a source tree's empty `__init__.py` files do: only their paths are compared."""
+    seen: dict[tuple[int, int], str] = {}
+    for f in files:
+        stat = os.stat(f.path)
+        if (key := (stat.st_dev, stat.st_ino)) in seen:
+            also = "" if seen[key] == f.path else f" (as {seen[key]})"
+            raise DataError(f"input {f.path} is given twice{also}: give each file once")
+        seen[key] = f.path
+    by_size: dict[int, list[InputFile]] = {}
+    for f in files:
+        if f.kind != "txt":
+            by_size.setdefault(f.size, []).append(f)
+    for same_size in by_size.values():
+        digests: dict[str, str] = {}
+        for f in same_size if len(same_size) > 1 else ():
+            with open(f.path, "rb") as stream:
+                digest = hashlib.file_digest(stream, "sha256").hexdigest()
+            if digest in digests:
+                raise DataError(f"inputs {digests[digest]} and {f.path} hold the same bytes: give one of them")
+            digests[digest] = f.path
 
 
 def pieces(files: list[InputFile], piece_bytes: int) -> list[Piece]:
