@@ -426,6 +426,22 @@ def test_a_directory_transformers_loads_as_another_model_is_refused(models, corp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_truncated_weight_file_is_one_line_naming_it(models, corpus, cli_env, tmp_path):
+    """A download cut short: its tensors' bytes, or its header, end early. Import says which file, in
+    one line, and train creates nothing."""
+    args = hf_model_args(models["llama2"])
+    cut = copied(models["llama2"], tmp_path / "cut")
+    whole = (cut / "model.safetensors").read_bytes()
+    for size in (len(whole) - 1000, 100):
+        (cut / "model.safetensors").write_bytes(whole[:size])
+        with pytest.raises(MeshtrainError, match=r"cut/model.safetensors cannot be read .*truncated") as refused:
+            load_hf_weights([Llama(args)], cut, args)
+        assert "\n" not in str(refused.value)
+    result = run_cli(train_args(corpus, tmp_path / "run", "--model.init_from", f"hf:{cut}", model=()), cli_env)
+    assert_user_error(result, "cut/model.safetensors cannot be read", "download or copy it again")
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_index_lists_exactly_the_tensors_of_its_shards(models, tmp_path):
     """A tensor in a shard the index does not list would be loaded by transformers and never seen by
     meshtrain's check for weights it cannot place; one the index puts in a shard that lacks it, a bad

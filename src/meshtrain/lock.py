@@ -80,12 +80,13 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_NAME
         self.key = key  # the setting that names the directory, for the fix a refusal gives
         self.token = job_token()
-        self.held = False
+        self.held = self.created_dir = False
 
     def acquire(self) -> RunLock:
         """Take the lock, or raise RunDirLocked naming the holder. Idempotent for the same job: a
         launcher above this process keeps holding it; an earlier start of the job that died here
         (a requeue, a retry) is taken over, so that the lock names a live holder."""
+        self.created_dir = not self.path.parent.exists()
         with writing(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {
@@ -184,6 +185,9 @@ class RunLock:
             holder = self._read()
             if holder is not None and holder.get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
+                if self.created_dir:  # a start that failed before writing anything leaves no empty directory
+                    with contextlib.suppress(OSError):
+                        self.path.parent.rmdir()
             self.held = False
 
 

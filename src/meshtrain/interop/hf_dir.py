@@ -49,7 +49,11 @@ class HFWeights:
         for file in sorted(set(where.values())) if where is not None else [SINGLE]:
             if not (directory / file).is_file():
                 raise MeshtrainError(f"model.init_from: {directory / file} is missing (named in the index)")
-            self.files[file] = stack.enter_context(safe_open(directory / file, framework="pt"))
+            try:
+                self.files[file] = stack.enter_context(safe_open(directory / file, framework="pt"))
+            except Exception as e:  # safetensors' own error type: a header cut short or not JSON
+                raise unreadable(directory / file, e) from None
+        self.directory = directory
         self.where = where if where is not None else dict.fromkeys(self.files[SINGLE].keys(), SINGLE)
         if where is not None:
             self._check_shards(directory)
@@ -74,7 +78,10 @@ class HFWeights:
         return list(self.where)
 
     def get(self, name: str) -> torch.Tensor:
-        t = self.files[self.where[name]].get_tensor(name)
+        try:
+            t = self.files[self.where[name]].get_tensor(name)
+        except Exception as e:  # the file ends before this tensor's bytes
+            raise unreadable(self.directory / self.where[name], e) from None
         if not t.is_floating_point():
             raise MeshtrainError(f"model.init_from: {name} is {t.dtype}: quantized weights cannot be imported")
         return t.float()
@@ -94,3 +101,11 @@ def _weight_map(index: Path) -> dict[str, str]:
         if not isinstance(file, str) or not file:
             raise MeshtrainError(f"{index}: weight_map's {name!r} is {file!r}, not a shard file name: correct it")
     return where
+
+
+def unreadable(path: Path, error: Exception) -> MeshtrainError:
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return MeshtrainError(
+        f"model.init_from: {path} cannot be read ({first}): it is truncated or not a safetensors file; "
+        "download or copy it again"
+    )
