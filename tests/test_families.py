@@ -266,6 +266,18 @@ REFUSALS = [
     ("qwen2-tied", {"tie_word_embeddings": "false"}, "tie_word_embeddings is 'false': it must be true or false"),
     ("llama2", {"rms_norm_eps": None}, "rms_norm_eps is None: it must be a positive number"),
     ("llama2", {"max_position_embeddings": None}, "max_position_embeddings is None: it must be a positive"),
+    # numbers that reach NaN logits or a table no memory holds, silently or as a traceback
+    ("llama3.1", {"rope_parameters": {**VARIANTS["llama3.1"][1]["rope_scaling"], "factor": 0}}, "factor is 0: it"),
+    ("llama2", {"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "factor is '2': it must be a positive"),
+    ("llama2", {"rope_parameters": {"rope_type": "linear", "factor": float("inf")}}, "factor is inf: it must be"),
+    (
+        "llama3.1",
+        {"rope_parameters": {**VARIANTS["llama3.1"][1]["rope_scaling"], "low_freq_factor": 4.0}},
+        "low_freq_factor must be below high_freq_factor",
+    ),
+    ("llama2", {"rope_theta": float("nan")}, "rope_theta is nan: it must be a positive number"),
+    ("llama2", {"rms_norm_eps": float("inf")}, "rms_norm_eps is inf: it must be a finite number"),
+    ("llama2", {"max_position_embeddings": 10**12}, "max_position_embeddings 1,000,000,000,000 is more positions"),
 ]
 
 

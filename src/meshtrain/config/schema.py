@@ -16,7 +16,7 @@ import tomli_w
 from meshtrain.config.checks import check_across_keys
 from meshtrain.config.grammar import parse_data_path, parse_duration
 from meshtrain.config.options import declared, option
-from meshtrain.model.args import ModelArgs
+from meshtrain.model.args import MAX_POSITIONS, ModelArgs
 from meshtrain.model.presets import PRESETS
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -57,7 +57,7 @@ class ModelConfig:
     """SwiGLU hidden size (unset: the preset's)."""
     vocab_size: int | None = option(None, gt=0, flags=("--vocab",))
     """Vocabulary (unset: the prepared data's)."""
-    max_seq_len: int | None = option(None, gt=0)
+    max_seq_len: int | None = option(None, gt=0, le=MAX_POSITIONS)
     """Longest sequence the rotary tables cover (unset: the preset's)."""
     rope_theta: float | None = option(None, gt=0)
     """Rotary base (unset: the preset's)."""

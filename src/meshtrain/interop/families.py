@@ -12,9 +12,10 @@ Both RoPE spellings are read: transformers 5's `rope_parameters` and 4's `rope_t
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.model.args import ModelArgs
+from meshtrain.model.args import MAX_POSITIONS, ModelArgs
 from meshtrain.model.family import FAMILIES, inexpressible
 from meshtrain.model.rope import ROPE_TYPES
 
@@ -153,13 +154,27 @@ def _check_types(c: dict, where: str) -> None:
         if not isinstance(c[key], bool):
             raise refuse(where, f"{key} is {c[key]!r}: it must be true or false")
     for key in (k for k in POSITIVE_NUMBERS if k in c):
-        if isinstance(c[key], bool) or not isinstance(c[key], int | float) or not c[key] > 0:
-            raise refuse(where, f"{key} is {c[key]!r}: it must be a positive number")
+        check_positive_number(c[key], key, where)
     for key in (k for k in (*POSITIVE_INTS, *POSITIVE_INTS_OR_NULL) if k in c):
         if c[key] is None and key in POSITIVE_INTS_OR_NULL:
             continue
         if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] <= 0:
             raise refuse(where, f"{key} is {c[key]!r}: it must be a positive integer")
+    if c.get("max_position_embeddings", 0) > MAX_POSITIONS:
+        raise refuse(
+            where,
+            f"max_position_embeddings {c['max_position_embeddings']:,} is more positions than meshtrain's "
+            f"rotary tables hold ({MAX_POSITIONS:,}): lower it to the context the model is used at",
+        )
+
+
+def check_positive_number(value, key: str, where: str, zero: bool = False) -> None:
+    """A finite number above 0 (or 0 itself, with `zero`): not a string, a boolean, null, NaN or an
+    infinity (JSON readers accept `NaN` and `Infinity`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 <= value if zero else 0 < value):
+        raise refuse(where, f"{key} is {value!r}: it must be a {'non-negative' if zero else 'positive'} number")
+    if not math.isfinite(value):
+        raise refuse(where, f"{key} is {value!r}: it must be a finite number")
 
 
 def _check_sliding_window(c: dict, family: str, max_positions: int, where: str, length: str = "") -> None:
@@ -225,6 +240,17 @@ def read_rope(c: dict, max_positions: int, where: str) -> tuple[float, dict | No
     missing = {"linear": ["factor"], "llama3": sorted(ROPE_KEYS["llama3"]), "yarn": ["factor"]}[kind]
     if any(params.get(key) is None for key in missing):
         raise refuse(where, f"rope_type {kind!r} needs {', '.join(missing)}")
+    for key, value in params.items():
+        if key == "truncate":
+            if not isinstance(value, bool):
+                raise refuse(where, f"rope_parameters.truncate is {value!r}: it must be true or false")
+        elif key == "original_max_position_embeddings":
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_POSITIONS:
+                raise refuse(where, f"rope_parameters.{key} is {value!r}: it must be a positive integer")
+        elif value is not None:  # yarn's optional ones may be null: transformers' defaults
+            check_positive_number(value, f"rope_parameters.{key}", where, zero=key.startswith("mscale"))
+    if kind == "llama3" and not params["low_freq_factor"] < params["high_freq_factor"]:
+        raise refuse(where, "rope_parameters: low_freq_factor must be below high_freq_factor")
     return theta, {"rope_type": kind, **params}
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The longest context a model may declare: its rotary tables (cos and sin per position, computed in
+# float64) are built whole at start; 2^24 positions of a 128-wide head already take 16 GiB there.
+MAX_POSITIONS = 1 << 24
+
 
 @dataclass
 class ModelArgs:
