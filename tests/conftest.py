@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -32,9 +33,31 @@ SMALL_MODEL = [
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """60 standard-library files, BPE vocabulary 512."""
-    out = tmp_path_factory.mktemp("corpus") / "data"
-    prepare(stdlib_sources()[:60], out, vocab_size=512, val_fraction=0.05, progress=False)
-    return out
+
+    def make(directory: Path) -> None:
+        prepare(stdlib_sources()[:60], directory / "data", vocab_size=512, val_fraction=0.05, progress=False)
+
+    return made_once(tmp_path_factory, "corpus", make) / "data"
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The directory `name`, filled by make(directory) once per test session and shared by the xdist
+    workers of `make test` (the first to ask makes it under a lock; the others wait, then read it)."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "made-once"
+    shared.mkdir(exist_ok=True)
+    directory, made = shared / name, shared / f"{name}.made"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            make(directory)
+            made.touch()
+    return directory
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +69,40 @@ def cli_env(tmp_path_factory) -> dict:
     if env.get("MESHTRAIN_JITTER"):  # `make stress`: seeded pauses at every run-file write in every process
         env["PYTHONPATH"] = os.pathsep.join(p for p in (FAULTS, env.get("PYTHONPATH")) if p)
     return env
+
+
+# `make test` runs `pytest -n 2 --dist loadgroup`: each case goes to whichever xdist worker is free,
+# except those that share something made once per module (a module-scoped fixture: runs trained for
+# the module's tests) or per machine (a scheduler started for the module): a module's such cases run
+# on one worker, so that what they share is made once.
+SERIAL_FILES = {"test_slurm.py": "scheduler", "test_sge.py": "scheduler"}
+
+
+# Each xdist worker's share of the cores: the torch threads of its own process and of the runs it
+# starts. More threads than cores make OpenMP's workers spin against each other (a 2-thread run beside
+# another worker's is several times slower than a 1-thread one).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
+
+
+def pytest_configure(config):
+    if WORKERS > 1:  # this worker's torch, and every process a test starts (else a launcher splits the cores)
+        import torch
+
+        torch.set_num_threads(THREADS)
+        os.environ["OMP_NUM_THREADS"] = str(THREADS)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = SERIAL_FILES.get(item.path.name)
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if group is None and fixtures is not None:
+            scopes = {d.scope for defs in fixtures.name2fixturedefs.values() for d in defs}
+            group = item.path.name if scopes & {"module", "class", "package"} else None
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def local_cluster(script: str, timeout: int = 600):
@@ -144,18 +201,22 @@ def assert_same_run(run_dir: Path, reference: Path, exact: bool = False) -> None
 @pytest.fixture(scope="session")
 def reference_run(corpus, cli_env, tmp_path_factory):
     """`reference_run(*train_overrides, nproc=None)`: the run dir of that run, trained once per session
-    and shared by every test file that compares with it. Each rank draws from its own generator every
-    step (MESHTRAIN_RNG_PROBE) so that resumed runs can be checked to restore each rank's."""
+    (by one xdist worker) and shared by every test file that compares with it. Each rank draws from
+    its own generator every step (MESHTRAIN_RNG_PROBE) so that resumed runs can be checked to restore
+    each rank's."""
     runs: dict[tuple, Path] = {}
 
     def get(*extra: str, nproc: int | None = None) -> Path:
         key = (nproc, *extra)
         if key not in runs:
-            run_dir = tmp_path_factory.mktemp("reference")
-            args = train_args(corpus, run_dir, *extra, *(["--nproc", str(nproc)] if nproc else []))
-            result = run_cli(args, faulty(cli_env, MESHTRAIN_RNG_PROBE="1"))
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-            runs[key] = run_dir
+
+            def make(run_dir: Path) -> None:
+                args = train_args(corpus, run_dir, *extra, *(["--nproc", str(nproc)] if nproc else []))
+                result = run_cli(args, faulty(cli_env, MESHTRAIN_RNG_PROBE="1"))
+                assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+            name = "reference-" + hashlib.sha1(json.dumps(key).encode()).hexdigest()[:12]
+            runs[key] = made_once(tmp_path_factory, name, make)
         return runs[key]
 
     return get
@@ -236,7 +297,7 @@ def train_together(runs: list[list[str]], nproc: int, env: dict, timeout: int = 
         spec = Path(tmp) / "runs.json"
         spec.write_text(json.dumps([args[1:] if args[0] == "train" else args for args in runs]))
         worker = Path(__file__).parent / "layouts_worker.py"
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **env}
+        env = {**env, "OMP_NUM_THREADS": str(max(1, THREADS // nproc))}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
         cmd += [str(worker), str(spec)]
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -438,6 +438,7 @@ E2E_MODEL = [
     *"--model.dim 128 --model.n_layers 4 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 384".split(),
     *"--model.max_seq_len 128 --training.seq_len 128 --training.global_batch_size 16".split(),
     *"--training.micro_batch_size 16 --run.sample_prompt= --run.tensorboard false --data.corpus=".split(),
+    *"--training.dtype fp32".split(),  # what is learned, the same on every CPU (and no arithmetic probe)
 ]
 
 
