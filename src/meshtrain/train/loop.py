@@ -253,10 +253,15 @@ def check_trained(s: TrainState, step: int, ran: int, skipped: int, trailing: in
 
 
 def local_trainable(parameters):
-    """This rank's part of each trained parameter (a DTensor's local shard)."""
+    """This rank's values of each trained parameter, as a plain tensor (a DTensor's local shard, what
+    an FP8 training wrapper holds: their ops stop at casts); FP8 bytes are no master weights."""
     for p in parameters:
         if p.requires_grad:
-            yield p.to_local() if hasattr(p, "to_local") else p
+            t = p.detach()
+            while hasattr(t, "__tensor_flatten__"):
+                t = getattr(t, t.__tensor_flatten__()[0][0])
+            if t.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # not a cast's fp8 bytes
+                yield t
 
 
 def report_memory(s: TrainState, metrics: MetricsLogger, quiet: bool = False) -> None:
