@@ -49,6 +49,27 @@ VARIANTS = {
     ),
     "qwen3-tied": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}, "float32", 1),
     "qwen3-bias": ("Qwen3Config", {"head_dim": 16, "attention_bias": True}, "float32", 1),
+    # layer 0 a mixture of 8 experts (top 2, weights renormalised), layer 1 dense (mlp_only_layers)
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        | {"norm_topk_prob": True, "mlp_only_layers": [1]},
+        "float32",
+        2,
+    ),
+    # every second layer MoE (decoder_sparse_step), weights not renormalised
+    "qwen3-moe-sparse-step": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 48, "decoder_sparse_step": 2},
+        "bfloat16",
+        1,
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+        "float32",
+        1,
+    ),
 }
 
 

@@ -71,9 +71,40 @@ class ModelConfig:
     """Biases on the query/key/value projections, as Qwen2 (unset: the preset's)."""
     qk_norm: bool | None = None
     """RMSNorm over each query and key head before the rotation, as Qwen3 (unset: the preset's)."""
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "meshtrain"] | None = None
     """The Hugging Face model_type `meshtrain export` writes (unset: the preset's); checked at the
-    start against the architecture options (qwen2: qkv_bias; qwen3: qk_norm)."""
+    start against the architecture options (qwen2: qkv_bias; qwen3: qk_norm; qwen3_moe, mixtral:
+    n_experts). "meshtrain": any options (DeepSeek-style routing), and no Hugging Face export."""
+    n_experts: int | None = option(None, ge=0)
+    """Routed experts of each MoE layer; 0: a dense model (unset: the preset's)."""
+    top_k: int | None = option(None, gt=0)
+    """Experts each token goes to (unset: the preset's)."""
+    moe_ffn_dim: int | None = option(None, gt=0)
+    """Each expert's SwiGLU hidden size (unset: the preset's, else model.ffn_dim)."""
+    n_shared_experts: int | None = option(None, ge=0)
+    """Experts every token goes through beside its routed ones, as DeepSeek (unset: the preset's)."""
+    router_score: Literal["softmax", "sigmoid"] | None = None
+    """The router's expert scores: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)."""
+    norm_topk: bool | None = None
+    """Renormalise a token's top-k weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    expert_groups: int | None = option(None, gt=0)
+    """Experts split into this many groups; a token picks from its best model.groups_kept (DeepSeek-V3)."""
+    groups_kept: int | None = option(None, gt=0)
+    """The groups a token's experts come from (unset: every group)."""
+    capacity_factor: float | None = option(None, ge=0)
+    """0: dropless (every token reaches its experts). c > 0: in training an expert takes at most
+    c x tokens x top_k / n_experts tokens, the earliest; the rest skip it and are counted as dropped."""
+    moe_every: int | None = option(None, gt=0)
+    """Layer i is an MoE layer where (i + 1) % moe_every == 0 (Qwen-MoE's decoder_sparse_step)."""
+    first_dense: int | None = option(None, ge=0)
+    """The first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)."""
+    load_balance: Literal["aux_loss", "bias", "none"] | None = None
+    """aux_loss: Switch/GShard's auxiliary loss (model.aux_loss_coef); bias: DeepSeek-V3's
+    aux-loss-free per-expert bias on the routing, moved once per optimizer step; none."""
+    aux_loss_coef: float | None = option(None, ge=0)
+    """The auxiliary loss's weight (router_aux_loss_coef; unset: the model's, 0.001)."""
+    bias_update_rate: float | None = option(None, gt=0)
+    """How far the aux-loss-free bias moves per optimizer step (DeepSeek-V3: 0.001)."""
     vocab_multiple: int | None = option(None, gt=0)
     """Pad embedding/output rows to a multiple of this (Megatron's make-vocab-size-divisible-by); a
     multiple of parallel.tp; stripped on export."""

@@ -16,7 +16,7 @@ import math
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.model.args import MAX_POSITIONS, ModelArgs
-from meshtrain.model.family import FAMILIES, inexpressible
+from meshtrain.model.family import FAMILIES, NOT_BUILT, inexpressible
 from meshtrain.model.rope import ROPE_TYPES
 
 COMMON = frozenset(
@@ -75,7 +75,15 @@ ROPE_KEYS = {
     },
 }
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-DEFAULT_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' defaults
+# transformers' defaults
+DEFAULT_POSITIONS = {
+    "llama": 2048,
+    "mistral": 131072,
+    "qwen2": 32768,
+    "qwen3": 32768,
+    "qwen3_moe": 32768,
+    "mixtral": 131072,
+}
 
 
 def refuse(where: str, message: str) -> MeshtrainError:
@@ -87,10 +95,11 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
     family_name = c.get("model_type")
     family = FAMILIES.get(family_name)
     if family is None:
+        lacks = f"meshtrain does not compute {NOT_BUILT[family_name]}" if family_name in NOT_BUILT else ""
         raise refuse(
             where,
-            f"model_type {family_name!r} is not a family meshtrain imports ({', '.join(FAMILIES)}; "
-            "mixture-of-experts, multimodal and sliding-window-only models are not supported)",
+            f"model_type {family_name!r} is not a family meshtrain imports ({', '.join(FAMILIES)})"
+            + (f": {lacks}" if lacks else "; multimodal and sliding-window-only models are not supported"),
         )
     if "quantization_config" in c:
         method = (c["quantization_config"] or {}).get("quant_method", "?")
@@ -116,8 +125,9 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
     _check_sliding_window(c, family_name, max_positions, where)
     theta, scaling = read_rope(c, max_positions, where)
     n_heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or (128 if family_name == "qwen3" else None)  # Qwen3Config's default
+    head_dim = c.get("head_dim") or (128 if family_name == "qwen3" else None)  # Qwen3Config's default (not MoE's)
     bias = c.get("attention_bias", False)
+    moe = read_experts(c, family_name, where) if family.moe else {}
     return ModelArgs(
         dim=c["hidden_size"],
         n_layers=c["num_hidden_layers"],
@@ -137,7 +147,50 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
         qk_norm=family.qk_norm,
         family=family_name,
         vocab_multiple=vocab_multiple,
+        **moe,
     )
+
+
+def read_experts(c: dict, family: str, where: str) -> dict:
+    """The ModelArgs of a Mixtral or Qwen3-MoE config's mixture of experts."""
+    n_key = "num_local_experts" if family == "mixtral" or "num_experts" not in c else "num_experts"
+    ints = {n_key: None, "num_experts_per_tok": None, "moe_intermediate_size": None, "decoder_sparse_step": 1}
+    if family == "mixtral":
+        del ints["moe_intermediate_size"], ints["decoder_sparse_step"]
+    for key, default in ints.items():
+        value = c.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise refuse(where, f"{key} is {'missing' if key not in c else repr(value)}: it must be a positive integer")
+    if family == "qwen3_moe" and c.get("num_local_experts", c[n_key]) != c[n_key]:
+        raise refuse(where, "num_experts and num_local_experts disagree: keep one of them")
+    n_experts, top_k = c[n_key], c["num_experts_per_tok"]
+    if top_k > n_experts:
+        raise refuse(where, f"num_experts_per_tok {top_k} is more than the {n_experts} experts")
+    coef = c.get("router_aux_loss_coef", 0.001)
+    check_positive_number(coef, "router_aux_loss_coef", where, zero=True)
+    if family == "mixtral":
+        if c.get("router_jitter_noise", 0.0):
+            raise refuse(
+                where, f"router_jitter_noise {c['router_jitter_noise']}: meshtrain routes without noise; set it to 0.0"
+            )
+        return {"n_experts": n_experts, "top_k": top_k, "norm_topk": True, "aux_loss_coef": float(coef)}
+    dense = c.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < c["num_hidden_layers"] for i in dense
+    ):
+        raise refuse(where, f"mlp_only_layers is {dense!r}: it must be a list of layer indices")
+    norm = c.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise refuse(where, f"norm_topk_prob is {norm!r}: it must be true or false")
+    return {
+        "n_experts": n_experts,
+        "top_k": top_k,
+        "moe_ffn_dim": c["moe_intermediate_size"],
+        "moe_every": c.get("decoder_sparse_step", 1),
+        "dense_layers": tuple(dense),
+        "norm_topk": norm,
+        "aux_loss_coef": float(coef),
+    }
 
 
 MISTRAL_DEFAULT_WINDOW = 4096
@@ -181,7 +234,7 @@ def _check_sliding_window(c: dict, family: str, max_positions: int, where: str, 
     """meshtrain attends over the whole sequence: a window shorter than the model's context is refused.
     `length`: the context's name where it is not config.json's max_position_embeddings (model.max_seq_len,
     raised past it: a window that covered config.json's context may not cover that one)."""
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         if c.get("use_sliding_window"):
             raise refuse(
                 where, "use_sliding_window is true: meshtrain attends over the whole sequence; set it to false"
@@ -286,14 +339,22 @@ def args_to_config(args: ModelArgs, dtype: str, bos_id: int | None, eos_ids: lis
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if args.family in ("llama", "qwen3"):
+    if args.family in ("llama", "qwen3", "qwen3_moe"):
         c["attention_bias"] = args.out_bias
     if args.family == "llama":
         c["mlp_bias"] = args.mlp_bias
-    if args.family == "mistral":
+    if args.family in ("mistral", "mixtral"):
         c["sliding_window"] = None
     if args.family in ("qwen2", "qwen3"):
         c |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers}
+    router = {"num_experts_per_tok": args.top_k, "router_aux_loss_coef": args.aux_loss_coef}
+    if args.family == "mixtral":
+        c |= {"num_local_experts": args.n_experts, "router_jitter_noise": 0.0, **router}
+    if args.family == "qwen3_moe":
+        dense = sorted(set(args.dense_layers) | set(range(args.first_dense)))
+        c |= {"use_sliding_window": False, "sliding_window": None, "num_experts": args.n_experts, **router}
+        c |= {"moe_intermediate_size": args.expert_ffn_dim, "decoder_sparse_step": args.moe_every}
+        c |= {"mlp_only_layers": dense, "norm_topk_prob": args.norm_topk}
     return c
 
 

@@ -15,7 +15,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.files import read_json_object
 from meshtrain.interop.families import check_longer_context, config_to_args
 from meshtrain.interop.hf_dir import HFWeights, check_model_directory
-from meshtrain.interop.hf_names import from_hf_name, halves_to_pairs, name_or_none, rotary_heads, to_hf_name
+from meshtrain.interop.hf_names import halves_to_pairs, rotary_heads, to_hf_names
 from meshtrain.model.llama import ModelArgs, clean_fqn, copy_full_into
 from meshtrain.model.lora import ADAPTER_NAMES
 from meshtrain.model.shapes import Shape
@@ -60,12 +60,9 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
     wanted = {clean_fqn(n): p for part in parts for n, p in part.named_parameters() if not n.endswith(ADAPTER_NAMES)}
     with contextlib.ExitStack() as stack, torch.no_grad():
         weights = HFWeights(directory, stack)
-        ours_all = {p.name for p in Shape.from_args(args).parameters()} | {"output.weight"}
-        unknown = [
-            n
-            for n in weights.names()
-            if name_or_none(from_hf_name, n) not in ours_all and not n.endswith("rotary_emb.inv_freq")
-        ]
+        params = [p.name for p in Shape.from_args(args).parameters()] + ["output.weight"]
+        known = {theirs for name in params for theirs in to_hf_names(name, args)}
+        unknown = [n for n in weights.names() if n not in known and not n.endswith("rotary_emb.inv_freq")]
         if unknown:
             raise MeshtrainError(
                 f"model.init_from: {directory} has weights meshtrain cannot place: {', '.join(unknown[:3])}"
@@ -77,14 +74,12 @@ def load_hf_weights(parts, directory: str | Path, args: ModelArgs) -> None:
                     "lm_head.weight that differs from them: set tie_word_embeddings to false to use both"
                 )
         for ours, param in wanted.items():
-            name = (
-                to_hf_name(ours)
-                if not (args.tie_embeddings and ours == "output.weight")
-                else "model.embed_tokens.weight"
-            )
-            if name not in weights.where:
-                raise MeshtrainError(f"model.init_from: {directory} has no {name} (needed for {ours})")
-            t = weights.get(name)
+            names = to_hf_names(ours, args) if not (args.tie_embeddings and ours == "output.weight") else []
+            names = names or ["model.embed_tokens.weight"]
+            if missing := [name for name in names if name not in weights.where]:
+                raise MeshtrainError(f"model.init_from: {directory} has no {missing[0]} (needed for {ours})")
+            name = names[0] if len(names) == 1 else names[0].replace(".experts.0.", ".experts.*.")
+            t = weights.get(names[0]) if len(names) == 1 else torch.stack([weights.get(n) for n in names])
             if (heads := rotary_heads(ours, args)) is not None and t.shape[0] % (2 * heads) == 0:
                 t = halves_to_pairs(t, heads)
             if ours in ("tok_embeddings.weight", "output.weight") and t.shape[0] != args.vocab_size:

@@ -70,18 +70,25 @@ def to_hf_name(name: str) -> str:
     }[name]
 
 
-FROM_HF = {v: k for k, v in LAYER_NAMES.items()}
+# An MoE layer's block in each family, and its experts' three projections (ours: w1 gate, w2 down, w3 up).
+MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+EXPERT_NAMES = {
+    "qwen3_moe": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+    "mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
+}
 
 
-def from_hf_name(name: str) -> str:
-    if name.startswith("model.layers."):
-        _, _, i, rest = name.split(".", 3)
-        return f"layers.{i}.{FROM_HF[rest]}"
-    return {
-        "model.embed_tokens.weight": "tok_embeddings.weight",
-        "model.norm.weight": "norm.weight",
-        "lm_head.weight": "output.weight",
-    }[name]
+def to_hf_names(name: str, args: ModelArgs) -> list[str]:
+    """The Hugging Face tensors one of ours is stored as: one, or one per expert for an MoE layer's
+    3-D expert weight (expert e is row e of ours)."""
+    if ".feed_forward.router." in name or ".feed_forward.experts." in name:
+        _, i, _, kind, weight = name.split(".")  # layers.3.feed_forward.experts.w1
+        block = f"model.layers.{i}.{MOE_BLOCK[args.family]}"
+        if kind == "router":
+            return [f"{block}.gate.weight"]
+        theirs = EXPERT_NAMES[args.family][weight]
+        return [f"{block}.experts.{e}.{theirs}.weight" for e in range(args.n_experts)]
+    return [to_hf_name(name)]
 
 
 def hf_state_dict(model: Llama, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -94,12 +101,9 @@ def hf_state_dict(model: Llama, args: ModelArgs, dtype: torch.dtype) -> dict[str
             t = t[: args.vocab_size]  # strip the padding rows
         elif (heads := rotary_heads(name, args)) is not None:
             t = pairs_to_halves(t, heads)
-        out[to_hf_name(name)] = t.to(dtype).contiguous().clone()
+        elif name.endswith(("expert_bias", "tokens_per_expert", "routed", "aux_sum")):
+            continue  # routing state the families' configs have no place for (export refuses the bias)
+        names = to_hf_names(name, args)
+        for theirs, piece in zip(names, t.unbind(0) if len(names) > 1 else (t,), strict=True):
+            out[theirs] = piece.to(dtype).contiguous().clone()
     return out
-
-
-def name_or_none(fn, arg):
-    try:
-        return fn(arg)
-    except (KeyError, ValueError):
-        return None

@@ -15,12 +15,20 @@ from meshtrain.model.args import LoraSpec, ModelArgs, parse_targets
 from meshtrain.model.presets import PRESETS
 from meshtrain.model.shapes import Shape
 
-# What model.init_from's config.json fixes: every shape key the config declares, except the context
-# length and the vocabulary's padding, which a fine-tune may change.
+# What a fine-tune may change of model.init_from's model: the context length, the vocabulary's padding
+# and how experts are balanced in training; config.json fixes every other key the config declares.
+TRAINING_KEYS = (
+    "max_seq_len",
+    "vocab_multiple",
+    "capacity_factor",
+    "load_balance",
+    "aux_loss_coef",
+    "bias_update_rate",
+)
 SHAPE_KEYS = tuple(
     f.name
     for f in dataclasses.fields(ModelArgs)
-    if f.name in ModelConfig.__dataclass_fields__ and f.name not in ("max_seq_len", "vocab_multiple")
+    if f.name in ModelConfig.__dataclass_fields__ and f.name not in TRAINING_KEYS
 )
 
 
@@ -42,11 +50,8 @@ def adapters_of(peft: PeftConfig) -> LoraSpec | None:
 
 def with_overrides(cfg: Config, base: ModelArgs, vocab_size: int | None = None) -> ModelArgs:
     """`base` with the config's model keys that are set; `vocab_size` (the data's) fills an unset one."""
-    args = dataclasses.replace(base)
-    for f in dataclasses.fields(ModelArgs):
-        value = getattr(cfg.model, f.name, None)
-        if value is not None:
-            setattr(args, f.name, value)
+    given = {f.name: getattr(cfg.model, f.name, None) for f in dataclasses.fields(ModelArgs)}
+    args = dataclasses.replace(base, **{name: value for name, value in given.items() if value is not None})
     if cfg.model.vocab_size is None and vocab_size is not None:
         args.vocab_size = vocab_size
     return args
@@ -89,8 +94,10 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
     if problem := inexpressible(args):
         raise ConfigError(
             f"model.family = {args.family!r} has no {problem}: pick the family whose architecture has it "
-            "(qwen2: qkv_bias; qwen3: qk_norm) or drop the option"
+            "(qwen2: qkv_bias; qwen3: qk_norm; qwen3_moe, mixtral: experts; meshtrain: any, without a Hugging "
+            "Face export) or drop the option"
         )
+    check_experts(args)
     if args.head_dim is None and args.dim % args.n_heads:
         raise ConfigError(f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads})")
     if args.head_size % 2:
@@ -113,4 +120,30 @@ def check_model_args(args: ModelArgs, cfg: Config, data_vocab_size: int | None =
         raise ConfigError(
             f"the model's vocabulary ({args.vocab_size}) is smaller than the data's ({data_vocab_size}); "
             "leave model.vocab_size unset to use the data's, or use data tokenized for model.init_from"
+        )
+
+
+def check_experts(args: ModelArgs) -> None:
+    """The mixture of experts against itself (model/moe.py)."""
+    if not args.n_experts:
+        return
+    if args.top_k > args.n_experts:
+        raise ConfigError(f"model.top_k ({args.top_k}) is more than model.n_experts ({args.n_experts})")
+    if args.n_experts % args.expert_groups:
+        raise ConfigError(
+            f"model.n_experts ({args.n_experts}) must be a multiple of model.expert_groups ({args.expert_groups})"
+        )
+    if args.kept_groups > args.expert_groups:
+        raise ConfigError(
+            f"model.groups_kept ({args.groups_kept}) is more than model.expert_groups ({args.expert_groups})"
+        )
+    if args.kept_groups * (args.n_experts // args.expert_groups) < args.top_k:
+        raise ConfigError(
+            f"model.groups_kept ({args.kept_groups}) groups of {args.n_experts // args.expert_groups} experts hold "
+            f"fewer than model.top_k ({args.top_k}): keep more groups"
+        )
+    if not args.moe_layers:
+        raise ConfigError(
+            f"model.n_experts = {args.n_experts} but no layer is an MoE layer (model.first_dense = {args.first_dense}, "
+            f"model.moe_every = {args.moe_every} of {args.n_layers} layers): lower them"
         )

@@ -32,6 +32,45 @@ class ModelArgs:
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
     family: str = "llama"  # the Hugging Face model_type: llama, mistral, qwen2, qwen3
     vocab_multiple: int = 64  # embedding rows padded to a multiple of this (tensor-parallel friendly)
+    # Mixture of experts (model/moe.py). n_experts 0: every layer's feed-forward is dense.
+    n_experts: int = 0
+    top_k: int = 2  # experts per token
+    moe_ffn_dim: int | None = None  # each expert's hidden size (None: ffn_dim, which dense layers keep)
+    n_shared_experts: int = 0  # experts every token goes through (DeepSeek), unweighted
+    router_score: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    norm_topk: bool = True  # the top-k weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    expert_groups: int = 1  # experts split in groups; a token's experts come from its best groups_kept ones
+    groups_kept: int | None = None  # None: all groups
+    capacity_factor: float = 0.0  # 0: dropless; c: an expert takes at most c x tokens x top_k / n_experts
+    moe_every: int = 1  # layer i is MoE where (i + 1) % moe_every == 0 (Qwen-MoE's decoder_sparse_step)
+    first_dense: int = 0  # the first k layers dense (DeepSeek's first_k_dense_replace)
+    dense_layers: tuple[int, ...] = ()  # and these (Qwen3-MoE's mlp_only_layers)
+    load_balance: str = "aux_loss"  # "aux_loss" (Switch/GShard), "bias" (DeepSeek-V3, aux-loss-free) or "none"
+    aux_loss_coef: float = 0.001  # router_aux_loss_coef
+    bias_update_rate: float = 0.001  # the aux-loss-free bias's step per optimizer step
+
+    def __post_init__(self):
+        self.dense_layers = tuple(self.dense_layers)  # (model.json and config files give lists)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.n_experts > 0
+            and i >= self.first_dense
+            and (i + 1) % self.moe_every == 0
+            and i not in self.dense_layers
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    @property
+    def kept_groups(self) -> int:
+        return self.groups_kept or self.expert_groups
 
     @property
     def head_size(self) -> int:

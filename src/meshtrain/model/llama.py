@@ -6,7 +6,8 @@ RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection.
 The families that share this skeleton are options of the one model, as in torchtitan's model args:
 Llama 1-3.3 (rotary scaling, tied embeddings for 3.2's small sizes), Mistral, Qwen2/2.5 (biases on
 the q/k/v projections) and Qwen3 (RMSNorm on each query and key head, a head dimension apart from
-dim / n_heads). `family` names the Hugging Face `model_type` an export writes back.
+dim / n_heads); Mixtral and Qwen3-MoE are the same blocks with a mixture of experts in place of the
+MLP (model/moe.py). `family` names the Hugging Face `model_type` an export writes back.
 
 The module tree (`tok_embeddings`, `layers.{i}.attention.wq`, ...) follows torchtitan so that the
 parallel plans and checkpoint names stay simple. `layers` is an `nn.ModuleDict` keyed by the layer
@@ -27,6 +28,7 @@ from torch import nn
 from meshtrain.errors import CheckpointError
 from meshtrain.model.args import ModelArgs
 from meshtrain.model.masks import DocumentMask, flex_available
+from meshtrain.model.moe import MoE
 from meshtrain.model.recompute_attention import applies, recomputed_attention
 
 
@@ -125,12 +127,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
+        # a mixture of experts in the layers args.is_moe_layer picks (model/moe.py), SwiGLU elsewhere
+        self.feed_forward = (
+            MoE(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
@@ -147,7 +152,7 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.padded_vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.padded_vocab_size, bias=False)
         if args.tie_embeddings:
@@ -222,6 +227,9 @@ class Llama(nn.Module):
         cos, sin = precompute_rope(self.args)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers(device)
         if not draw:
             return
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: scale residual outputs
@@ -237,7 +245,7 @@ class Llama(nn.Module):
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 full = init_adapter(name, param.shape, gen)
             else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
                 if name == "output.weight" and self.args.tie_embeddings:
                     name = "tok_embeddings.weight"  # a pipeline's last stage: its copy of the embedding
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))

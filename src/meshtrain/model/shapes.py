@@ -36,6 +36,11 @@ SHARDED_DIM = {
 }
 
 
+def swiglu_weights(dim: int, hidden: int) -> list[tuple[str, tuple[int, int]]]:
+    """A SwiGLU MLP's three weights: (name, (out, in))."""
+    return [("w1", (hidden, dim)), ("w2", (dim, hidden)), ("w3", (hidden, dim))]
+
+
 @dataclass(frozen=True)
 class Param:
     name: str
@@ -67,6 +72,13 @@ class Shape:
     out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # mixture of experts: the routed experts, each token's count of them, an expert's hidden size, the
+    # shared experts (each of expert_ffn_dim) and which layers have them (model/moe.py)
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ffn_dim: int = 0
+    n_shared_experts: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_args(cls, args: ModelArgs) -> "Shape":
@@ -85,6 +97,11 @@ class Shape:
             args.out_bias,
             args.mlp_bias,
             args.qk_norm,
+            args.n_experts,
+            args.top_k if args.n_experts else 0,
+            args.expert_ffn_dim if args.n_experts else 0,
+            args.n_shared_experts if args.n_experts else 0,
+            args.moe_layers,
         )
 
     @classmethod
@@ -117,7 +134,6 @@ class Shape:
         for i in range(self.n_layers):
             pre = f"layers.{i}."
             attention = [("wq", q, h), ("wk", kv, h), ("wv", kv, h), ("wo", h, q)]
-            mlp = [("w1", f, h), ("w2", h, f), ("w3", f, h)]
             params.append(p(pre + "attention_norm.weight", (h,), i))
             for name, rows, cols in attention:
                 params.append(p(pre + f"attention.{name}.weight", (rows, cols), i))
@@ -127,7 +143,10 @@ class Shape:
                 params += [p(pre + "attention.q_norm.weight", (self.head_dim,), i)]
                 params += [p(pre + "attention.k_norm.weight", (self.head_dim,), i)]
             params.append(p(pre + "ffn_norm.weight", (h,), i))
-            for name, rows, cols in mlp:
+            if i in self.moe_layers:
+                params += self._moe(pre + "feed_forward.", i)
+                continue
+            for name, (rows, cols) in swiglu_weights(h, f):
                 params.append(p(pre + f"feed_forward.{name}.weight", (rows, cols), i))
                 if self.mlp_bias:
                     params.append(p(pre + f"feed_forward.{name}.bias", (rows,), i))
@@ -135,6 +154,25 @@ class Shape:
         if not self.tie_embeddings:
             params.append(p("output.weight", (self.vocab_size, h), "head"))
         return params
+
+    def _moe(self, pre: str, i: int) -> list[Param]:
+        """An MoE layer's router, 3-D experts (expert, out, in) and shared experts' SwiGLU."""
+        h, e, f = self.dim, self.n_experts, self.expert_ffn_dim
+        params = [
+            Param(pre + "router.weight", (e, h), i, None),
+            Param(pre + "experts.w1", (e, f, h), i, None),
+            Param(pre + "experts.w2", (e, h, f), i, None),
+            Param(pre + "experts.w3", (e, f, h), i, None),
+        ]
+        if shared := self.n_shared_experts * f:
+            params += [
+                Param(pre + f"shared.{name}.weight", shape, i, None) for name, shape in swiglu_weights(h, shared)
+            ]
+        return params
+
+    def active_numel(self, param: Param) -> int:
+        """Of a parameter's values, those one token multiplies: top_k of n_experts of a routed expert's."""
+        return param.numel * self.top_k // self.n_experts if ".experts." in param.name else param.numel
 
     def _gpt(self) -> list[Param]:
         """Megatron's GPT: fused QKV and fc1 split by columns (with their biases), proj and fc2 by rows."""
@@ -174,7 +212,7 @@ class Shape:
         `lora` (a LoraSpec): the frozen weights take no weight gradient, 4 x instead of 6 x, and the
         adapters 6 x theirs; `reference_forward` (DPO): one more forward, 2 x and the attention's third."""
         lookups = ("tok_embeddings.weight", "wte.weight", "wpe.weight")
-        matmul = sum(p.numel for p in self.parameters() if p.name not in lookups)
+        matmul = sum(self.active_numel(p) for p in self.parameters() if p.name not in lookups)
         if self.tie_embeddings:
             matmul += self.vocab_size * self.dim  # the output projection is the embedding matrix
         attention = 4.0 * self.n_layers * self.q_dim * seq_len  # forward; backward twice that
