@@ -43,7 +43,8 @@ def check_init_from(value: str) -> None:
 class ModelConfig:
     preset: str | None = option(None, check=check_preset, flags=("--model",))
     """Named shape (unset: tiny): tiny, small, gpt2-124m, gpt2-345m, llama3-8b/70b/405b,
-    llama3.1-8b/70b/405b, llama3.2-1b/3b, mistral-7b, qwen2.5-7b/72b, qwen3-8b/32b. Refused beside
+    llama3.1-8b/70b/405b, llama3.2-1b/3b, mistral-7b, qwen2.5-7b/72b, qwen3-8b/32b; mixtures of experts
+    tiny-moe, small-moe, qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b. Refused beside
     model.init_from, whose config.json is the shape."""
     dim: int | None = option(None, gt=0, flags=("--hidden",))
     """Hidden size (unset: the preset's)."""

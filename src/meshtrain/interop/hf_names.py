@@ -101,7 +101,7 @@ def hf_state_dict(model: Llama, args: ModelArgs, dtype: torch.dtype) -> dict[str
             t = t[: args.vocab_size]  # strip the padding rows
         elif (heads := rotary_heads(name, args)) is not None:
             t = pairs_to_halves(t, heads)
-        elif name.endswith(("expert_bias", "tokens_per_expert", "routed", "aux_sum")):
+        elif name.endswith("expert_bias"):
             continue  # routing state the families' configs have no place for (export refuses the bias)
         names = to_hf_names(name, args)
         for theirs, piece in zip(names, t.unbind(0) if len(names) > 1 else (t,), strict=True):

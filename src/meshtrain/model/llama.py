@@ -134,7 +134,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # a mixture of experts in the layers args.is_moe_layer picks (model/moe.py), SwiGLU elsewhere
         self.feed_forward = (
-            MoE(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
+            MoE(args, index) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
         )
 
     def forward(

@@ -166,24 +166,24 @@ class MoE(nn.Module):
 
     aux_weight: torch.Tensor | None = None  # d(training loss)/d(this layer's aux loss): set by the step
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         from meshtrain.model.llama import FeedForward
 
         self.args = args
+        self.layer = layer  # its index among the model's layers: metrics name it, pipelines gather by it
         self.router = Router(args)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_ffn_dim)
         shared = args.n_shared_experts * args.expert_ffn_dim
         self.shared = FeedForward(args.dim, shared) if shared else None
-        # the tokens each expert took since the last optimizer step (this rank's), the tokens routed
-        # and dropped, and the aux loss summed over the forwards: read by the balancing update and metrics
-        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
-        self.register_buffer("routed", torch.zeros(2), persistent=False)  # (token-expert pairs, dropped)
-        self.register_buffer("aux_sum", torch.zeros(2), persistent=False)  # (aux loss sum, forwards)
+        # this rank's counts: the tokens each expert took since the last optimizer step (the bias's
+        # update), and since the last metrics record: those, (pairs routed, dropped), (aux loss sum, forwards)
+        self.register_buffer("step_counts", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("log_sums", torch.zeros(args.n_experts + 4), persistent=False)
 
     def reset_buffers(self, device: torch.device) -> None:
         """Zero the balancing bias and the counters (a model built on the meta device holds garbage)."""
-        for name in ("tokens_per_expert", "routed", "aux_sum"):
+        for name in ("step_counts", "log_sums"):
             setattr(self, name, torch.zeros_like(getattr(self, name), device=device))
         self.router.expert_bias = torch.zeros_like(self.router.expert_bias, device=device)
 
@@ -195,7 +195,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.args.n_experts)
         order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert, in token order
         taken = counts
-        if (keep := self.room(counts, len(flat))) is not None:
+        if self.training and (keep := self.room(counts, len(flat))) is not None:
             order = order[keep]
             taken = torch.bincount(flat[order], minlength=self.args.n_experts)
         token = order // self.args.top_k
@@ -204,15 +204,19 @@ class MoE(nn.Module):
         y = x.new_zeros(x.shape).index_add_(0, token, out.to(x.dtype))
         if self.shared is not None:
             y = y + self.shared(x)
-        if self.training and not in_recomputation():
+        # a training forward counts once: not in a recomputation, not in a no-grad pass (DPO's reference)
+        training = self.training and torch.is_grad_enabled()
+        counted = training and not in_recomputation()
+        if counted:
             with torch.no_grad():
-                self.tokens_per_expert += taken.float()
-                self.routed += torch.stack((counts.sum(), counts.sum() - taken.sum())).float()
-        if self.training and self.args.load_balance == "aux_loss" and self.aux_weight is not None:
+                self.step_counts += taken
+                pairs = torch.stack((counts.sum(), counts.sum() - taken.sum()))
+                self.log_sums[:-2] += torch.cat((taken, pairs))
+        if training and self.args.load_balance == "aux_loss" and self.aux_weight is not None:
             aux = self.aux_loss(counts, scores)
-            if not in_recomputation():
+            if counted:
                 with torch.no_grad():
-                    self.aux_sum += torch.stack((aux.detach(), torch.ones_like(aux)))
+                    self.log_sums[-2:] += torch.stack((aux.detach(), torch.ones_like(aux)))
             y = AuxLoss.apply(y, aux, self.aux_weight)
         return y.reshape(shape)
 
@@ -232,3 +236,62 @@ class MoE(nn.Module):
         probs = scores if self.args.router_score == "softmax" else scores / scores.sum(-1, keepdim=True)
         share = counts.float() / scores.shape[0]
         return self.args.n_experts * (share * probs.mean(0)).sum()
+
+
+def moe_layers(parts) -> list[MoE]:
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+def set_aux_weight(parts, weight: torch.Tensor) -> None:
+    """d(training loss)/d(each layer's aux loss) for the coming step: aux_loss_coef averaged over the
+    MoE layers and the rank's micro-batches, times fp16's loss scale (the caller's)."""
+    for m in moe_layers(parts):
+        m.aux_weight = weight * (m.args.aux_loss_coef / len(m.args.moe_layers))
+
+
+def _table(layers: list[MoE], buffer: str, groups: list) -> torch.Tensor:
+    """One row per MoE layer of the whole model: each layer's `buffer`, summed over `groups` (data
+    parallel, then the pipeline stages, each holding some of the layers and zeros for the others)."""
+    args = layers[0].args
+    first = getattr(layers[0], buffer)
+    table = first.new_zeros(len(args.moe_layers), first.numel())
+    for m in layers:
+        table[args.moe_layers.index(m.layer)] = getattr(m, buffer)
+        getattr(m, buffer).zero_()
+    for group in groups:
+        if group is not None:
+            torch.distributed.all_reduce(table, group=group)
+    return table
+
+
+@torch.no_grad()
+def end_step(parts, groups: list) -> None:
+    """After an optimizer step, aux-loss-free balancing: each expert's bias moves by bias_update_rate
+    toward the mean load, from the tokens it took in the step summed over micro-batches and ranks."""
+    layers = moe_layers(parts)
+    if not layers or layers[0].args.load_balance != "bias":
+        return
+    counts = _table(layers, "step_counts", groups)
+    for m in layers:
+        load = counts[m.args.moe_layers.index(m.layer)]
+        m.router.expert_bias += m.args.bias_update_rate * torch.sign(load.mean() - load)
+
+
+@torch.no_grad()
+def balance_report(parts, groups: list) -> dict[str, float]:
+    """Since the last report, over every rank: the aux loss (mean over layers and micro-batches), and
+    per MoE layer the max/mean tokens per expert and the share of routed tokens the capacity dropped."""
+    layers = moe_layers(parts)
+    if not layers:
+        return {}
+    args = layers[0].args
+    table = _table(layers, "log_sums", groups)
+    counts, (routed, dropped, aux, forwards) = table[:, : args.n_experts], table[:, args.n_experts :].T
+    balance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
+    metrics = {}
+    if forwards.sum() > 0:
+        metrics["moe_aux_loss"] = float((aux / forwards.clamp(min=1)).mean())
+    for i, layer in enumerate(args.moe_layers):
+        metrics[f"moe_layer{layer}_max_over_mean"] = balance[i]
+        metrics[f"moe_layer{layer}_dropped"] = float(dropped[i] / routed[i].clamp(min=1))
+    return metrics

@@ -131,3 +131,53 @@ PRESETS |= {
     "qwen3-8b": _qwen(4096, 36, 32, 8, 12288, "qwen3", vocab_size=151936, max_seq_len=40960),
     "qwen3-32b": _qwen(5120, 64, 64, 8, 25600, "qwen3", vocab_size=151936, max_seq_len=40960),
 }
+
+# Mixtures of experts (model/moe.py). The small ones train on a CPU beside tiny and small: 8 experts,
+# 2 per token; the published ones are their config.json files' (Qwen3-MoE: 128 experts, 8 per token,
+# top-k weights renormalised; Mixtral: 8 experts, 2 per token, in every layer).
+_QWEN3_MOE = {"n_experts": 128, "top_k": 8, "norm_topk": True, "vocab_size": 151936, "max_seq_len": 40960}
+PRESETS |= {
+    "tiny-moe": ModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=768,
+        vocab_size=8192,
+        max_seq_len=1024,
+        qk_norm=True,
+        family="qwen3_moe",
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=192,
+    ),
+    "small-moe": ModelArgs(
+        dim=640,
+        n_layers=8,
+        n_heads=10,
+        n_kv_heads=5,
+        ffn_dim=2048,
+        vocab_size=8192,
+        max_seq_len=2048,
+        qk_norm=True,
+        family="qwen3_moe",
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=512,
+    ),
+    "qwen3-30b-a3b": _qwen(2048, 48, 32, 4, 6144, "qwen3_moe", moe_ffn_dim=768, **_QWEN3_MOE),
+    "qwen3-235b-a22b": _qwen(4096, 94, 64, 4, 12288, "qwen3_moe", moe_ffn_dim=1536, **_QWEN3_MOE),
+    "mixtral-8x7b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=32000,
+        max_seq_len=32768,
+        rope_theta=1000000.0,
+        family="mixtral",
+        n_experts=8,
+        top_k=2,
+    ),
+}

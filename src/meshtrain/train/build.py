@@ -29,6 +29,7 @@ from meshtrain.layout import Layout
 from meshtrain.logs import log
 from meshtrain.model import Llama, ModelArgs, num_params
 from meshtrain.model.args import LoraSpec
+from meshtrain.model.moe import end_step, set_aux_weight
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.loss_scale import LossScaler
@@ -120,8 +121,14 @@ class TrainState:
     ):
         """One optimizer step (see train.step.train_step); the LR schedule is stepped by the caller.
         `n_targets`: targets in the global batch (None: every token of every rank's batch);
-        `positions`: each token's within its document (document masking; None: plain causal)."""
-        return train_step(
+        `positions`: each token's within its document (document masking; None: plain causal).
+        An MoE model's aux loss weighs each of this rank's micro-batches equally (and is scaled as
+        fp16 scales the loss); after the step the aux-loss-free bias moves (model/moe.py)."""
+        if self.moe:
+            micro_batches = -(-len(inputs) // (self.layout.micro_batch_size * self.model.rows_per_sample))
+            scale = self.scaler.factor() if self.scaler is not None else torch.ones((), device=self.device)
+            set_aux_weight(self.model.parts, scale / micro_batches)
+        result = train_step(
             self.model,
             self.optimizer,
             inputs,
@@ -135,6 +142,18 @@ class TrainState:
             self.scaler,
             positions,
         )
+        if self.moe:
+            end_step(self.model.parts, self.balance_groups)
+        return result
+
+    @property
+    def moe(self) -> bool:
+        return self.args.n_experts > 0
+
+    @property
+    def balance_groups(self) -> list:
+        """Where an MoE layer's expert counts are summed: the data-parallel ranks, then the stages."""
+        return [self.dims.dp_group, self.pp_group]
 
 
 def build_model(

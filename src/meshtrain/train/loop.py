@@ -37,6 +37,7 @@ from meshtrain.launch.local import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshtrain.lock import JobLocks
 from meshtrain.logs import log, setup_logging
 from meshtrain.metrics import MetricsLogger, Throughput
+from meshtrain.model.moe import balance_report
 from meshtrain.optim import restore_schedule
 from meshtrain.parallel import arithmetic_label
 from meshtrain.parallel.memory import format_memory, gather_memory_report
@@ -391,6 +392,7 @@ def log_record(s: TrainState, step: int, lr: float, loss, grad_norm, n_targets, 
         # of this step's global batch: target tokens (chat data: the loss mask's), or DPO's pairs
         "pairs" if preference else "target_tokens": n_targets,
         **(preference.report(s.dims.dp_group) if preference else {}),
+        **(balance_report(s.model.parts, s.balance_groups) if s.moe else {}),
         **meter.report(),
         **detector.report(),
     }
