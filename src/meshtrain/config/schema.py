@@ -301,9 +301,9 @@ class PeftConfig:
     dropout: float | None = option(None, ge=0, lt=1, flags=("--lora-dropout",))
     """Dropout on the adapters' input (unset: 0)."""
     targets: str | None = option(None, check=check_lora_targets, flags=("--lora-targets",))
-    """The linears that get adapters: "all" (unset), "attention", "mlp", or a comma list of wq, wk, wv,
-    wo, w1, w2, w3 (or their Hugging Face names q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj,
-    up_proj)."""
+    """The linears that get adapters: "all" (unset; "attention" for a mixture of experts, whose routed
+    experts take none), "attention", "mlp", or a comma list of wq, wk, wv, wo, w1, w2, w3 (or their
+    Hugging Face names q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj)."""
 
 
 @dataclass

@@ -75,7 +75,7 @@ def resolve(cfg: Config, world: int, dataset: Blend | None = None) -> Job:
     args, shape = resolve_model(cfg, dataset.vocab_size if dataset is not None else None)
     layout = layout_of(cfg, world)
     check_layout(layout, args, cfg)
-    lora = adapters_of(cfg.peft)
+    lora = adapters_of(cfg.peft, moe=args.n_experts > 0)
     if problem := layout_refusal(shape, layout, lora, t.objective, t.fp8, t.cuda_graphs):
         raise ConfigError(problem)
     if dataset is not None:

@@ -11,7 +11,7 @@ import dataclasses
 from meshtrain.config import Config, ModelConfig
 from meshtrain.config.schema import DEFAULT_PRESET, PeftConfig
 from meshtrain.errors import ConfigError
-from meshtrain.model.args import LoraSpec, ModelArgs, parse_targets
+from meshtrain.model.args import GROUPS, LoraSpec, ModelArgs, parse_targets
 from meshtrain.model.presets import PRESETS
 from meshtrain.model.shapes import Shape
 
@@ -38,14 +38,20 @@ def resolve_model(cfg: Config, data_vocab_size: int | None = None) -> tuple[Mode
     return args, Shape.from_args(args)
 
 
-def adapters_of(peft: PeftConfig) -> LoraSpec | None:
-    """[peft] with its defaults resolved (rank 8, alpha 2 x rank, no dropout, every linear); None
-    when peft.method is "none" (every weight trains)."""
+def adapters_of(peft: PeftConfig, moe: bool = False) -> LoraSpec | None:
+    """[peft] with its defaults resolved (rank 8, alpha 2 x rank, no dropout, every linear: the
+    attention's of a mixture of experts, `moe`); None when peft.method is "none" (every weight trains)."""
     if peft.method == "none":
         return None
     rank = peft.rank or 8
     alpha = peft.alpha if peft.alpha is not None else 2.0 * rank
-    return LoraSpec(peft.method, rank, alpha, peft.dropout or 0.0, parse_targets(peft.targets))
+    targets = parse_targets(peft.targets or ("attention" if moe else None))
+    if moe and (mlp := [name for name in targets if name in GROUPS["mlp"]]):
+        raise ConfigError(
+            f"peft.targets = {peft.targets!r} puts adapters on {', '.join(mlp)}, but a mixture of experts' routed "
+            "experts take none: set peft.targets = attention"
+        )
+    return LoraSpec(peft.method, rank, alpha, peft.dropout or 0.0, targets)
 
 
 def with_overrides(cfg: Config, base: ModelArgs, vocab_size: int | None = None) -> ModelArgs:

@@ -24,6 +24,11 @@ def layout_refusal(
         )
     if problem := fp8_shape_refusal(shape, layout.tp, fp8) or nf4_refusal(shape, lora):
         return problem
+    if shape.moe_layers and layout.tp > 1:
+        return (
+            f"parallel.tp = {layout.tp} with a mixture of experts: tensor parallelism of MoE layers is not built; "
+            "split the model with ZeRO-3 (parallel.zero = 3) or a pipeline (parallel.pp) instead"
+        )
     if objective == "dpo" and layout.pp > 1:
         return "training.objective = dpo is not implemented for pipelines (parallel.pp > 1): use ZeRO-3 or TP"
     if lora is None or not lora.quantized:

@@ -27,6 +27,7 @@ from torch import nn
 
 from meshtrain.errors import CheckpointError
 from meshtrain.model.args import ModelArgs
+from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.masks import DocumentMask, flex_available
 from meshtrain.model.moe import MoE
 from meshtrain.model.recompute_attention import applies, recomputed_attention
@@ -111,19 +112,6 @@ class Attention(nn.Module):
         if self.recompute_backward and applies(q):
             return recomputed_attention(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int, bias: bool = False):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=bias)
-        self.w2 = nn.Linear(hidden, dim, bias=bias)
-        self.w3 = nn.Linear(dim, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.model.args import ModelArgs
+from meshtrain.model.feed_forward import FeedForward
 
 
 class AuxLoss(torch.autograd.Function):
@@ -168,8 +169,6 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        from meshtrain.model.llama import FeedForward
-
         self.args = args
         self.layer = layer  # its index among the model's layers: metrics name it, pipelines gather by it
         self.router = Router(args)

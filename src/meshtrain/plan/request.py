@@ -432,7 +432,7 @@ def make_plan(o: PlanOptions, overrides: list[str]) -> Plan:
     check_peak(t.peak_tflops, t.fp8)
     compiled, cuda_graphs = (getattr(t, k) if explain or f"training.{k}" in given else False for k in COMPILE_KEYS)
     check_compiled(compiled, cuda_graphs, llama, o.gpu)
-    peft = adapters_of(cfg.peft)
+    peft = adapters_of(cfg.peft, moe=bool(shape.moe_layers))
     pinned = pinned_knobs(cfg, given, explain)
     if "cp" in pinned:
         check_cp(shape, cfg.parallel.cp, cfg.parallel.tp if "tp" in pinned else 1, gpus, seq_len)
