@@ -4,12 +4,14 @@ balancing loss; both balancing schemes; the refusals of shapes and layouts it ca
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from conftest import SMALL_MODEL, assert_same_run, read_metrics, run_cli, train_args
 from meshtrain.errors import ConfigError
 from meshtrain.model.args import ModelArgs
 from meshtrain.model.moe import MoE, balance_report, end_step, set_aux_weight
@@ -172,3 +174,34 @@ def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path)
     assert "sigmoid router" in refusal(**{"model.router_score": "sigmoid"})
     assert "no layer is an MoE layer" in refusal(**{"model.first_dense": 6})
     assert "routed experts take none" in refusal(**{"peft.method": "lora", "peft.targets": "all"})
+
+
+MOE_MODEL = [*SMALL_MODEL, "--model.n_experts", "8", "--model.top_k", "2", "--model.family", "meshtrain"]
+
+
+@pytest.mark.multiproc
+def test_an_moe_model_trains_alike_on_one_process_zero3_and_a_pipeline_and_resumes_across_them(
+    corpus, cli_env, tmp_path
+):
+    """Loss, gradient norm, the balance metrics and the final weights of ZeRO-3 and PP 2 against one
+    process; bias balancing over two data-parallel ranks, stopped at step 5 (its bias in the
+    checkpoint) and resumed on one process, against one process throughout."""
+
+    def run(name: str, *extra: str) -> Path:
+        result = run_cli(train_args(corpus, tmp_path / name, *extra, model=MOE_MODEL), cli_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return tmp_path / name
+
+    one = run("one")
+    for layout in (["--parallel.zero", "3"], ["--parallel.pp", "2"]):
+        other = run("-".join(layout), "--nproc", "2", *layout)
+        assert_same_run(other, one)
+        for got, want in zip(read_metrics(other), read_metrics(one), strict=True):
+            for key in ("moe_aux_loss", "moe_layer0_max_over_mean", "moe_layer1_max_over_mean"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4), (layout, key)
+    bias = ["--model.load_balance", "bias", "--model.bias_update_rate", "0.01"]
+    whole = run("bias", *bias)
+    assert "moe_aux_loss" not in read_metrics(whole)[-1]
+    stopped = ["--checkpoint.every", "5", "--training.stop_at_step", "5"]
+    run("bias-resumed", *bias, "--nproc", "2", *stopped)
+    assert_same_run(run("bias-resumed", *bias, "--checkpoint.every", "5"), whole)

@@ -162,6 +162,7 @@ class Checkpointer:
         """Load model and optimizer into the current layout; returns the train state."""
         train_state = json.loads((path / TRAIN_STATE).read_text())
         saved_shape = train_state.get("model")
+        model_shape = json.loads(json.dumps(model_shape))  # as train_state.json holds it (tuples as lists)
         if saved_shape is not None and saved_shape != model_shape:
             diff = ", ".join(
                 f"{k} {saved_shape.get(k)} -> {v}" for k, v in model_shape.items() if saved_shape.get(k) != v

@@ -241,6 +241,11 @@ def moe_layers(parts) -> list[MoE]:
     return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
 
 
+def clear_counters(parts) -> None:
+    for m in moe_layers(parts):
+        m.step_counts.zero_(), m.log_sums.zero_()
+
+
 def set_aux_weight(parts, weight: torch.Tensor) -> None:
     """d(training loss)/d(each layer's aux loss) for the coming step: aux_loss_coef averaged over the
     MoE layers and the rank's micro-batches, times fp16's loss scale (the caller's)."""

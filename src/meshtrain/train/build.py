@@ -29,13 +29,13 @@ from meshtrain.layout import Layout
 from meshtrain.logs import log
 from meshtrain.model import Llama, ModelArgs, num_params
 from meshtrain.model.args import LoraSpec
-from meshtrain.model.moe import end_step, set_aux_weight
+from meshtrain.model.moe import clear_counters, end_step, set_aux_weight
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel import ParallelDims, ParallelModel, parallelize
 from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.plan_check import warn_if_too_big
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
-from meshtrain.train.step import cross_entropy, step_context, train_step
+from meshtrain.train.step import cross_entropy, pipeline_loss, step_context, to_device, train_step
 from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
 
 
@@ -67,6 +67,7 @@ class TrainState:
     val: dict[str, list] = field(default_factory=dict)  # validation batches of each source
     checkpointer: Checkpointer | None = None
     scaler: LossScaler | None = None  # fp16's dynamic loss scale
+    pipeline_shapes_known: bool = False  # the stages have run their metadata inference (MoE: see step)
 
     def __post_init__(self):
         if self.cfg.training.dtype == "fp16" and self.scaler is None:
@@ -124,6 +125,8 @@ class TrainState:
         `positions`: each token's within its document (document masking; None: plain causal).
         An MoE model's aux loss weighs each of this rank's micro-batches equally (and is scaled as
         fp16 scales the loss); after the step the aux-loss-free bias moves (model/moe.py)."""
+        if self.moe and self.layout.pp > 1 and not self.pipeline_shapes_known:
+            self.infer_pipeline_shapes(inputs, targets, positions)
         if self.moe:
             micro_batches = -(-len(inputs) // (self.layout.micro_batch_size * self.model.rows_per_sample))
             scale = self.scaler.factor() if self.scaler is not None else torch.ones((), device=self.device)
@@ -145,6 +148,21 @@ class TrainState:
         if self.moe:
             end_step(self.model.parts, self.balance_groups)
         return result
+
+    def infer_pipeline_shapes(self, inputs, targets, positions) -> None:
+        """torch's pipeline stages learn their shapes in their first step by running its first
+        micro-batch forward and backward once more (later stages on empty tensors), which MoE layers
+        would count as routed tokens. So that runs here, on a batch of zeros weighing nothing, and
+        the counters and gradients it leaves are cleared."""
+        set_aux_weight(self.model.parts, torch.zeros((), device=self.device))
+        zeros = [torch.zeros_like(to_device(t, self.device)) for t in (inputs, targets)]
+        positions = None if positions is None else to_device(positions, self.device)
+        with self.context():
+            pipeline_loss(self.model, *zeros, self.device, train=True, scale=0.0, positions=positions)
+        for part in self.model.parts:
+            part.zero_grad(set_to_none=True)
+        clear_counters(self.model.parts)
+        self.pipeline_shapes_known = True
 
     @property
     def moe(self) -> bool:
