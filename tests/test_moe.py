@@ -161,10 +161,10 @@ def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path)
     from meshtrain.config import load_config
     from meshtrain.job import resolve
 
-    def refusal(**keys) -> str:
+    def refusal(world: int = 1, **keys) -> str:
         cfg = load_config(overrides={"model.preset": "tiny-moe", "data.path": str(tmp_path), **keys})
         with pytest.raises(ConfigError) as error:
-            resolve(cfg, keys.pop("world", 1))
+            resolve(cfg, world)
         assert "\n" not in str(error.value)
         return str(error.value)
 
@@ -174,6 +174,8 @@ def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path)
     assert "sigmoid router" in refusal(**{"model.router_score": "sigmoid"})
     assert "no layer is an MoE layer" in refusal(**{"model.first_dense": 6})
     assert "routed experts take none" in refusal(**{"peft.method": "lora", "peft.targets": "all"})
+    assert "training.compile with a mixture of experts" in refusal(**{"training.compile": True})
+    assert "tensor parallelism of MoE layers is not built" in refusal(2, **{"parallel.tp": 2})
 
 
 MOE_MODEL = [*SMALL_MODEL, "--model.n_experts", "8", "--model.top_k", "2", "--model.family", "meshtrain"]

@@ -78,6 +78,11 @@ def resolve(cfg: Config, world: int, dataset: Blend | None = None) -> Job:
     lora = adapters_of(cfg.peft, moe=args.n_experts > 0)
     if problem := layout_refusal(shape, layout, lora, t.objective, t.fp8, t.cuda_graphs):
         raise ConfigError(problem)
+    if args.n_experts and t.compile:
+        raise ConfigError(
+            "training.compile with a mixture of experts: each expert's share of the tokens is data, which "
+            "meshtrain's whole-block graphs cannot hold yet; train without training.compile"
+        )
     if dataset is not None:
         check_init_tokenizer(cfg, dataset)
         check_objective_data(cfg, dataset)
