@@ -1,5 +1,5 @@
 """python -m bench [throughput|precision|masking|context|arithmetic|stability|profile|scaling|memory|serve|data|
-planner|watchdog|plots|all] [options]: see bench/README.md."""
+planner|watchdog|moe|plots|all] [options]: see bench/README.md."""
 
 import argparse
 import os
@@ -10,6 +10,7 @@ from bench import (
     data,
     masking,
     memory,
+    moe,
     planner,
     plots,
     precision,
@@ -65,6 +66,7 @@ p.add_argument(
         "data",
         "planner",
         "watchdog",
+        "moe",
         "plots",
         "all",
     ),
@@ -76,7 +78,7 @@ p.add_argument("--precision-dtypes", default="fp32,bf16,fp16,fp8-tensorwise", he
 p.add_argument("--batch", type=count, default=8, help="throughput: sequences per step")
 p.add_argument("--seq-len", type=count, default=256)
 p.add_argument("--steps", type=count, default=2, help="throughput, precision: steps per timed round")
-p.add_argument("--rounds", type=count, default=6, help="throughput, precision: interleaved timing rounds")
+p.add_argument("--rounds", type=count, default=6, help="throughput, precision, moe: interleaved timing rounds")
 p.add_argument("--masking-preset", default="tiny", help="masking: the model trained")
 p.add_argument(
     "--masking-seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048], help="masking"
@@ -143,6 +145,7 @@ for name, suite in (
     ("data", data),
     ("planner", planner),
     ("watchdog", watchdog),
+    ("moe", moe),
     ("plots", plots),
 ):
     if a.suite in (name, "all"):
