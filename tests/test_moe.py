@@ -207,3 +207,21 @@ def test_an_moe_model_trains_alike_on_one_process_zero3_and_a_pipeline_and_resum
     stopped = ["--checkpoint.every", "5", "--training.stop_at_step", "5"]
     run("bias-resumed", *bias, "--nproc", "2", *stopped)
     assert_same_run(run("bias-resumed", *bias, "--checkpoint.every", "5"), whole)
+
+
+def test_flops_and_the_planner_count_the_active_experts_only():
+    """128 experts of which 8 run per token cost the FLOPs of 8 experts that all run (but for the
+    router's 120 more rows), in MFU's count and in the planner's compute time; the parameters
+    (memory) are all 128."""
+    from meshtrain.layout import Layout
+    from meshtrain.model.presets import PRESETS
+    from meshtrain.model.shapes import Shape
+    from meshtrain.plan.states import stage_sums
+
+    routed = PRESETS["qwen3-30b-a3b"]
+    every = dataclasses.replace(routed, n_experts=8)
+    a, b = Shape.from_args(routed), Shape.from_args(every)
+    router_rows = 6 * routed.n_layers * 120 * routed.dim
+    assert a.flops_per_token(4096) - b.flops_per_token(4096) == router_rows
+    assert stage_sums(a, Layout(), 0).block_full - stage_sums(b, Layout(), 0).block_full == 120 * routed.dim
+    assert a.n_params() > 10 * b.n_params() / 2

@@ -371,9 +371,12 @@ class Plan:
 
     def title(self) -> str:
         dev, shape, peft = self.device, self.shape, self.peft
+        active = sum(shape.active_numel(p) for p in shape.parameters())
+        experts = f" ({shape.n_experts} experts, {active / 1e9:.2f}B active)" if shape.n_experts else ""
         return (
-            f"{shape.arch} {shape.n_params() / 1e9:.2f}B on {self.gpus} x {dev.name} ({dev.gpus_per_node} per node, "
-            f"{dev.link} {dev.intra_node_gbps:.0f} GB/s, network {self.inter_node_gbps:.1f} GB/s per GPU), seq "
+            f"{shape.arch} {shape.n_params() / 1e9:.2f}B{experts} on {self.gpus} x {dev.name} "
+            f"({dev.gpus_per_node} per node, {dev.link} {dev.intra_node_gbps:.0f} GB/s, "
+            f"network {self.inter_node_gbps:.1f} GB/s per GPU), seq "
             f"{self.seq_len}, global batch {self.global_batch}{' pairs' if self.objective == 'dpo' else ''}, "
             f"{self.dtype}"
             + (f", fp8 {self.fp8}" if self.fp8 != "off" else "")

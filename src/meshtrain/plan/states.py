@@ -169,7 +169,7 @@ class StageSums:
     block_linear: int  # those of the blocks (wq wk wv wo w1 w2 w3: what training.fp8 computes in FP8)
     blocks: tuple[int, ...]
     outer: int  # embedding, final norm, output: FSDP's root group
-    block_full: int  # one block before any split (its FLOPs)
+    block_full: int  # one block before any split, the parameters a token multiplies (its FLOPs)
 
 
 def stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
@@ -193,7 +193,9 @@ def _stage_sums(shape: Shape, layout: Layout, pp_rank: int) -> StageSums:
         block_linear=sum(n for p, n in matrices if isinstance(p.owner, int)),
         blocks=tuple(sum(n for p, n in zip(params, local, strict=True) if p.owner == i) for i in owners),
         outer=sum(n for p, n in zip(params, local, strict=True) if not isinstance(p.owner, int)),
-        block_full=sum(p.numel for p in params if owners and p.owner == owners[0]),
+        # a mixture of experts' block multiplies its active parameters only (and its blocks may differ:
+        # dense first layers), so the mean over the stage's blocks
+        block_full=round(sum(shape.active_numel(p) for p in params if isinstance(p.owner, int)) / max(1, len(owners))),
     )
 
 
