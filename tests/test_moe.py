@@ -225,3 +225,14 @@ def test_flops_and_the_planner_count_the_active_experts_only():
     assert a.flops_per_token(4096) - b.flops_per_token(4096) == router_rows
     assert stage_sums(a, Layout(), 0).block_full - stage_sums(b, Layout(), 0).block_full == 120 * routed.dim
     assert a.n_params() > 10 * b.n_params() / 2
+
+
+def test_an_expert_without_tokens_gets_a_zero_gradient_not_none():
+    """DDP waits for every parameter's gradient: an expert no token chose must still get one."""
+    moe = layer(top_k=1)
+    with torch.no_grad():
+        moe.router.weight[0] = 50.0  # every (positive) token to expert 0
+    moe.train()(torch.rand(1, 5, 32)).sum().backward()
+    assert moe.step_counts.tolist() == [5, 0, 0, 0, 0, 0, 0, 0]
+    for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
+        assert w.grad is not None and w.grad[0].abs().sum() > 0 and not w.grad[1:].any()

@@ -105,12 +105,11 @@ class GroupedExperts(nn.Module):
 
 
 def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """Each expert's contiguous group through its own three matmuls (the CPU kernel)."""
-    outs = []
-    for e, group in enumerate(x.split(counts.tolist())):
-        if group.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(group, w1[e])) * F.linear(group, w3[e]), w2[e]))
-    return torch.cat(outs) if outs else x.new_zeros(x.shape)
+    """Each expert's contiguous group through its own three matmuls (the CPU kernel). An expert
+    without tokens still multiplies its empty group: its weights get a zero gradient instead of none,
+    which DDP would wait for forever."""
+    groups = x.split(counts.tolist())
+    return torch.cat([F.linear(F.silu(F.linear(g, w1[e])) * F.linear(g, w3[e]), w2[e]) for e, g in enumerate(groups)])
 
 
 GROUP_ALIGN = 16  # torch._grouped_mm's row alignment for 16-bit operands
