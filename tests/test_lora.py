@@ -174,6 +174,41 @@ def test_peft_loads_the_exported_adapter_onto_the_base_as_the_merged_export(corp
     assert run_cli(["export", str(ckpt), "--out", str(adapter_dir), "--adapter"], cli_env).returncode == 0
 
 
+@pytest.mark.multiproc
+def test_the_merged_export_keeps_the_base_that_bf16_training_stored_rounded(corpus, cli_env, tmp_path):
+    """Under bf16 training the frozen base is held in bf16; the merge reads the base again: every
+    weight without adapters (embeddings, norms, output) is the base's bit for bit, the rest base + B A in fp32, so that peft's
+    adapter on the base gives the merged export's logits (an fp32 Llama); a zero update leaves an
+    fp16 Mistral's export equal to it in every tensor."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    bf16 = ("--training.dtype", "bf16", "--training.steps", "4")
+    for variant, lr in (("llama2", "1e-2"), ("mistral", "1e-30")):
+        base = make_model(variant, tmp_path / variant, corpus / "tokenizer.json")
+        run, merged_dir, adapter_dir = (tmp_path / f"{variant}-{name}" for name in ("run", "merged", "adapter"))
+        args = train_args(corpus, run, *LORA, *bf16, "--training.lr", lr, "--model.init_from", f"hf:{base}", model=())
+        result = run_cli(args, cli_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert run_cli(["export", str(run), "--out", str(merged_dir)], cli_env).returncode == 0
+        want, got = load_file(base / "model.safetensors"), load_file(merged_dir / "model.safetensors")
+        assert want.keys() == got.keys()
+        adapted = {k for k in want if k.endswith("_proj.weight")}
+        assert adapted and {k for k in want if not torch.equal(want[k], got[k])} <= adapted
+        if variant == "mistral":  # nothing learned: the export is the base
+            assert all(torch.equal(want[k], got[k]) for k in want)
+            continue
+        assert run_cli(["export", str(run), "--out", str(adapter_dir), "--adapter"], cli_env).returncode == 0
+        tokens = probe_tokens()
+        with torch.no_grad():
+            merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()(tokens).logits
+            plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            before = plain(tokens).logits
+            peft_logits = PeftModel.from_pretrained(plain, adapter_dir).eval()(tokens).logits
+        assert (peft_logits - merged).abs().max().item() <= 1e-4 * merged.abs().max().item()
+        assert (merged - before).abs().max().item() > 1e-2  # the adapters changed the model
+
+
 def test_qlora_keeps_its_frozen_base_in_4_bit_and_trains(corpus, tmp_path):
     """The adapted linears in NF4: the bytes they hold, measured, are about half a byte a weight; the
     adapters train (bf16 compute over the dequantized base)."""

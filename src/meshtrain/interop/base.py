@@ -9,7 +9,9 @@ from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.interop.hf_import import load_hf_weights
+from meshtrain.model.args import LoraSpec
 from meshtrain.model.llama import Llama, ModelArgs
+from meshtrain.model.lora import merge_state_dict
 
 
 def base_identity(cfg) -> dict:
@@ -80,3 +82,16 @@ def load_base_model(args: ModelArgs, base: dict) -> Llama:
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model
+
+
+def merged_onto_base(trained: dict, args: ModelArgs, peft: dict) -> dict:
+    """A LoRA run's weights with its adapters merged. The frozen weights are the base read again from
+    where the run started (model.init_from, or the seed), not the run's copy of them, which training
+    may store in bf16/fp16 or 4-bit: an untouched weight is the base's bit for bit, an adapted one the
+    base plus the adapters' update B A in fp32 (what peft computes when it loads the adapters onto
+    the base). Of `trained` the adapters and the buffers are used (an MoE router's bias moves under
+    LoRA too); its frozen parameters are not."""
+    base = load_base_model(args, peft["base"])
+    frozen = {name: p.detach() for name, p in base.named_parameters(remove_duplicate=False)}
+    state = {**{k: v for k, v in trained.items() if k not in frozen}, **frozen}
+    return merge_state_dict(state, LoraSpec.from_dict(peft))[0]

@@ -16,7 +16,7 @@ from meshtrain.checkpoint import TRAIN_STATE
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
-from meshtrain.interop.base import check_base, load_base_model
+from meshtrain.interop.base import check_base, merged_onto_base
 from meshtrain.interop.families import export_config
 from meshtrain.interop.hf_import import SOURCE_DIR, SOURCE_FILES
 from meshtrain.interop.hf_names import (
@@ -30,7 +30,7 @@ from meshtrain.interop.hf_names import (
 from meshtrain.interop.weights import ADAPTER_FILE, peft_record_of, read_weights, run_model_args, run_weights
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.llama import Llama, ModelArgs
-from meshtrain.model.lora import ADAPTER_NAMES, apply_lora, merge_state_dict, quantize_base
+from meshtrain.model.lora import ADAPTER_NAMES, apply_lora
 
 # written into every directory `meshtrain export` writes (merged or adapters): what marks a directory as
 # its own earlier output, which a new export may replace (peft's adapter_config.json is not: any peft run has one)
@@ -76,18 +76,16 @@ def _dcp_load(state: dict, ckpt: Path) -> None:
 
 
 def _merged_lora_checkpoint(ckpt: Path, args: ModelArgs, record: dict) -> Llama:
-    spec = LoraSpec.from_dict(record)
-    model = load_base_model(args, record["base"])
-    apply_lora(model, spec, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record.get("base_storage")))
-    adapters = {k: torch.empty(v.shape) for k, v in model.state_dict().items() if k.endswith(ADAPTER_NAMES)}
-    state = {"model": adapters}
+    """A LoRA checkpoint's model: its adapters and buffers (the frozen base is not in it) merged
+    into the base, read again from where the run started (merged_onto_base)."""
+    with torch.device("meta"):  # the names and shapes of what the checkpoint holds
+        adapted = Llama(args)
+        apply_lora(adapted, LoraSpec.from_dict(record))
+    frozen = {name for name, p in adapted.named_parameters() if not name.endswith(ADAPTER_NAMES)}
+    state = {"model": {k: torch.empty(v.shape) for k, v in adapted.state_dict().items() if k not in frozen}}
     _dcp_load(state, ckpt)
-    model.load_state_dict(state["model"], strict=False)
-    if spec.quantized:  # the adapters learned against the 4-bit base: merge into what they saw
-        quantize_base(model)
-    merged, _ = merge_state_dict(model.state_dict(), spec)
     plain = Llama(args)
-    plain.load_state_dict(merged, strict=not args.tie_embeddings)
+    plain.load_state_dict(merged_onto_base(state["model"], args, record), strict=not args.tie_embeddings)
     if args.tie_embeddings:
         plain.output.weight = plain.tok_embeddings.weight
     return plain

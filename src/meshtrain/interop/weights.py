@@ -52,28 +52,29 @@ ADAPTER_FILE, ADAPTER_RECORD = "adapter.safetensors", "adapter.json"
 
 def save_model(
     state: dict[str, torch.Tensor], args: ModelArgs, run_dir: Path, peft: dict | None = None, step: int | None = None
-) -> Path:
-    """model.safetensors + model.json (the shape), each written atomically. A LoRA run (`peft`: its
-    settings and base) writes its adapters merged into the base there, so everything that reads a
-    run reads it as any other, and the adapters alone beside them (adapter.safetensors + adapter.json,
-    what `meshtrain export --adapter` writes out in the peft format). The training `step` goes in the
-    safetensors metadata: export, serve and generate take these weights or the run's newest
-    checkpoint by it (model.json is read back as ModelArgs, which has no room for it)."""
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """model.safetensors + model.json (the shape), each written atomically; returns the path and the
+    weights written. A LoRA run (`peft`: its settings and base) writes its adapters alone first
+    (adapter.safetensors + adapter.json, what `meshtrain export --adapter` writes out in the peft
+    format), then the model with them merged into the base as read again from where the run started
+    (interop/base.py: merged_onto_base), so everything that reads a run reads it as any other. The
+    training `step` goes in the safetensors metadata: export, serve and generate take these weights
+    or the run's newest checkpoint by it (model.json is read back as ModelArgs, which has no room for it)."""
     from safetensors.torch import save_file
 
     if peft is not None:
-        from meshtrain.model.args import LoraSpec
-        from meshtrain.model.lora import merge_state_dict
+        from meshtrain.interop.base import merged_onto_base
+        from meshtrain.model.lora import ADAPTER_NAMES
 
-        state, adapters = merge_state_dict(state, LoraSpec.from_dict(peft))
-        adapters = {k: v.contiguous() for k, v in adapters.items()}
+        adapters = {k: v.contiguous() for k, v in state.items() if k.endswith(ADAPTER_NAMES)}
         atomic_write(run_dir / ADAPTER_FILE, lambda tmp: save_file(adapters, str(tmp), metadata={"format": "pt"}))
         write_text(run_dir / ADAPTER_RECORD, json.dumps(peft, indent=2))
+        state = merged_onto_base(state, args, peft)
     tensors = {k: v.contiguous() for k, v in state.items() if not (args.tie_embeddings and k == "output.weight")}
     metadata = {"format": "pt"} | ({"step": str(step)} if step is not None else {})
     path = atomic_write(run_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     write_text(run_dir / "model.json", json.dumps(dataclasses.asdict(args), indent=2))
-    return path
+    return path, state
 
 
 def run_weights(source: Path) -> tuple[Path | None, Path]:

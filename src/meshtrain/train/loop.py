@@ -311,17 +311,17 @@ def finish(s: TrainState, step: int, skipped: int) -> None:
         committed = committed_checkpoints(s.checkpointer.root)
         try:
             ensure_room(run.dir, model_bytes(s.n_params), "the trained weights")
-            saved = save_model(state, s.args, Path(run.dir), peft_record(s), step=step)
+            saved, state = save_model(state, s.args, Path(run.dir), peft_record(s), step=step)
             log.info(f"saved the trained weights to {saved}")
         except MeshtrainError as e:
             kept = (
                 f"; the checkpoint {committed[-1]} holds them: `meshtrain export` writes them out" if committed else ""
             )
             raise MeshtrainError(f"{e}{kept}") from None
-    if s.lora is not None:
-        from meshtrain.model.lora import merge_state_dict
+    elif s.lora is not None:  # what the saved weights would be: the adapters merged into the base
+        from meshtrain.interop.base import merged_onto_base
 
-        state, _ = merge_state_dict(state, s.lora)
+        state = merged_onto_base(state, s.args, peft_record(s))
     if run.sample_prompt and log.isEnabledFor(20):  # logging.INFO: the default sample, unseen at a quieter level
         from meshtrain.serve import sample_text
 
