@@ -177,9 +177,9 @@ def test_peft_loads_the_exported_adapter_onto_the_base_as_the_merged_export(corp
 @pytest.mark.multiproc
 def test_the_merged_export_keeps_the_base_that_bf16_training_stored_rounded(corpus, cli_env, tmp_path):
     """Under bf16 training the frozen base is held in bf16; the merge reads the base again: every
-    weight without adapters (embeddings, norms, output) is the base's bit for bit, the rest base + B A in fp32, so that peft's
-    adapter on the base gives the merged export's logits (an fp32 Llama); a zero update leaves an
-    fp16 Mistral's export equal to it in every tensor."""
+    weight without adapters (embeddings, norms, output) is the base's bit for bit, the rest base +
+    B A in fp32, so that peft's adapter on the base gives the merged export's logits (an fp32
+    Llama); a zero update leaves an fp16 Mistral's export equal to it in every tensor."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
