@@ -45,7 +45,7 @@ from meshtrain.train.base import check_same_base, load_base, peft_record, refere
 from meshtrain.train.build import TrainState, build, warn_pointless_settings
 from meshtrain.train.preference import DEFAULT_BETA
 from meshtrain.train.step import evaluate, reduce_loss
-from meshtrain.train.stragglers import ComputeTimer, StragglerDetector, timed_modules
+from meshtrain.train.stragglers import StragglerDetector, compute_timer
 from meshtrain.train.watchdog import Watchdog, phase
 
 
@@ -415,7 +415,7 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         env.world_size,
         mfu_peak_floor(s.device, t.dtype, t.peak_tflops),
     )
-    timer = ComputeTimer(timed_modules(s.model.parts, t.compile, s.layout.tp, env.world_size), s.device)
+    timer = compute_timer(s.model.parts, s.device, s.layout, t.compile, env.world_size)
     detector = StragglerDetector(timer, s.device, env.world_size)
     arithmetic = arithmetic_label(t)
     deadline = start_time + parse_duration(t.time_limit, "training.time_limit") if t.time_limit else 0.0
@@ -428,7 +428,9 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         step_start = time.monotonic()
         lr = s.scheduler.get_last_lr()[0]
         phase("data", step)
+        data_start = time.perf_counter()
         inputs, targets, positions, n_targets = s.loader.next_batch()
+        timer.add(time.perf_counter() - data_start)
         phase("forward/backward")
         loss, grad_norm, skipped_now = s.step(inputs, targets, n_targets, positions)
         phase("logging")
