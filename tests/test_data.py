@@ -918,3 +918,45 @@ def test_tokens_the_tokenizer_files_add_must_be_in_tokenizer_json(corpus, tmp_pa
             with pytest.raises(DataError, match=refusal) as refused:
                 end_of_text(tokenizer, tmp_path)
             assert "save_pretrained" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_every_field_of_a_manifest_past_its_bounds_is_refused_in_one_line(corpus, tmp_path_factory):
+    """Each field of a prepared directory's manifest.json (nested ones too: shards, splits, their
+    segments), given a value of the wrong type, NaN, infinite, negative or huge, is refused in one
+    line naming the manifest when the directory is opened: never a traceback of another kind, never
+    read as if nothing were wrong."""
+    import math
+    import shutil
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    directory = tmp_path_factory.mktemp("edited") / "data"
+    shutil.copytree(corpus, directory)
+    manifest = json.loads((corpus / "manifest.json").read_text())
+
+    def paths(value, prefix=()):
+        if prefix:
+            yield prefix
+        items = value.items() if isinstance(value, dict) else enumerate(value[:2]) if isinstance(value, list) else ()
+        for key, inner in items:
+            yield from paths(inner, (*prefix, key))
+
+    bad = st.sampled_from([math.nan, math.inf, -math.inf, -1, -0.5, 1e300, 2**70, True, [1, "x"], {"a": "b"}])
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(sorted(paths(manifest), key=str)), bad)
+    def refused(path, value):
+        edited = json.loads(json.dumps(manifest))
+        inner = edited
+        for key in path[:-1]:
+            inner = inner[key]
+        inner[path[-1]] = value
+        (directory / "manifest.json").write_text(json.dumps(edited))
+        with pytest.raises(DataError) as refusal:
+            Dataset(directory, 32)
+        assert "\n" not in str(refusal.value) and "manifest.json" in str(refusal.value), (path, value)
+
+    refused()
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    assert len(Dataset(directory, 32).train) > 0  # the unedited copy opens

@@ -236,6 +236,8 @@ class Dataset:
                         f"{path} holds {path.stat().st_size} bytes, its manifest says {size}: "
                         f"truncated or replaced; prepare {self.path} again"
                     )
+        if not self.tokenizer_path.is_file():
+            raise DataError(f"{self.tokenizer_path} is missing; prepare {self.path} again")
         tokenizer_sha = hashlib.sha256(self.tokenizer_path.read_bytes()).hexdigest()
         if tokenizer_sha != self.manifest["tokenizer_sha256"]:
             raise DataError(f"{self.tokenizer_path} is not the tokenizer {self.path} was prepared with; prepare again")
