@@ -655,3 +655,48 @@ def test_add_bos_and_eos_flags_that_contradict_the_post_processor_are_refused(na
         )
     assert "\n" not in str(refusal.value)
     assert not (tmp_path / "data").exists()
+
+
+IGNORED_FIELDS = {"architectures", "initializer_range", "transformers_version", "use_cache", "pretraining_tp"}
+
+
+def test_every_config_json_field_past_its_bounds_is_refused_in_one_line(models, tmp_path_factory):
+    """Each field of every family's config.json that meshtrain reads (nested RoPE parameters too),
+    given a value of the wrong type, NaN, infinite, negative or huge, is refused in one line naming
+    config.json: never a traceback of another kind, never imported as if nothing were wrong. The
+    fields transformers keeps for itself (IGNORED_FIELDS: they change nothing computed) are not read."""
+    import math
+
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import strategies as st
+
+    def paths(value, prefix=()):
+        if prefix and prefix[0] not in IGNORED_FIELDS:
+            yield prefix
+        for key, inner in value.items() if isinstance(value, dict) else ():
+            yield from paths(inner, (*prefix, key))
+
+    cases = [(name, path) for name in sorted(models) for path in paths(read_config(models[name]))]
+    bad = st.sampled_from([math.nan, math.inf, -math.inf, -1, -0.5, 1e300, 2**70, [1, "x"], {"a": "b"}])
+    edited = tmp_path_factory.mktemp("edited")
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(cases), bad)
+    def refused(case, value):
+        name, path = case
+        assume(not (path == ("pad_token_id",) and value == -1))  # Llama 2's spelling of "no padding token"
+        config = read_config(models[name])
+        inner = config
+        for key in path[:-1]:
+            inner = inner[key]
+        inner[path[-1]] = value
+        (edited / "config.json").write_text(json.dumps(config))
+        with pytest.raises(MeshtrainError) as refusal:
+            hf_model_args(edited)
+        assert "\n" not in str(refusal.value) and "config.json" in str(refusal.value), (name, path, value)
+
+    refused()
+
+
+def read_config(directory: Path) -> dict:
+    return json.loads((directory / "config.json").read_text())

@@ -93,9 +93,10 @@ def refuse(where: str, message: str) -> MeshtrainError:
 def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
     """The ModelArgs of a config.json, or the one-line reason meshtrain cannot compute it exactly."""
     family_name = c.get("model_type")
-    family = FAMILIES.get(family_name)
+    family = FAMILIES.get(family_name) if isinstance(family_name, str) else None
     if family is None:
-        lacks = f"meshtrain does not compute {NOT_BUILT[family_name]}" if family_name in NOT_BUILT else ""
+        known = isinstance(family_name, str) and family_name in NOT_BUILT
+        lacks = f"meshtrain does not compute {NOT_BUILT[family_name]}" if known else ""
         raise refuse(
             where,
             f"model_type {family_name!r} is not a family meshtrain imports ({', '.join(FAMILIES)})"
@@ -112,15 +113,17 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
             "remove it from config.json if it does not",
         )
     for key in REQUIRED:
-        if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] <= 0:
+        if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or not 0 < c[key] <= MAX_SIZE:
             raise refuse(
-                where, f"{key} is {'missing' if key not in c else repr(c[key])}: it must be a positive integer"
+                where,
+                f"{key} is {'missing' if key not in c else repr(c[key])}: it must be a positive integer "
+                f"(at most {MAX_SIZE:,})",
             )
     _check_types(c, where)
     if c.get("hidden_act", "silu") != "silu":
         raise refuse(where, f"hidden_act {c['hidden_act']!r}: meshtrain's MLP is SwiGLU (silu)")
-    if c.get("attention_dropout", 0.0):
-        raise refuse(where, f"attention_dropout {c['attention_dropout']}: set it to 0.0 (meshtrain has no dropout)")
+    if c.get("attention_dropout", 0.0) != 0 or isinstance(c.get("attention_dropout"), bool):
+        raise refuse(where, f"attention_dropout {c['attention_dropout']!r}: set it to 0.0 (meshtrain has no dropout)")
     max_positions = c.get("max_position_embeddings", DEFAULT_POSITIONS[family_name])
     _check_sliding_window(c, family_name, max_positions, where)
     theta, scaling = read_rope(c, max_positions, where)
@@ -159,8 +162,12 @@ def read_experts(c: dict, family: str, where: str) -> dict:
         del ints["moe_intermediate_size"], ints["decoder_sparse_step"]
     for key, default in ints.items():
         value = c.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise refuse(where, f"{key} is {'missing' if key not in c else repr(value)}: it must be a positive integer")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+            raise refuse(
+                where,
+                f"{key} is {'missing' if key not in c else repr(value)}: it must be a positive integer "
+                f"(at most {MAX_SIZE:,})",
+            )
     if family == "qwen3_moe" and c.get("num_local_experts", c[n_key]) != c[n_key]:
         raise refuse(where, "num_experts and num_local_experts disagree: keep one of them")
     n_experts, top_k = c[n_key], c["num_experts_per_tok"]
@@ -174,7 +181,7 @@ def read_experts(c: dict, family: str, where: str) -> dict:
                 where, f"router_jitter_noise {c['router_jitter_noise']}: meshtrain routes without noise; set it to 0.0"
             )
         return {"n_experts": n_experts, "top_k": top_k, "norm_topk": True, "aux_loss_coef": float(coef)}
-    dense = c.get("mlp_only_layers") or []
+    dense = [] if c.get("mlp_only_layers") is None else c["mlp_only_layers"]
     if not isinstance(dense, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < c["num_hidden_layers"] for i in dense
     ):
@@ -196,23 +203,41 @@ def read_experts(c: dict, family: str, where: str) -> dict:
 MISTRAL_DEFAULT_WINDOW = 4096
 # Optional config.json fields and what each must be where present (transformers' config classes
 # refuse the same): "a" string "false" must not read as true, a null epsilon must not become torch's.
-FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "output_router_logits")
 POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
 POSITIVE_INTS = ("max_position_embeddings",)
 POSITIVE_INTS_OR_NULL = ("num_key_value_heads", "head_dim", "sliding_window")
+COUNTS_OR_NULL = ("max_window_layers",)  # Qwen2's layers without a window: read with use_sliding_window alone
+
+
+MAX_SIZE = 2**31 - 1  # a width, depth, head count or vocabulary past this fits no device's memory
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # read by generate, serve and export
 
 
 def _check_types(c: dict, where: str) -> None:
+    for key in (k for k in TOKEN_IDS if c.get(k) is not None):
+        ids = c[key] if isinstance(c[key], list) else [c[key]]
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_SIZE for i in ids):
+            if not (key == "pad_token_id" and c[key] == -1):  # Llama 2's: no padding token
+                raise refuse(where, f"{key} is {c[key]!r}: it must be a token id (or a list of them, or null)")
+    for key in (k for k in ("torch_dtype", "dtype") if c.get(k) is not None):
+        if c[key] not in ("float32", "float16", "bfloat16"):
+            raise refuse(where, f"{key} is {c[key]!r}: it must be float32, float16 or bfloat16")
     for key in (k for k in FLAGS if k in c):
         if not isinstance(c[key], bool):
             raise refuse(where, f"{key} is {c[key]!r}: it must be true or false")
     for key in (k for k in POSITIVE_NUMBERS if k in c):
         check_positive_number(c[key], key, where)
-    for key in (k for k in (*POSITIVE_INTS, *POSITIVE_INTS_OR_NULL) if k in c):
-        if c[key] is None and key in POSITIVE_INTS_OR_NULL:
+    if c.get("rms_norm_eps", 1e-6) >= 1:
+        raise refuse(where, f"rms_norm_eps is {c['rms_norm_eps']!r}: it must be below 1 (1e-5 or 1e-6 in most models)")
+    for key in (k for k in (*POSITIVE_INTS, *POSITIVE_INTS_OR_NULL, *COUNTS_OR_NULL) if k in c):
+        if c[key] is None and key not in POSITIVE_INTS:
             continue
-        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] <= 0:
-            raise refuse(where, f"{key} is {c[key]!r}: it must be a positive integer")
+        low = 0 if key in COUNTS_OR_NULL else 1
+        bounded = key not in POSITIVE_INTS  # max_position_embeddings: MAX_POSITIONS, below
+        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < low or bounded and c[key] > MAX_SIZE:
+            kind = "non-negative" if low == 0 else "positive"
+            raise refuse(where, f"{key} is {c[key]!r}: it must be a {kind} integer (at most {MAX_SIZE:,})")
     if c.get("max_position_embeddings", 0) > MAX_POSITIONS:
         raise refuse(
             where,
@@ -222,12 +247,15 @@ def _check_types(c: dict, where: str) -> None:
 
 
 def check_positive_number(value, key: str, where: str, zero: bool = False) -> None:
-    """A finite number above 0 (or 0 itself, with `zero`): not a string, a boolean, null, NaN or an
-    infinity (JSON readers accept `NaN` and `Infinity`)."""
+    """A finite number above 0 (or 0 itself, with `zero`) and at most LARGEST_NUMBER: not a string,
+    a boolean, null, NaN or an infinity (JSON readers accept `NaN` and `Infinity`)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not (0 <= value if zero else 0 < value):
         raise refuse(where, f"{key} is {value!r}: it must be a {'non-negative' if zero else 'positive'} number")
-    if not math.isfinite(value):
-        raise refuse(where, f"{key} is {value!r}: it must be a finite number")
+    if not math.isfinite(value) or value > LARGEST_NUMBER:
+        raise refuse(where, f"{key} is {value!r}: it must be a finite number up to {LARGEST_NUMBER:g}")
+
+
+LARGEST_NUMBER = 1e12  # past any RoPE base or scaling factor a model uses (Llama 3: 5e5, Qwen: 1e6)
 
 
 def _check_sliding_window(c: dict, family: str, max_positions: int, where: str, length: str = "") -> None:
@@ -239,7 +267,9 @@ def _check_sliding_window(c: dict, family: str, max_positions: int, where: str, 
             raise refuse(
                 where, "use_sliding_window is true: meshtrain attends over the whole sequence; set it to false"
             )
-        layer_types = c.get("layer_types") or []
+        layer_types = [] if c.get("layer_types") is None else c["layer_types"]
+        if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
+            raise refuse(where, f"layer_types is {layer_types!r}: it must be a list of attention kinds, or null")
         if any(kind != "full_attention" for kind in layer_types):
             raise refuse(where, "layer_types has sliding_attention layers: meshtrain attends over the whole sequence")
         return
@@ -267,12 +297,22 @@ def check_longer_context(c: dict, max_seq_len: int, length: str, where: str) -> 
 def read_rope(c: dict, max_positions: int, where: str) -> tuple[float, dict | None]:
     """(theta, scaling dict as model/rope.py reads it, or None) from either spelling."""
     modern, legacy = c.get("rope_parameters"), c.get("rope_scaling")
+    for key, value in (("rope_parameters", modern), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise refuse(where, f"{key} is {value!r}: it must be an object of RoPE parameters, or null")
     if modern and legacy and {k: v for k, v in modern.items() if k != "rope_theta"} != legacy:
         raise refuse(where, "rope_parameters and rope_scaling disagree: keep one of them")
     params = dict(modern or legacy or {})
+    if "rope_theta" in params:
+        check_positive_number(params["rope_theta"], "rope_parameters.rope_theta", where)
     if "rope_theta" in params and "rope_theta" in c and float(params["rope_theta"]) != float(c["rope_theta"]):
         raise refuse(where, "rope_theta and rope_parameters.rope_theta disagree: keep one of them")
     theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    for key in (k for k in ("rope_type", "type") if k in params):
+        if not isinstance(params[key], str):
+            raise refuse(where, f"rope_parameters.{key} is {params[key]!r}: it must be the name of a RoPE type")
+    if params.get("type", params.get("rope_type")) != params.get("rope_type", params.get("type")):
+        raise refuse(where, "rope_parameters: rope_type and type (its older name) disagree: keep one of them")
     kind = params.pop("rope_type", None) or params.get("type") or "default"
     params.pop("type", None)
     if params.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
