@@ -580,7 +580,11 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
         return SimpleNamespace(cfg=cfg, lora=None, base=base_identity(cfg), model=model)  # TrainState's fields
 
     def checkpoint(**record):
-        (tmp_path / TRAIN_STATE).write_text(json.dumps({"step": 5, "peft": None, **record}))
+        state = {"step": 5, "peft": None, "scheduler": {}, "loader": {"consumed": 0, "seed": 0, "seq_len": 8}}
+        state["loader"]["n_windows"] = [4]
+        state["layout"] = {"world_size": 1, "tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, "dp_shard": 1, "zero": 0}
+        state["model"] = {"dim": 8, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1, "ffn_dim": 8, "vocab_size": 8}
+        (tmp_path / TRAIN_STATE).write_text(json.dumps(state | record))
         return tmp_path
 
     started = checkpoint(init_from=base_identity(run(f"hf:{base}").cfg)["init_from"])
@@ -671,3 +675,65 @@ def test_a_run_directory_resumes_its_newest_checkpoint_wherever_its_checkpoint_d
         find_resume(str(run("empty")), new / "checkpoints", print)
     with pytest.raises(CheckpointError, match="relative to the directory training ran in"):
         find_resume(str(run("unknown", "ck/unknown", "/elsewhere/unknown")), new / "checkpoints", print)
+
+
+def test_every_field_of_train_state_past_its_bounds_is_refused_in_one_line(saved, tmp_path, capsys):
+    """Each field of a checkpoint's train_state.json (the loader's, the schedule's and the fp16 loss
+    scale's too), given a value of the wrong type, NaN, infinite, negative or huge, is refused in one
+    line naming the file: the marker's checksum catches damage, this a writer that was wrong. The
+    export of such a checkpoint, its checksum made to match, stops in one line before writing."""
+    import math
+    import shutil
+
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import strategies as st
+
+    from conftest import run_cli_here
+    from meshtrain.checkpoint import TRAIN_STATE, crc32, read_train_state
+
+    source = saved / "step_00000008"
+    state = json.loads((source / TRAIN_STATE).read_text())
+    state["loss_scale"] = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+    state["loss_scale"]["_growth_tracker"] = 3
+    checked = {"step", "skipped_steps", "layout", "model", "peft", "init_from", "reference", "run_dir"}
+    paths = [(key,) for key in state if key in checked]
+    paths += [(key, inner) for key in ("loader", "loss_scale") for inner in state[key]]
+    paths += [("scheduler", key) for key in ("base_lrs", "_last_lr", "last_epoch", "_step_count", "schedule")]
+    paths += [("layout", "tp"), ("model", "dim"), ("model", "norm_eps"), ("loader", "weights", 0)]
+    bad = st.sampled_from([math.nan, math.inf, -math.inf, -1, -0.5, 1e300, 2**200, [1, "x"], {"a": "b"}, "x"])
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+
+    def with_value(path, value) -> dict:
+        edited = json.loads(json.dumps(state))
+        inner = edited
+        for key in path[:-1]:
+            inner = inner[key]
+        inner[path[-1]] = value
+        return edited
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(paths), bad)
+    def refused(path, value):
+        assume(not (value == "x" and path in (("init_from",), ("run_dir",))))  # a name: resume compares it
+        (copy / TRAIN_STATE).write_text(json.dumps(with_value(path, value)))
+        with pytest.raises(CheckpointError) as refusal:
+            read_train_state(copy)
+        assert "\n" not in str(refusal.value) and TRAIN_STATE in str(refusal.value), (path, value)
+
+    refused()
+    (copy / TRAIN_STATE).write_text(json.dumps(state))
+    assert read_train_state(copy) == state  # the unedited state reads
+
+    shutil.copytree(saved.parent, tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000008"
+    (checkpoint / TRAIN_STATE).write_text(json.dumps(with_value(("loader", "weights"), [math.nan])))
+    marker = json.loads((checkpoint / MARKER).read_text())
+    marker["files"][TRAIN_STATE] = {
+        "bytes": (checkpoint / TRAIN_STATE).stat().st_size,
+        "crc32": crc32(checkpoint / TRAIN_STATE),
+    }
+    (checkpoint / MARKER).write_text(json.dumps(marker))
+    result = run_cli_here(["export", str(checkpoint), "--out", str(tmp_path / "hf")], capsys)
+    assert_user_error(result, "train_state.json is corrupt (loader.weights is [nan])")
+    assert not (tmp_path / "hf").exists()

@@ -18,7 +18,15 @@ The parts: `commit` (the marker, checksums, retiring), `resume` (where a start c
 export) does not load torch.distributed.checkpoint and DTensor.
 """
 
-from meshtrain.checkpoint.commit import MARKER, TRAIN_STATE, committed_checkpoints, crc32, step_dirs, verify
+from meshtrain.checkpoint.commit import (
+    MARKER,
+    TRAIN_STATE,
+    committed_checkpoints,
+    crc32,
+    read_train_state,
+    step_dirs,
+    verify,
+)
 from meshtrain.checkpoint.resume import (
     checkpoint_root,
     continue_job,
@@ -44,6 +52,7 @@ __all__ = [
     "job_locks",
     "newest_checkpoint",
     "refuse_another_lineage",
+    "read_train_state",
     "refuse_overwriting_results",
     "run_checkpoint_root",
     "saved_by_this_job",

@@ -13,7 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.checkpoint.commit import MARKER, STEP_DIR, TRAIN_STATE, committed_checkpoints, crc32, retire
+from meshtrain.checkpoint.commit import (
+    MARKER,
+    STEP_DIR,
+    TRAIN_STATE,
+    committed_checkpoints,
+    crc32,
+    read_train_state,
+    retire,
+)
 from meshtrain.errors import CheckpointError
 from meshtrain.files import FIXES, ensure_room, os_error_in, write_json
 from meshtrain.lock import job_token
@@ -160,7 +168,7 @@ class Checkpointer:
 
     def load(self, path: Path, model_shape: dict) -> dict:
         """Load model and optimizer into the current layout; returns the train state."""
-        train_state = json.loads((path / TRAIN_STATE).read_text())
+        train_state = read_train_state(path)
         saved_shape = train_state.get("model")
         model_shape = json.loads(json.dumps(model_shape))  # as train_state.json holds it (tuples as lists)
         if saved_shape is not None and saved_shape != model_shape:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint import TRAIN_STATE
+from meshtrain.checkpoint import read_train_state
 from meshtrain.data.chat import DEFAULT_CHAT_TEMPLATE, TEMPLATE_FILE
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import atomic_directory, check_output_dir, mark_output, read_json_object
@@ -48,7 +48,7 @@ def load_full_model(source: Path) -> tuple[Llama, ModelArgs, Path]:
 def _load_model(ckpt: Path | None, run_dir: Path) -> tuple[Llama, ModelArgs]:
 
     if ckpt is not None:  # verified by run_weights
-        train_state = json.loads((ckpt / TRAIN_STATE).read_text())
+        train_state = read_train_state(ckpt)
         args = ModelArgs(**train_state["model"])
         if train_state.get("peft"):
             return _merged_lora_checkpoint(ckpt, args, train_state["peft"]), args
@@ -188,7 +188,7 @@ def export_adapter(source: str | Path, out: str | Path, dtype: str = "auto") -> 
     check_output_dir(out, _lora_base(ckpt, run_dir), EXPORT_MARKER, "meshtrain export --adapter")
     record = peft_record_of(ckpt, run_dir)
     if ckpt is not None:
-        args = ModelArgs(**json.loads((ckpt / TRAIN_STATE).read_text())["model"])
+        args = ModelArgs(**read_train_state(ckpt)["model"])
     else:
         args = run_model_args(run_dir / "model.json")
     if not record:

@@ -15,10 +15,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint import MARKER, TRAIN_STATE, committed_checkpoints, run_checkpoint_root, verify
+from meshtrain.checkpoint import (
+    MARKER,
+    TRAIN_STATE,
+    committed_checkpoints,
+    read_train_state,
+    run_checkpoint_root,
+    verify,
+)
 from meshtrain.errors import CheckpointError, MeshtrainError
 from meshtrain.files import atomic_write, read_json_object, write_text
 from meshtrain.model import ModelArgs
+from meshtrain.model.args import model_record_problem
 from meshtrain.parallel import ParallelDims, ParallelModel
 
 
@@ -166,7 +174,7 @@ def _final_is_newer(final: Path, ckpt: Path) -> bool:
 def peft_record_of(ckpt: Path | None, run_dir: Path) -> dict | None:
     """A LoRA run's adapter settings and base (None: trained without adapters)."""
     if ckpt is not None:
-        return json.loads((ckpt / TRAIN_STATE).read_text()).get("peft")
+        return read_train_state(ckpt).get("peft")
     return json.loads(record.read_text()) if (record := run_dir / ADAPTER_RECORD).is_file() else None
 
 
@@ -192,6 +200,9 @@ def run_model_args(path: Path) -> ModelArgs:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the run's weights have no recorded shape; restore it from the run")
     try:
-        return ModelArgs(**read_json_object(path))
-    except (MeshtrainError, TypeError) as e:
+        record = read_json_object(path)
+    except MeshtrainError as e:
         raise CheckpointError(f"{path} is not a model.json meshtrain wrote ({e}): restore it from the run") from None
+    if problem := model_record_problem(record):
+        raise CheckpointError(f"{path} is not a model.json meshtrain wrote ({problem}): restore it from the run")
+    return ModelArgs(**record)

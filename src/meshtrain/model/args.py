@@ -3,7 +3,8 @@ read and check them before any framework loads)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import MISSING, dataclass, fields
 
 # The longest context a model may declare: its rotary tables (cos and sin per position, computed in
 # float64) are built whole at start; 2^24 positions of a 128-wide head already take 16 GiB there.
@@ -93,6 +94,53 @@ HF_NAMES = {
     "w3": "up_proj",
 }
 GROUPS = {"all": tuple(HF_NAMES), "attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w2", "w3")}
+
+
+_LARGEST_SIZE = 2**31 - 1
+_SIZES = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "vocab_multiple", "top_k"}
+_SIZES |= {"moe_every", "expert_groups"}
+_COUNTS = {"n_experts", "n_shared_experts", "first_dense"}
+_SIZES_OR_NONE = {"head_dim", "moe_ffn_dim", "groups_kept"}
+_POSITIVE_NUMBERS = {"rope_theta", "norm_eps"}
+_NUMBERS = {"capacity_factor", "aux_loss_coef", "bias_update_rate"}
+_CHOICES = {"router_score": ("softmax", "sigmoid"), "load_balance": ("aux_loss", "bias", "none")}
+
+
+def model_record_problem(record: dict) -> str | None:
+    """What is wrong with a ModelArgs read back from a file (model.json, a checkpoint's
+    train_state.json), or None: every field known, typed and within bounds, so that no
+    nonsense shape reaches the model's construction."""
+    names = {f.name for f in fields(ModelArgs)}
+    required = {f.name for f in fields(ModelArgs) if f.default is MISSING and f.default_factory is MISSING}
+    if unknown := sorted(set(record) - names):
+        return f"unknown field {unknown[0]}"
+    if missing := sorted(required - set(record)):
+        return f"no {missing[0]}"
+
+    def whole(v, low: int, high: int = _LARGEST_SIZE) -> bool:
+        return type(v) is int and low <= v <= high
+
+    def number(v, positive: bool) -> bool:
+        return type(v) in (int, float) and math.isfinite(v) and (v > 0 if positive else v >= 0) and v <= 1e12
+
+    for key, value in record.items():
+        ok = (
+            (key in _SIZES and whole(value, 1))
+            or (key in _COUNTS and whole(value, 0))
+            or (key in _SIZES_OR_NONE and (value is None or whole(value, 1)))
+            or (key == "max_seq_len" and whole(value, 1, MAX_POSITIONS))
+            or (key in _POSITIVE_NUMBERS and number(value, True))
+            or (key in _NUMBERS and number(value, False))
+            or (key in _CHOICES and value in _CHOICES[key])
+            or (key == "family" and isinstance(value, str))
+            or (key == "rope_scaling" and (value is None or isinstance(value, dict)))
+            or (key == "dense_layers" and isinstance(value, list | tuple) and all(whole(i, 0) for i in value))
+            or (type(value) is bool and key in {"tie_embeddings", "qkv_bias", "out_bias", "mlp_bias", "qk_norm"})
+            or (type(value) is bool and key == "norm_topk")
+        )
+        if not ok:
+            return f"{key} is {value!r}"
+    return None
 
 
 def parse_targets(text: str | None) -> tuple[str, ...]:

@@ -5,10 +5,9 @@ a full-weight DPO checkpoint's reference model."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from meshtrain.checkpoint import TRAIN_STATE
+from meshtrain.checkpoint import read_train_state
 from meshtrain.errors import MeshtrainError
 from meshtrain.logs import log
 from meshtrain.model.lora import quantize_base
@@ -51,7 +50,7 @@ def check_same_base(s: TrainState, path: Path) -> None:
     """The checkpoint to resume belongs to this run's model: LoRA adapters to the same base and
     settings; every weight to a run started from the same model.init_from (the checkpoint's weights
     are what trains on, so another init_from would be ignored without a word)."""
-    state = json.loads((path / TRAIN_STATE).read_text())
+    state = read_train_state(path)
     saved, mine, init_from = state.get("peft"), peft_record(s), s.base.get("init_from")
     if saved and mine:  # what the checkpoint recorded of its base (the weights' fingerprint since 2026-11-27)
         mine = {**mine, "base": {k: v for k, v in mine["base"].items() if k in saved.get("base", {})}}
