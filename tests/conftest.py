@@ -315,3 +315,23 @@ def pretend_other_load(monkeypatch, share: float) -> None:
     from meshtrain.job.probe_timing import OtherLoad
 
     monkeypatch.setattr(OtherLoad, "__exit__", lambda self, *exc: setattr(self, "share", share))
+
+
+def field_paths(value, prefix: tuple = ()):
+    """Every field of a JSON value as a path of keys (of a list, its first two items), outermost
+    first: what the property tests over files edit one at a time."""
+    if prefix:
+        yield prefix
+    items = value.items() if isinstance(value, dict) else enumerate(value[:2]) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield from field_paths(inner, (*prefix, key))
+
+
+def with_field(value, path: tuple, new):
+    """A deep copy of the JSON value `value` whose field at `path` is `new`."""
+    edited = json.loads(json.dumps(value))
+    inner = edited
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = new
+    return edited

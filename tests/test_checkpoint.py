@@ -554,6 +554,15 @@ def test_another_runs_checkpoint_never_starts_in_a_root_holding_checkpoints(tmp_
     refuse_overwriting_results(other, tmp_path / "c" / "checkpoints", tmp_path / "c")
 
 
+def a_train_state(**record) -> dict:
+    """A train_state.json of a 1-process run at step 5 with `record` (the fields a test is about)."""
+    state = {"step": 5, "peft": None, "scheduler": {}, "loader": {"consumed": 0, "seed": 0, "seq_len": 8}}
+    state["loader"]["n_windows"] = [4]
+    state["layout"] = {"world_size": 1, "tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, "dp_shard": 1, "zero": 0}
+    state["model"] = {"dim": 8, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1, "ffn_dim": 8, "vocab_size": 8}
+    return state | record
+
+
 def test_a_resume_under_another_init_from_is_refused(tmp_path):
     """A full-weight checkpoint's weights are what a resumed run trains on: a model.init_from other
     than the one the run started from would be ignored without a word, so it is refused (and a
@@ -580,11 +589,7 @@ def test_a_resume_under_another_init_from_is_refused(tmp_path):
         return SimpleNamespace(cfg=cfg, lora=None, base=base_identity(cfg), model=model)  # TrainState's fields
 
     def checkpoint(**record):
-        state = {"step": 5, "peft": None, "scheduler": {}, "loader": {"consumed": 0, "seed": 0, "seq_len": 8}}
-        state["loader"]["n_windows"] = [4]
-        state["layout"] = {"world_size": 1, "tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, "dp_shard": 1, "zero": 0}
-        state["model"] = {"dim": 8, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1, "ffn_dim": 8, "vocab_size": 8}
-        (tmp_path / TRAIN_STATE).write_text(json.dumps(state | record))
+        (tmp_path / TRAIN_STATE).write_text(json.dumps(a_train_state(**record)))
         return tmp_path
 
     started = checkpoint(init_from=base_identity(run(f"hf:{base}").cfg)["init_from"])
@@ -622,8 +627,10 @@ def test_lora_adapters_on_a_base_stored_otherwise_name_what_auto_chose(tmp_path)
 
     cfg = load_config(None, {"training.dtype": "bf16"})
     base = {"seed": cfg.training.seed}
-    adapters = SimpleNamespace(to_dict=lambda: {"rank": 8})
-    (tmp_path / TRAIN_STATE).write_text(json.dumps({"peft": {"rank": 8, "base": base, "base_storage": "fp32"}}))
+    settings = {"method": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["q"]}
+    adapters = SimpleNamespace(to_dict=lambda: settings)
+    peft = {**settings, "base": base, "base_storage": "fp32"}
+    (tmp_path / TRAIN_STATE).write_text(json.dumps(a_train_state(peft=peft)))
     for how, message in (
         (
             "measured",
@@ -688,7 +695,7 @@ def test_every_field_of_train_state_past_its_bounds_is_refused_in_one_line(saved
     from hypothesis import HealthCheck, assume, given, settings
     from hypothesis import strategies as st
 
-    from conftest import run_cli_here
+    from conftest import run_cli_here, with_field
     from meshtrain.checkpoint import TRAIN_STATE, crc32, read_train_state
 
     source = saved / "step_00000008"
@@ -704,19 +711,11 @@ def test_every_field_of_train_state_past_its_bounds_is_refused_in_one_line(saved
     copy = tmp_path / "ckpt"
     copy.mkdir()
 
-    def with_value(path, value) -> dict:
-        edited = json.loads(json.dumps(state))
-        inner = edited
-        for key in path[:-1]:
-            inner = inner[key]
-        inner[path[-1]] = value
-        return edited
-
     @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(paths), bad)
     def refused(path, value):
         assume(not (value == "x" and path in (("init_from",), ("run_dir",))))  # a name: resume compares it
-        (copy / TRAIN_STATE).write_text(json.dumps(with_value(path, value)))
+        (copy / TRAIN_STATE).write_text(json.dumps(with_field(state, path, value)))
         with pytest.raises(CheckpointError) as refusal:
             read_train_state(copy)
         assert "\n" not in str(refusal.value) and TRAIN_STATE in str(refusal.value), (path, value)
@@ -727,7 +726,7 @@ def test_every_field_of_train_state_past_its_bounds_is_refused_in_one_line(saved
 
     shutil.copytree(saved.parent, tmp_path / "run")
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000008"
-    (checkpoint / TRAIN_STATE).write_text(json.dumps(with_value(("loader", "weights"), [math.nan])))
+    (checkpoint / TRAIN_STATE).write_text(json.dumps(with_field(state, ("loader", "weights"), [math.nan])))
     marker = json.loads((checkpoint / MARKER).read_text())
     marker["files"][TRAIN_STATE] = {
         "bytes": (checkpoint / TRAIN_STATE).stat().st_size,

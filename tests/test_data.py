@@ -15,7 +15,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from conftest import assert_user_error, faulty, run_cli
+from conftest import assert_user_error, faulty, field_paths, run_cli, with_field
 from meshtrain.data import Blend, Dataset, DistributedLoader, TokenWindows, prepare, stdlib_sources
 from meshtrain.errors import ConfigError, DataError
 from meshtrain.files import WriteError
@@ -935,24 +935,12 @@ def test_every_field_of_a_manifest_past_its_bounds_is_refused_in_one_line(corpus
     shutil.copytree(corpus, directory)
     manifest = json.loads((corpus / "manifest.json").read_text())
 
-    def paths(value, prefix=()):
-        if prefix:
-            yield prefix
-        items = value.items() if isinstance(value, dict) else enumerate(value[:2]) if isinstance(value, list) else ()
-        for key, inner in items:
-            yield from paths(inner, (*prefix, key))
-
     bad = st.sampled_from([math.nan, math.inf, -math.inf, -1, -0.5, 1e300, 2**70, True, [1, "x"], {"a": "b"}])
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.sampled_from(sorted(paths(manifest), key=str)), bad)
+    @given(st.sampled_from(sorted(field_paths(manifest), key=str)), bad)
     def refused(path, value):
-        edited = json.loads(json.dumps(manifest))
-        inner = edited
-        for key in path[:-1]:
-            inner = inner[key]
-        inner[path[-1]] = value
-        (directory / "manifest.json").write_text(json.dumps(edited))
+        (directory / "manifest.json").write_text(json.dumps(with_field(manifest, path, value)))
         with pytest.raises(DataError) as refusal:
             Dataset(directory, 32)
         assert "\n" not in str(refusal.value) and "manifest.json" in str(refusal.value), (path, value)

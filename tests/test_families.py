@@ -15,7 +15,7 @@ import torch
 from hf_families import VARIANTS, assert_close_logits, hf_logits, make_model, probe_tokens
 from safetensors.torch import load_file
 
-from conftest import assert_user_error, read_metrics, run_cli, train_args
+from conftest import assert_user_error, field_paths, read_metrics, run_cli, train_args, with_field
 from meshtrain.errors import MeshtrainError
 from meshtrain.interop import export_hf, hf_model_args, load_hf_weights
 from meshtrain.interop.families import args_to_config, config_to_args, same_model
@@ -670,13 +670,12 @@ def test_every_config_json_field_past_its_bounds_is_refused_in_one_line(models, 
     from hypothesis import HealthCheck, assume, given, settings
     from hypothesis import strategies as st
 
-    def paths(value, prefix=()):
-        if prefix and prefix[0] not in IGNORED_FIELDS:
-            yield prefix
-        for key, inner in value.items() if isinstance(value, dict) else ():
-            yield from paths(inner, (*prefix, key))
-
-    cases = [(name, path) for name in sorted(models) for path in paths(read_config(models[name]))]
+    cases = [
+        (name, path)
+        for name in sorted(models)
+        for path in field_paths(read_config(models[name]))
+        if path[0] not in IGNORED_FIELDS and not isinstance(path[-1], int)  # a list: the field as a whole
+    ]
     bad = st.sampled_from([math.nan, math.inf, -math.inf, -1, -0.5, 1e300, 2**70, [1, "x"], {"a": "b"}])
     edited = tmp_path_factory.mktemp("edited")
 
@@ -685,12 +684,7 @@ def test_every_config_json_field_past_its_bounds_is_refused_in_one_line(models, 
     def refused(case, value):
         name, path = case
         assume(not (path == ("pad_token_id",) and value == -1))  # Llama 2's spelling of "no padding token"
-        config = read_config(models[name])
-        inner = config
-        for key in path[:-1]:
-            inner = inner[key]
-        inner[path[-1]] = value
-        (edited / "config.json").write_text(json.dumps(config))
+        (edited / "config.json").write_text(json.dumps(with_field(read_config(models[name]), path, value)))
         with pytest.raises(MeshtrainError) as refusal:
             hf_model_args(edited)
         assert "\n" not in str(refusal.value) and "config.json" in str(refusal.value), (name, path, value)
