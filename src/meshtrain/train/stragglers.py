@@ -5,12 +5,14 @@ them: its transformer blocks (DDP, ZeRO: FSDP's gathers run in the block's own h
 timed span starts), its linear layers under tensor parallelism (whose gathers and reductions run in
 the layers' hooks, outside the span), its model parts under `training.compile` (the blocks are
 compiled whole; the parts' span includes FSDP's gathers), and its wait for the next batch. The
-blocks' backward is timed too where no collective runs inside it (no FSDP, tensor or context
-parallelism, no compile): FSDP's gathers and reductions of the backward run in autograd hooks whose
-order against a module's own is not fixed. A whole-model compile (tensor parallelism alone) has
-nothing to hook and is not timed. On a GPU the spans are CUDA events, read when the log interval
-syncs anyway; on a CPU the clock. Waiting for a slower peer is thus left out, and a rank that is
-slow itself (throttled, on a noisy host, frozen now and then) stands out.
+blocks' backward is timed too where no collective runs inside it and autograd runs it whole (no
+FSDP, tensor or context parallelism, pipeline or compile): FSDP's gathers and reductions of the
+backward run in autograd hooks whose order against a module's own is not fixed, and the zero-bubble
+pipeline schedules split a block's backward in two, which a module's backward hooks do not
+survive. A whole-model compile (tensor parallelism alone) has nothing to hook and is not timed. On
+a GPU the spans are CUDA events, read when the log interval syncs anyway; on a CPU the clock.
+Waiting for a slower peer is thus left out, and a rank that is slow itself (throttled, on a noisy
+host, frozen now and then) stands out.
 
 At each log interval the ranks gather their times since the last one: the slowest rank and the
 spread (its time over the median of the others') go into the metrics. A rank is named a straggler
@@ -113,7 +115,7 @@ def compute_timer(parts: list[nn.Module], device: torch.device, layout, compiled
     if compiled:
         return ComputeTimer(list(parts), device)
     blocks = [m for part in parts for m in part.modules() if isinstance(m, TransformerBlock)]
-    return ComputeTimer(blocks, device, backward=not layout.fsdp and layout.cp == 1)
+    return ComputeTimer(blocks, device, backward=not layout.fsdp and layout.cp == 1 and layout.pp == 1)
 
 
 class StragglerDetector:
