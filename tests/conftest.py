@@ -335,3 +335,12 @@ def with_field(value, path: tuple, new):
         inner = inner[key]
     inner[path[-1]] = new
     return edited
+
+
+def a_train_state(**record) -> dict:
+    """A train_state.json of a 1-process run at step 5 with `record` (the fields a test is about)."""
+    state = {"step": 5, "peft": None, "scheduler": {}, "loader": {"consumed": 0, "seed": 0, "seq_len": 8}}
+    state["loader"]["n_windows"] = [4]
+    state["layout"] = {"world_size": 1, "tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, "dp_shard": 1, "zero": 0}
+    state["model"] = {"dim": 8, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1, "ffn_dim": 8, "vocab_size": 8}
+    return state | record

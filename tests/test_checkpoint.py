@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from conftest import (
     ATOL,
     RTOL,
+    a_train_state,
     alive,
     assert_same_run,
     assert_user_error,
@@ -552,15 +553,6 @@ def test_another_runs_checkpoint_never_starts_in_a_root_holding_checkpoints(tmp_
     with pytest.raises(CheckpointError, match=r"hold an earlier run \(newest step_00000800\).*pruning would delete"):
         refuse_overwriting_results(other, b / "checkpoints", b)
     refuse_overwriting_results(other, tmp_path / "c" / "checkpoints", tmp_path / "c")
-
-
-def a_train_state(**record) -> dict:
-    """A train_state.json of a 1-process run at step 5 with `record` (the fields a test is about)."""
-    state = {"step": 5, "peft": None, "scheduler": {}, "loader": {"consumed": 0, "seed": 0, "seq_len": 8}}
-    state["loader"]["n_windows"] = [4]
-    state["layout"] = {"world_size": 1, "tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, "dp_shard": 1, "zero": 0}
-    state["model"] = {"dim": 8, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1, "ffn_dim": 8, "vocab_size": 8}
-    return state | record
 
 
 def test_a_resume_under_another_init_from_is_refused(tmp_path):

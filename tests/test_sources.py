@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from conftest import a_train_state
 from meshtrain.checkpoint import MARKER
 from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.errors import MeshtrainError
@@ -44,7 +45,7 @@ def save_checkpoint(run_dir, seed: int, step: int):
     model.load_state_dict(weights(seed))
     optimizer = torch.optim.AdamW(model.parameters())
     checkpointer = Checkpointer(run_dir / "checkpoints", [model], optimizer, keep=2, use_async=False, rank=0)
-    checkpointer.save(step, {"step": step, "model": ARGS.__dict__}, blocking=True)
+    checkpointer.save(step, a_train_state(step=step, model=dict(ARGS.__dict__)), blocking=True)
     return next((run_dir / "checkpoints").glob(f"step_*{step}"))
 
 
@@ -155,7 +156,7 @@ def test_saving_a_step_that_is_already_committed_keeps_that_checkpoint(tmp_path,
     optimizer = torch.optim.AdamW(model.parameters())
     checkpointer = Checkpointer(tmp_path / "checkpoints", [model], optimizer, keep=2, use_async=False, rank=0)
     monkeypatch.setattr("torch.distributed.checkpoint.save", lambda *a, **k: pytest.fail("saved over step 5"))
-    checkpointer.save(5, {"step": 5, "model": ARGS.__dict__}, blocking=True)
+    checkpointer.save(5, a_train_state(step=5, model=dict(ARGS.__dict__)), blocking=True)
     assert (path / MARKER).read_bytes() == marker and loaded_is(tmp_path, 0)
 
 
