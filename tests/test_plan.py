@@ -405,6 +405,17 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
             ["--model", "tiny", "--gpu", "h100-80gb", "--pp", "1", "--pp-schedule", "gpipe"],
             "parallel.pp_schedule = 'gpipe' shapes the pipeline, but parallel.pp is 1",
         ),
+        # the failure replay: its settings without it, a rate that is not one, groups that do not divide
+        (["--model", "tiny", "--gpu", "h100-80gb", "--restart-s", "10"], "--restart-s sets the failure replay"),
+        (["--model", "tiny", "--gpu", "h100-80gb", "--failures", "often"], "'often' is not a rate"),
+        (
+            ["--model", "tiny", "--gpu", "h100-80gb", "--failures", "llama3", "--replica-groups", "3"],
+            "3 replica groups do not divide the data-parallel degree 8",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "100000", "--failures", "1000"],
+            "replays 5,400,000 failures: at most 100,000",
+        ),
     ],
 )
 def test_bad_plan_requests_get_one_line(args, message, cli_env, tmp_path):

@@ -26,9 +26,17 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtrain.files import check_output
-    from meshtrain.plan.request import PLAN_HEADER, PlanOptions, make_plan, write_best
+    from meshtrain.plan.request import (
+        PLAN_HEADER,
+        PlanOptions,
+        check_failure_options,
+        failure_report,
+        make_plan,
+        write_best,
+    )
 
     o: PlanOptions = options_of(args, PlanOptions)
+    check_failure_options(o)
     if o.write_config:
         check_output(
             o.write_config, "--write-config", {"--config": o.config, "--comm": o.comm}, PLAN_HEADER, "meshtrain plan"
@@ -46,8 +54,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             f"{layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`",
             file=sys.stderr if o.json else sys.stdout,  # --json: stdout is the JSON alone
         )
+    failures = failure_report(o, plan) if o.failures is not None and plan.estimates else None
     if o.json:
-        print(json.dumps(plan.as_dict(o.top, built), indent=1))
+        print(json.dumps(plan.as_dict(o.top, built) | ({"failures": failures} if failures else {}), indent=1))
         return 0
     from rich.console import Console
 
@@ -63,4 +72,25 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         )
         for note in gib["notes"]:
             print(f"  {note}")
+    if failures:
+        print_failures(failures)
     return 0
+
+
+def print_failures(report: dict) -> None:
+    s = report["seconds"]
+    print(
+        f"failures at {report['rate_per_1000_gpu_days']:.3g} per 1,000 GPUs per day over {report['days']:g} days "
+        f"(step {s['step']:.3g} s, checkpoint {s['checkpoint']:.3g} s, restart {s['restart']:.4g} s, "
+        f"rejoin {s['rejoin']:.4g} s):"
+    )
+    for m in report["modes"]:
+        interval = m["checkpoint_interval_s"]
+        mtbf = m["job_mtbf_h"]
+        lost = "the job is practically never lost" if mtbf is None else f"the job is lost every {mtbf:.3g} h"
+        every = "none needed (beyond the run)" if interval >= report["days"] * 86400 else f"every {interval:,.0f} s"
+        print(
+            f"  {m['mode']} ({m['groups']} group{'s' if m['groups'] > 1 else ''}): effective training time "
+            f"{m['effective_training_time']:.1%} +- {m['spread']:.1%}; {lost}; "
+            f"checkpoints (Young/Daly) {every}"
+        )

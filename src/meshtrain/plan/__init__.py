@@ -12,6 +12,7 @@ speed.py     matmuls (FP8 too), memory-bound work, TP/PP/DP communication, bubbl
 checks.py    what is refused before the search: links nothing crosses, precision and peaks, pinned CP, adapters
 search.py    enumerate, check with the trainer's own rules, estimate, rank
 report.py    the table
+failures.py  `--failures`: effective training time of checkpoint-restart and replica groups, replayed
 """
 
 from meshtrain.plan.hardware import CATALOG, KINDS, device

@@ -33,9 +33,21 @@ from meshtrain.model import PRESETS, ModelArgs
 from meshtrain.model.args import LoraSpec
 from meshtrain.model.shapes import Shape
 from meshtrain.plan.checks import check_compiled, check_cp, check_links, check_peak, check_peft, check_precision
+from meshtrain.plan.failures import LLAMA3_RATE, JobTimes, compare
 from meshtrain.plan.hardware import KINDS, Device, device
 from meshtrain.plan.search import Estimate, schedule_refusal, search
 from meshtrain.plan.workload import Workload
+
+
+def failure_rate(text: str) -> float:
+    """`llama3`, or failures per 1,000 GPUs per day."""
+    if text.strip().lower() == "llama3":
+        return LLAMA3_RATE
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a rate: give failures per 1,000 GPUs per day, or llama3") from None
+
 
 PLAN_HEADER = "# a meshtrain training config written by `meshtrain plan --write-config`"
 # The config keys plan reads (their short spellings are declared with them, config/schema.py).
@@ -120,6 +132,18 @@ class PlanOptions:
     verify: int | None = option(None, ge=1, nargs="?", const=1)
     """Dry-run the best N layouts (default 1) at their world size (`train --dry-run`) and add what the built job
     holds on its busiest rank (`built`), beside the planner's figures for that rank and its kernels (`planned`)."""
+    failures: float | None = option(None, parse=failure_rate, gt=0, le=1000)
+    """Replay failures at this rate, per 1,000 GPUs per day (`llama3`: 466 in 54 days on 16,384 GPUs, 0.53), with
+    the best layout's step time: the effective training time of checkpoint-restart and of replica groups
+    (torchft), each checkpointing at its Young/Daly interval."""
+    failure_days: float | None = option(None, gt=0, le=3650)
+    """--failures: the days replayed (default 54, Llama 3's snapshot)."""
+    restart_s: float | None = option(None, ge=0, le=1e6)
+    """--failures: seconds to relaunch the job or a group, before any state is read (default 600)."""
+    storage_gbps: float | None = option(None, gt=0, le=1e6)
+    """--failures: the file system's write and read bandwidth for checkpoints, GB/s in all (default 100)."""
+    replica_groups: int | None = option(None, ge=2)
+    """--failures: replica groups (default: the best layout's data-parallel degree; it must divide it)."""
 
 
 def load_request(o: PlanOptions, overrides: list[str]) -> tuple[Config, set[str]]:
@@ -460,3 +484,55 @@ def make_plan(o: PlanOptions, overrides: list[str]) -> Plan:
     return Plan(
         shape, dev, inter, gpus, seq_len, global_batch, dtype, t.fp8, t.objective, peft, estimates, refused, base, model
     )
+
+
+FAILURE_KEYS = ("failure_days", "restart_s", "storage_gbps", "replica_groups")
+MAX_FAILURES_REPLAYED = 100_000
+
+
+def check_failure_options(o: PlanOptions) -> None:
+    """The --failures settings take effect only with --failures: alone, they are refused."""
+    given = [k for k in FAILURE_KEYS if getattr(o, k) is not None]
+    if given and o.failures is None:
+        flag = "--" + given[0].replace("_", "-")
+        raise MeshtrainError(f"{flag} sets the failure replay: add --failures RATE (or --failures llama3)")
+
+
+def failure_report(o: PlanOptions, plan: Plan) -> dict:
+    """Effective training time of the best layout under --failures: its step time, a checkpoint of its
+    model states (params and optimizer, one copy) at --storage-gbps, a restart that relaunches and
+    reads that checkpoint back, and a group's rejoin that relaunches and takes a live peer's states
+    over the inter-node link."""
+    best = plan.estimates[0]
+    layout = best.layout
+    days = o.failure_days or 54.0
+    replayed = o.failures * plan.gpus / 1000 * days
+    if replayed > MAX_FAILURES_REPLAYED:
+        raise MeshtrainError(
+            f"--failures {o.failures:g} on {plan.gpus} GPUs for {days:g} days replays {replayed:,.0f} failures: "
+            f"at most {MAX_FAILURES_REPLAYED:,}; lower the rate or --failure-days"
+        )
+    dp = layout.dp_replicate * layout.dp_shard
+    groups = o.replica_groups or dp
+    if groups < 2 or dp % groups:
+        raise MeshtrainError(
+            f"{groups} replica groups do not divide the data-parallel degree {dp} of the best layout "
+            f"({layout.describe()}): give --replica-groups a divisor of {dp} of at least 2, or pin a layout with "
+            "more data parallelism"
+        )
+    per_gpu = best.memory["params"] + best.memory["optimizer"] + best.host_per_node / plan.device.gpus_per_node
+    checkpoint_bytes = per_gpu * plan.gpus / layout.dp_replicate
+    storage = (o.storage_gbps or 100.0) * 1e9
+    relaunch = 600.0 if o.restart_s is None else o.restart_s
+    times = JobTimes(
+        step=best.speed["step_time_s"],
+        checkpoint=checkpoint_bytes / storage,
+        restart=relaunch + checkpoint_bytes / storage,
+        rejoin=relaunch + per_gpu / (plan.inter_node_gbps * 1e9),
+    )
+    return {
+        "rate_per_1000_gpu_days": o.failures,
+        "days": days,
+        "seconds": {k: round(v, 3) for k, v in dataclasses.asdict(times).items()},
+        "modes": [outcome.as_dict() for outcome in compare(o.failures, plan.gpus, groups, times, days)],
+    }
