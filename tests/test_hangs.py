@@ -101,6 +101,63 @@ def test_a_hung_rank_is_named_with_every_stack_and_the_next_start_resumes(fault,
 
 
 @pytest.mark.multiproc
+def test_a_slow_save_that_progresses_is_waited_for_and_a_frozen_one_is_a_hang(corpus, cli_env, tmp_path):
+    """Rank 1's save of step 6 writes for 3x the hang timeout, every item flushed then a pause (a slow
+    file system): the job waits for it and finishes, with no hang report. The same save frozen
+    (SIGSTOP) half-way: the job is hung within the timeout of its last byte, rank 1 named."""
+    timeout = 5
+    run = ["--nproc", "2", "--training.hang_timeout", str(timeout), "--checkpoint.every", "3"]
+    run += ["--training.steps", "8"]
+    env = faulty(cli_env, MESHTRAIN_FAIL_RANK="1", MESHTRAIN_SLOW_SAVE=f"6:{3 * timeout + 3}")
+    env["MESHTRAIN_REPORT_WAIT_S"] = "3"
+
+    slow = subprocess.run(
+        [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path / "slow", *run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert slow.returncode == 0, slow.stderr[-3000:]
+    assert "rank 1 saves slowly" in slow.stdout + slow.stderr
+    elapsed = {r["step"]: r["elapsed_s"] for r in read_metrics(tmp_path / "slow")}
+    assert elapsed[7] - elapsed[6] > 3 * timeout, elapsed  # the save of step 6 took that long
+    assert not [p for p in (tmp_path / "slow" / "hangs").iterdir() if not p.name.startswith(".")]
+    assert (tmp_path / "slow" / "checkpoints" / "step_00000006" / "COMMITTED.json").is_file()
+
+    run_dir = tmp_path / "frozen"
+    proc = start(corpus, env, run_dir, *run[2:])
+    wait_for_steps(proc, run_dir, 6)
+    time.sleep(timeout / 2)  # inside the slow save
+    os.kill(worker_of_rank(proc, "1"), signal.SIGSTOP)
+    stuck = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 124, err[-3000:]
+    assert time.monotonic() - stuck < 2 * timeout + 30, "the job took too long to give up"
+    (report,) = [p for p in (run_dir / "hangs").iterdir() if not p.name.startswith(".")]
+    summary = (report / "summary.txt").read_text()
+    assert "rank 1 sent no report (frozen or dead)" in summary and "in checkpoint of step 6" in summary, summary
+
+
+def test_the_first_step_has_a_budget_of_its_own(corpus, cli_env, tmp_path):
+    """training.first_step_timeout (the loader's start-up, compilation) replaces the first step's 5x the
+    hang timeout: a first batch that never comes is a hang after it, not after 5x 30 s."""
+    env = faulty(cli_env, MESHTRAIN_HANG_IN_DATA_AT_STEP="1", MESHTRAIN_REPORT_WAIT_S="1")
+    run = ["--training.hang_timeout", "30", "--training.first_step_timeout", "6"]
+    began = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path / "run", *run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 124, result.stderr[-3000:]
+    assert "waited over 6 s in data of step 1" in result.stdout + result.stderr
+    assert time.monotonic() - began < 60
+
+
+@pytest.mark.multiproc
 def test_a_slowed_rank_is_named_a_straggler_and_a_clean_run_names_none(corpus, cli_env, tmp_path):
     """Rank 1 stopped for 0.3 s of every 0.6 s (the job at about half speed, and the stops falling
     in any part of a step, so that the spread of one interval ranges from none to tenfold) is named

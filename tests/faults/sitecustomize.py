@@ -7,6 +7,8 @@ carries no test hooks. Set in the run's environment:
   MESHTRAIN_HANG_IN_DATA_AT_STEP=N that rank's read of step N's batch never returns
   MESHTRAIN_HANG_IN_SAVE_AT_STEP=N that rank's checkpoint save of step N never returns
   MESHTRAIN_STEP_SLEEP=S            every step takes S seconds longer (time to signal a run mid-way)
+  MESHTRAIN_SLOW_SAVE=N:S          that rank's checkpoint save of step N writes for S seconds: each item
+                                    written, flushed, then a pause of 0.5 s (a slow file system)
   MESHTRAIN_ENOSPC_AT_STEP=N        every rank's checkpoint write of step N fails: "No space left on device"
   MESHTRAIN_STDOUT_PAUSE=S          every write to stdout is followed by S seconds of sleep (other
                                     processes' output lands between two writes)
@@ -59,6 +61,7 @@ def _install() -> None:
         "MESHTRAIN_HANG_IN_SAVE_AT_STEP",
         "MESHTRAIN_STEP_SLEEP",
         "MESHTRAIN_ENOSPC_AT_STEP",
+        "MESHTRAIN_SLOW_SAVE",
         "MESHTRAIN_STDOUT_PAUSE",
         "MESHTRAIN_RNG_PROBE",
         "MESHTRAIN_JITTER",
@@ -130,6 +133,8 @@ def _install() -> None:
     DistributedLoader.next_batch, Checkpointer._commit, dcp.save = faulty_next_batch, faulty_commit, full_disk_save
     if os.environ.get("MESHTRAIN_RNG_PROBE"):
         _write_rng_at_the_end()
+    if os.environ.get("MESHTRAIN_SLOW_SAVE"):
+        _slow_save(*os.environ["MESHTRAIN_SLOW_SAVE"].split(":"))
     if os.environ.get("MESHTRAIN_JITTER"):
         _jitter(os.environ["MESHTRAIN_JITTER"])
 
@@ -170,6 +175,29 @@ def _kill_in_unit(unit: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     ShardWriter.add = add_then_die
+
+
+def _slow_save(step: str, seconds: str) -> None:
+    import time
+
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    write_item, began = filesystem._write_item, {}
+
+    def slow_write_item(transforms, stream, data, item, storage_key, *args, **kwargs):
+        result = write_item(transforms, stream, data, item, storage_key, *args, **kwargs)
+        path = str(getattr(stream, "name", ""))
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        this_rank = os.environ.get("MESHTRAIN_FAIL_RANK", "0") == os.environ.get("RANK", "0")
+        if f"step_{int(step):08d}" in path and first_attempt and this_rank:
+            if not began:
+                print(f"[fault injection] rank {os.environ.get('RANK', '0')} saves slowly", flush=True)
+            stream.flush()  # the bytes reach the file system, then it is slow again
+            if time.monotonic() - began.setdefault("at", time.monotonic()) < float(seconds):
+                time.sleep(0.5)
+        return result
+
+    filesystem._write_item = slow_write_item
 
 
 def _write_rng_at_the_end() -> None:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import shutil
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -58,14 +59,26 @@ def dcp():
 
 
 class Checkpointer:
-    def __init__(self, root: Path, model_parts: list[nn.Module], optimizer, keep: int, use_async: bool, rank: int):
+    def __init__(
+        self,
+        root: Path,
+        model_parts: list[nn.Module],
+        optimizer,
+        keep: int,
+        use_async: bool,
+        rank: int,
+        group_timeout: timedelta = timedelta(minutes=10),
+    ):
+        """`group_timeout`: how long a rank waits at a checkpoint's collectives for the slowest save or
+        load (train/watchdog.py's checkpoint_group_timeout: the watchdog ends one that stops moving)."""
         self.root, self.keep, self.rank = root, keep, rank
         self.model = merge_parts(model_parts)
         # ZeroRedundancyOptimizer: each rank saves/loads the states of its own parameters.
         self.optimizer = local_optimizer(optimizer)
-        # Async saves run collectives in the background: on the training group they would interleave
-        # with training's and crash or hang, so they get a group of their own.
-        self.async_group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
+        # A group of the checkpoints' own: async saves run collectives in the background (on the training
+        # group they would interleave with training's and crash or hang), and a slow file system is
+        # waited for beyond the training group's timeout.
+        self.group = dist.new_group(backend="gloo", timeout=group_timeout) if dist.is_initialized() else None
         self.use_async = use_async
         self.pending = None
         # LoRA: the frozen base is not saved (it is the model the run started from); the adapters are.
@@ -88,15 +101,15 @@ class Checkpointer:
         if self.rank == 0 and path.exists():
             retire(path)  # an uncommitted leftover of the same step: deleted if it holds only a save's files
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self.group)
         write_json(path / f"rng-rank{self.rank:05d}.json", rng_state())  # each rank's own generators
         state = self._state()
         with self._saving(step, path):
             if self.use_async and not blocking:
-                kwargs = {"process_group": self.async_group} if self.async_group is not None else {}
-                self.pending = (dcp().async_save(state, checkpoint_id=str(path), **kwargs), step, path, train_state)
+                future = dcp().async_save(state, checkpoint_id=str(path), process_group=self.group)
+                self.pending = (future, step, path, train_state)
             else:
-                dcp().save(state, checkpoint_id=str(path))
+                dcp().save(state, checkpoint_id=str(path), process_group=self.group)
         if self.pending is None:
             self._commit(step, path, train_state)
 
@@ -117,7 +130,7 @@ class Checkpointer:
         local = model_state_bytes(list(self.model.parameters()), self.optimizer)
         need = torch.tensor([float(local["params"] + local["optimizer"])])
         if dist.is_initialized():
-            dist.all_reduce(need)
+            dist.all_reduce(need, group=self.group)
         ensure_room(self.root, need.item(), f"the checkpoint of step {step} (earlier checkpoints are intact)")
 
     @contextlib.contextmanager
@@ -140,7 +153,7 @@ class Checkpointer:
         sums = [mine]
         if dist.is_initialized():
             sums = [None] * dist.get_world_size()
-            dist.all_gather_object(sums, mine)  # also: every rank has written its shards
+            dist.all_gather_object(sums, mine, group=self.group)  # also: every rank has written its shards
         if self.rank == 0:
             write_json(path / TRAIN_STATE, train_state)
             known = {name: crc for rank_sums in sums for name, crc in rank_sums.items()}
@@ -153,7 +166,7 @@ class Checkpointer:
             write_json(path / MARKER, marker)
             self._prune()
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def _prune(self) -> None:
         committed = committed_checkpoints(self.root)
@@ -183,7 +196,7 @@ class Checkpointer:
         own_groups = [list(group["params"]) for group in state["optim"].get("param_groups", [])]
         restore_tied = _load_tied_copy_from_embedding(state, path)
         try:
-            dcp().load(state, checkpoint_id=str(path))
+            dcp().load(state, checkpoint_id=str(path), process_group=self.group)
         except Exception as e:  # DCP wraps per-rank failures; keep the first line of the cause
             raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).strip().splitlines()[0]}") from None
         restore_tied()

@@ -36,7 +36,7 @@ from meshtrain.train.loss_scale import LossScaler
 from meshtrain.train.plan_check import warn_if_too_big
 from meshtrain.train.preference import DEFAULT_BETA, PreferenceLoss
 from meshtrain.train.step import cross_entropy, pipeline_loss, step_context, to_device, train_step
-from meshtrain.train.watchdog import enable_flight_recorder, process_group_timeout
+from meshtrain.train.watchdog import checkpoint_group_timeout, enable_flight_recorder, process_group_timeout
 
 
 def verify_data(dataset: Blend, rank: int, world: int) -> None:
@@ -209,7 +209,8 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
     env = env or detect(launcher=cfg.launch.env)
     if cfg.launch.device != "cpu" and torch.cuda.is_available():
         enable_flight_recorder()
-    device = init_distributed(env, cfg.launch.device, process_group_timeout(cfg.training.hang_timeout))
+    t = cfg.training
+    device = init_distributed(env, cfg.launch.device, process_group_timeout(t.hang_timeout, t.first_step_timeout))
     check_device(cfg, device)
     if device.type == "cpu":  # each step's activations in the pages the last one used (hardware.py)
         keep_freed_memory()
@@ -244,7 +245,13 @@ def build(cfg: Config, env: LaunchEnv | None = None, with_data: bool = True) -> 
                 ]
         root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
         state.checkpointer = Checkpointer(
-            root, model.parts, optimizer, cfg.checkpoint.keep, cfg.checkpoint.async_, env.rank
+            root,
+            model.parts,
+            optimizer,
+            cfg.checkpoint.keep,
+            cfg.checkpoint.async_,
+            env.rank,
+            checkpoint_group_timeout(cfg.training.hang_timeout),
         )
     return state
 

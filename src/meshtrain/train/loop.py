@@ -164,7 +164,8 @@ def resume(s: TrainState) -> tuple[int, int]:
         load_base(s, into_model=path is None or s.lora is not None)
     if path is None:
         return 0, 0
-    state = ckpt.load(path, dataclasses.asdict(s.args))
+    with phase.of("load"):
+        state = ckpt.load(path, dataclasses.asdict(s.args))
     s.loader.load_state_dict(state["loader"])
     restore_schedule(s.scheduler, state["scheduler"])
     if s.scaler is not None and "loss_scale" in state:
@@ -376,9 +377,9 @@ def start_watchdog(s: TrainState) -> Watchdog:
         peers = [None] * s.env.world_size
         dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     attempt = agreed(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    timeout = s.cfg.training.hang_timeout
+    timeouts = (s.cfg.training.hang_timeout, s.cfg.training.first_step_timeout)
     return Watchdog(
-        s.cfg.run.dir, s.env.rank, s.env.world_size, timeout, peers, attempt, s.device.type, s.checkpointer.root
+        s.cfg.run.dir, s.env.rank, s.env.world_size, timeouts, peers, attempt, s.device.type, s.checkpointer.root
     )
 
 

@@ -2,8 +2,17 @@
 
 Every rank's main thread marks the phase of the step it is in (`phase("data")`: two attribute
 writes, nothing else); a watchdog thread on each rank checks once a second how long the current
-phase has lasted. When a phase outlasts `training.hang_timeout` (the first step, which compiles and
-warms up, 5x that), the job is hung: a rank frozen, dead, or stuck in a read, a write or a
+phase has lasted. Each phase has its budget:
+
+- a phase of a step: `training.hang_timeout`;
+- the first step (the data loader's start-up, compilation, warm-up): `training.first_step_timeout`
+  (default 5x the hang timeout);
+- a checkpoint save or load: as long as it moves bytes. While a rank is in one and its process reads
+  or writes (`/proc/self/io`), it stamps `<run.dir>/hangs/.progress/<start>.<rank>`; a rank past its
+  limit first looks there, and the job counts as hung only once no rank has moved a byte of a save or
+  load for the hang timeout. A slow file system is waited for; a frozen rank (SIGSTOP) stamps nothing.
+
+When a phase outlasts its budget, the job is hung: a rank frozen, dead, or stuck in a read, a write or a
 collective, with every other rank waiting for it. Then every live rank
 
 1. agrees on one report directory `<run.dir>/hangs/<when>/` (the first to notice names it, by an
@@ -18,7 +27,9 @@ collective, with every other rank waiting for it. Then every live rank
 4. exits with HANG_EXIT_CODE (124, as `timeout`): `--max-restarts`, the Slurm and SGE scripts and a
    rerun continue from the last committed checkpoint.
 
-The process group's timeout is set above the longest limit, so the watchdog always speaks first.
+The process group's timeout is set above the longest limit, so the watchdog always speaks first
+(checkpoints run their collectives on a group of their own, checkpoint/checkpointer.py, whose
+timeout waits for the slowest save that progresses).
 """
 
 from __future__ import annotations
@@ -39,17 +50,19 @@ from pathlib import Path
 from meshtrain.launch.local import HANG_EXIT_CODE
 from meshtrain.logs import log
 
-PHASES = ("start", "data", "forward/backward", "optimizer", "logging", "evaluation", "checkpoint")
-FIRST_STEP_FACTOR = 5  # the first step compiles and warms up
+PHASES = ("start", "load", "data", "forward/backward", "optimizer", "logging", "evaluation", "checkpoint")
+IO_PHASES = ("load", "checkpoint")  # a checkpoint's load and save: no limit while the job moves bytes
+FIRST_STEP_FACTOR = 5  # the first step compiles and warms up (training.first_step_timeout's default)
 REPORT_WAIT_S = 10.0  # how long a reporting rank waits for the others' reports
 POLL_S = 1.0
+IO_NOISE_BYTES = 1024  # moved in a second by no save: this thread's read of /proc/self/io, a log line
 
 
 class Phase:
     """The phase this process is in, as the main thread marks it (read by the watchdog thread)."""
 
     def __init__(self):
-        self.name, self.step, self.since, self.limit_factor = "start", 0, time.monotonic(), FIRST_STEP_FACTOR
+        self.name, self.step, self.since, self.first_step = "start", 0, time.monotonic(), True
 
     def __call__(self, name: str, step: int | None = None) -> None:
         self.name, self.since = name, time.monotonic()
@@ -70,12 +83,23 @@ class Phase:
 phase = Phase()  # process-wide, like faulthandler: the step marks it, the watchdog reads it
 
 
-def process_group_timeout(hang_timeout: float) -> timedelta:
+def first_step_limit(hang_timeout: float, first_step_timeout: float | None) -> float:
+    return FIRST_STEP_FACTOR * hang_timeout if first_step_timeout is None else first_step_timeout
+
+
+def process_group_timeout(hang_timeout: float, first_step_timeout: float | None = None) -> timedelta:
     """Above the watchdog's longest limit (the first step's), so that it reports first; without a
     watchdog, torch's usual 10 minutes."""
     if not hang_timeout:
         return timedelta(minutes=10)
-    return timedelta(seconds=FIRST_STEP_FACTOR * hang_timeout + 2 * REPORT_WAIT_S + 60)
+    longest = max(hang_timeout, first_step_limit(hang_timeout, first_step_timeout))
+    return timedelta(seconds=longest + 2 * REPORT_WAIT_S + 60)
+
+
+def checkpoint_group_timeout(hang_timeout: float) -> timedelta:
+    """A checkpoint's collectives wait for the slowest rank's save or load as long as it progresses:
+    the watchdog, not the group, ends one that stopped moving bytes (without a watchdog: 10 minutes)."""
+    return timedelta(days=1) if hang_timeout else timedelta(minutes=10)
 
 
 class Watchdog:
@@ -83,16 +107,27 @@ class Watchdog:
     pid), gathered at start; `attempt`: a name this start of the job shares on every rank."""
 
     def __init__(
-        self, run_dir: str | Path, rank: int, world: int, timeout: float, peers, attempt: str, device_type, checkpoints
+        self,
+        run_dir: str | Path,
+        rank: int,
+        world: int,
+        timeouts: tuple[float, float | None],
+        peers,
+        attempt: str,
+        device_type,
+        checkpoints,
     ):
-        """`checkpoints`: the checkpoint root, whose newest committed step a rerun continues from."""
-        self.root, self.rank, self.world, self.timeout = Path(run_dir) / "hangs", rank, world, timeout
+        """`timeouts`: the hang timeout and the first step's (None: 5x the hang timeout); `checkpoints`:
+        the checkpoint root, whose newest committed step a rerun continues from."""
+        self.root, self.rank, self.world = Path(run_dir) / "hangs", rank, world
+        self.timeout, self.first_step_timeout = timeouts[0], first_step_limit(*timeouts)
         self.checkpoints = Path(checkpoints)
         self.peers, self.attempt, self.cuda = peers, attempt, device_type == "cuda"
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
+        self.io_bytes = _io_bytes()
         phase("start", 0)
-        phase.limit_factor = FIRST_STEP_FACTOR
+        phase.first_step = True
 
     def __enter__(self) -> Watchdog:
         if self.timeout:
@@ -101,18 +136,41 @@ class Watchdog:
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=2 * POLL_S)
+        (self.root / ".progress" / f"{self.attempt}.{self.rank}").unlink(missing_ok=True)
 
     def first_step_done(self) -> None:
-        phase.limit_factor = 1
+        phase.first_step = False
 
     def _watch(self) -> None:
         while not self.stop.wait(POLL_S):
-            limit = self.timeout * phase.limit_factor
+            limit = self.first_step_timeout if phase.first_step else self.timeout
             elapsed = time.monotonic() - phase.since
+            moved = _io_bytes() - self.io_bytes > IO_NOISE_BYTES
+            if phase.name in IO_PHASES and moved and elapsed > limit / 4:  # a quick save leaves no stamp
+                self._stamp_progress()
             if elapsed > limit:
-                self._report(self._claim(), elapsed, limit)
+                if not self._saving_or_loading():
+                    self._report(self._claim(), elapsed, limit)
             elif elapsed > limit / 2 and self.root.is_dir() and (name := self._claimed()):
                 self._report(name, elapsed, limit)
+            self.io_bytes = _io_bytes()  # this thread's own reads and writes are not progress
+
+    def _stamp_progress(self) -> None:
+        """This rank's save or load moved bytes in the last second (the wall clock: ranks on other
+        hosts compare it with theirs)."""
+        with contextlib.suppress(OSError):
+            (self.root / ".progress").mkdir(parents=True, exist_ok=True)
+            (self.root / ".progress" / f"{self.attempt}.{self.rank}").write_text(f"{time.time()}")
+
+    def _saving_or_loading(self) -> bool:
+        """Whether some rank's checkpoint save or load moved bytes within the hang timeout."""
+        newest = 0.0
+        for path in (self.root / ".progress").glob(f"{self.attempt}.*"):
+            with contextlib.suppress(OSError, ValueError):
+                newest = max(newest, float(path.read_text()))
+        return time.time() - newest < self.timeout
 
     def _claimed(self) -> str | None:
         try:
@@ -217,6 +275,16 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 if b"meshtrain" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)
+
+
+def _io_bytes() -> int:
+    """The bytes this process has read and written so far, files and sockets (Linux; elsewhere nothing
+    is seen to move, and a save or load has the hang timeout as its limit)."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def _main_thread_place() -> dict:
