@@ -4,7 +4,6 @@ or damaged one out of a run's lineage."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 import zlib
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshtrain.errors import CheckpointError
+from meshtrain.fields import first_problem, number, numbers, whole
 
 MARKER = "COMMITTED.json"
 TRAIN_STATE = "train_state.json"
@@ -37,71 +37,61 @@ def read_train_state(path: Path) -> dict:
     return state
 
 
-def _count(value, low: int = 0) -> bool:
-    return type(value) is int and low <= value < 2**62
-
-
-def _numbers(value, low: float = 0.0) -> bool:
-    return isinstance(value, list) and all(
-        type(v) in (int, float) and math.isfinite(v) and low <= v <= 1e12 for v in value
-    )
-
-
 _LOADER = {
-    "consumed": _count,
-    "seed": _count,  # training.seed: 0 or more
-    "seq_len": lambda v: _count(v, 1),
-    "n_windows": lambda v: _count(v, 1) or (isinstance(v, list) and v != [] and all(_count(n, 1) for n in v)),
-    "weights": lambda v: _numbers(v) and v != [] and all(w > 0 for w in v),
-    "taken": lambda v: isinstance(v, list) and all(_count(n) for n in v),
+    "consumed": whole,
+    "seed": whole,  # training.seed: 0 or more
+    "seq_len": lambda v: whole(v, 1),
+    "n_windows": lambda v: whole(v, 1) or (isinstance(v, list) and v != [] and all(whole(n, 1) for n in v)),
+    "weights": lambda v: numbers(v) and v != [] and all(w > 0 for w in v),
+    "taken": lambda v: isinstance(v, list) and all(whole(n) for n in v),
     "content_ids": lambda v: isinstance(v, list) and all(i is None or isinstance(i, str) for i in v),
 }
 _SCHEDULER = {  # torch's LambdaLR keys this meshtrain checks; others are torch's to read
-    "base_lrs": _numbers,
-    "_last_lr": _numbers,
-    "last_epoch": _count,
-    "_step_count": _count,
+    "base_lrs": numbers,
+    "_last_lr": numbers,
+    "last_epoch": whole,
+    "_step_count": whole,
     "schedule": lambda v: (
         isinstance(v, dict)  # optim.SCHEDULE_KEYS: the LR shape it was saved with
         and set(v) <= {"warmup_steps", "min_lr_ratio", "steps"}
-        and _count(v.get("warmup_steps", 0))
-        and _count(v.get("steps", 1), 1)
-        and _numbers([v.get("min_lr_ratio", 0.0)])
+        and whole(v.get("warmup_steps", 0))
+        and whole(v.get("steps", 1), 1)
+        and numbers([v.get("min_lr_ratio", 0.0)])
         and v.get("min_lr_ratio", 0.0) <= 1
     ),
 }
 _LOSS_SCALE = {
-    "scale": lambda v: type(v) in (int, float) and 0 < v <= 2.0**127,  # a float32 (the scaler's tensor)
-    "growth_factor": lambda v: type(v) in (int, float) and 1 <= v <= 1e3,
-    "backoff_factor": lambda v: type(v) in (int, float) and 0 < v <= 1,
-    "growth_interval": lambda v: _count(v, 1),
-    "_growth_tracker": _count,
+    "scale": lambda v: number(v, 0, 2.0**127, above=True),  # a float32 (the scaler's tensor)
+    "growth_factor": lambda v: number(v, 1, 1e3),
+    "backoff_factor": lambda v: number(v, 0, 1, above=True),
+    "growth_interval": lambda v: whole(v, 1),
+    "_growth_tracker": whole,
 }
 _BASE = {  # the model a LoRA run's adapters or a DPO run's reference belong to (interop/base.py)
-    "seed": _count,
+    "seed": whole,
     "init_from": lambda v: isinstance(v, str) and v != "",
     "config_sha256": lambda v: isinstance(v, str),
     "weights_sha256": lambda v: isinstance(v, str),
 }
 _PEFT = {
     "method": lambda v: v in ("lora", "qlora"),
-    "rank": lambda v: _count(v, 1),
-    "alpha": lambda v: type(v) in (int, float) and math.isfinite(v) and 0 < v <= 1e12,
-    "dropout": lambda v: type(v) in (int, float) and 0 <= v < 1,
+    "rank": lambda v: whole(v, 1),
+    "alpha": lambda v: number(v, above=True),
+    "dropout": lambda v: number(v, 0, 1) and v < 1,
     "targets": lambda v: isinstance(v, list) and v != [] and all(isinstance(t, str) for t in v),
     "base": lambda v: isinstance(v, dict),
     "base_storage": lambda v: v in ("bf16", "fp16", "fp32"),
 }
 _LAYOUT_KEYS = ("world_size", "tp", "pp", "cp", "dp_replicate", "dp_shard")
 _TRAIN_STATE = {
-    "step": lambda v: _count(v, 1),
-    "skipped_steps": _count,
+    "step": lambda v: whole(v, 1),
+    "skipped_steps": whole,
     "loader": lambda v: isinstance(v, dict),
     "scheduler": lambda v: isinstance(v, dict),
     "layout": lambda v: (
         isinstance(v, dict)
         and set(v) == {*_LAYOUT_KEYS, "zero"}
-        and all(_count(v[k], 1) for k in _LAYOUT_KEYS)
+        and all(whole(v[k], 1) for k in _LAYOUT_KEYS)
         and v["zero"] in (0, 1, 2, 3)
     ),
     "model": lambda v: isinstance(v, dict),
@@ -113,22 +103,11 @@ _TRAIN_STATE = {
 }
 
 
-def _fields_problem(fields: dict, value: dict, name: str) -> str | None:
-    """The first field of `value` its check in `fields` refuses, or that `fields` does not know
-    (the schedule's other keys are torch's to read)."""
-    for key, inner in value.items():
-        if key in fields and not fields[key](inner):
-            return f"{name}{key} is {inner!r}"
-        if key not in fields and fields is not _SCHEDULER:
-            return f"unknown field {name}{key}"
-    return None
-
-
 def _train_state_problem(state: dict) -> str | None:
     for key in ("step", "loader", "scheduler", "layout", "model"):
         if key not in state:
             return f"no {key}"
-    if problem := _fields_problem(_TRAIN_STATE, state, ""):
+    if problem := first_problem(_TRAIN_STATE, state):
         return problem
     peft = state.get("peft") or {}
     for fields, value, name in (
@@ -139,7 +118,7 @@ def _train_state_problem(state: dict) -> str | None:
         (_BASE, peft.get("base", {}), "peft.base."),
         (_BASE, state.get("reference") or {}, "reference."),
     ):
-        if problem := _fields_problem(fields, value, name):
+        if problem := first_problem(fields, value, name, others=fields is _SCHEDULER):
             return problem
     if state.get("skipped_steps", 0) > state["step"]:
         return f"skipped_steps {state['skipped_steps']} is more than step {state['step']}"

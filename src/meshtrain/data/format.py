@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.errors import DataError
+from meshtrain.fields import first_problem, number, whole
 from meshtrain.files import writing
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -59,16 +60,12 @@ def read_manifest(path: str | Path) -> dict:
             raise DataError(
                 f"{manifest_path} has format {kind!r}: meshtrain reads {', '.join(DATA_FORMATS)}; prepare it again"
             )
-        if _count(manifest["vocab_size"]) and manifest["vocab_size"] > np.iinfo(DTYPES[dtype]).max + 1:
+        if whole(manifest["vocab_size"]) and manifest["vocab_size"] > np.iinfo(DTYPES[dtype]).max + 1:
             raise DataError(f"{manifest_path}: vocabulary of {manifest['vocab_size']} does not fit {dtype}")
         _check_fields(manifest, manifest_path)
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{manifest_path} is corrupt ({e}); prepare the data again") from None
     return manifest
-
-
-def _count(value) -> bool:
-    return type(value) is int and 0 <= value < 2**63
 
 
 def _file_name(value) -> bool:
@@ -80,46 +77,42 @@ def _sha256(value) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
-def _fraction(value) -> bool:
-    return type(value) in (int, float) and 0 <= value <= 1
-
-
 def _counts(value) -> bool:
-    return isinstance(value, dict) and all(_count(v) for v in value.values())
+    return isinstance(value, dict) and all(whole(v) for v in value.values())
 
 
 # Every field data prepare writes, and what its value may be: a field not here, or a value its check
 # refuses, makes the manifest corrupt (a hand edit, another tool, a newer meshtrain).
 _TOP_FIELDS = {
-    "format_version": _count,
+    "format_version": whole,
     "format": lambda v: v in DATA_FORMATS,
     "dtype": lambda v: v in DTYPES,
-    "vocab_size": lambda v: _count(v) and v > 0,
-    "eos_id": lambda v: v is None or _count(v),
-    "document_prefix": lambda v: v is None or (isinstance(v, list) and all(_count(t) for t in v)),
+    "vocab_size": lambda v: whole(v) and v > 0,
+    "eos_id": lambda v: v is None or whole(v),
+    "document_prefix": lambda v: v is None or (isinstance(v, list) and all(whole(t) for t in v)),
     "tokenizer": _file_name,
     "tokenizer_sha256": _sha256,
     "tokenizer_fingerprint": _sha256,
-    "train_tokens": _count,
-    "val_tokens": _count,
+    "train_tokens": whole,
+    "val_tokens": whole,
     "documents": _counts,
     "pairs": _counts,
-    "val_fraction": _fraction,
+    "val_fraction": lambda v: number(v, 0, 1),
     "text_field": lambda v: v is None or isinstance(v, str),
-    "input_files": _count,
-    "input_bytes": _count,
+    "input_files": whole,
+    "input_bytes": whole,
     "order": lambda v: isinstance(v, str),
     "shards": lambda v: isinstance(v, list),
     "splits": lambda v: isinstance(v, dict) and set(v) == {"train", "val"} and all(type(x) is list for x in v.values()),
-    "skipped_null": _count,
-    "skipped_longer": _count,
+    "skipped_null": whole,
+    "skipped_longer": whole,
     "chat_template": _file_name,
     "chat_targets": lambda v: isinstance(v, str),
-    "target_tokens": _count,
-    "max_tokens": lambda v: v is None or _count(v),  # 0: no limit
+    "target_tokens": whole,
+    "max_tokens": lambda v: v is None or whole(v),  # 0: no limit
     "files": lambda v: isinstance(v, list) and all(_file_name(f) for f in v),
 }
-_SHARD_FIELDS = {"file": _file_name, "tokens": _count, "sha256": _sha256}
+_SHARD_FIELDS = {"file": _file_name, "tokens": whole, "sha256": _sha256}
 _SHARD_FIELDS |= {"mask_sha256": _sha256, "lengths_sha256": _sha256}  # chat data's loss mask and lengths
 _REQUIRED = {"dtype", "vocab_size", "eos_id", "tokenizer", "tokenizer_sha256"}
 _REQUIRED_V2 = {"train_tokens", "val_tokens", "shards", "splits"}
@@ -136,11 +129,8 @@ def _check_fields(manifest: dict, where: Path) -> None:
     required |= {"chat_template"} if manifest.get("format", "text") != "text" else set()
     if missing := sorted(required - set(manifest)):
         raise corrupt(f"no {', '.join(missing)}")
-    for key, value in manifest.items():
-        if key not in _TOP_FIELDS:
-            raise corrupt(f"unknown field {key!r}")
-        if not _TOP_FIELDS[key](value):
-            raise corrupt(f"{key} is {value!r}")
+    if problem := first_problem(_TOP_FIELDS, manifest):
+        raise corrupt(problem)
     vocab = manifest["vocab_size"]
     for key in ("eos_id", "document_prefix"):
         ids = manifest.get(key)
@@ -152,14 +142,13 @@ def _check_fields(manifest: dict, where: Path) -> None:
         needed = {"file", "tokens", "sha256"} | ({"mask_sha256", "lengths_sha256"} if masked else set())
         if not isinstance(shard, dict) or not needed <= set(shard):
             raise corrupt(f"shard {shard!r} is not {{{', '.join(sorted(needed))}}}")
-        for key, value in shard.items():
-            if key not in _SHARD_FIELDS or not _SHARD_FIELDS[key](value):
-                raise corrupt(f"shard {shard.get('file')!r}: {key} is {value!r}")
+        if problem := first_problem(_SHARD_FIELDS, shard):
+            raise corrupt(f"shard {shard.get('file')!r}: {problem}")
         tokens[shard["file"]] = shard["tokens"]
     for split, segments in manifest.get("splits", {}).items():
         for segment in segments:
             ok = isinstance(segment, list) and len(segment) == 3 and segment[0] in tokens
-            if not (ok and _count(segment[1]) and _count(segment[2]) and segment[1] + segment[2] <= tokens[segment[0]]):
+            if not (ok and whole(segment[1]) and whole(segment[2]) and segment[1] + segment[2] <= tokens[segment[0]]):
                 raise corrupt(f"{split} segment {segment!r} is not [a listed shard, first token, tokens] within it")
         if manifest.get(f"{split}_tokens") != sum(segment[2] for segment in segments):
             raise corrupt(f"{split}_tokens {manifest.get(f'{split}_tokens')!r} is not the sum of the {split} segments")

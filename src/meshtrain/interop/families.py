@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.fields import LARGEST_COUNT, LARGEST_NUMBER, LARGEST_SIZE, whole
 from meshtrain.model.args import MAX_POSITIONS, ModelArgs
 from meshtrain.model.family import FAMILIES, NOT_BUILT, inexpressible
 from meshtrain.model.rope import ROPE_TYPES
@@ -113,11 +114,11 @@ def config_to_args(c: dict, where: str, vocab_multiple: int = 64) -> ModelArgs:
             "remove it from config.json if it does not",
         )
     for key in REQUIRED:
-        if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or not 0 < c[key] <= MAX_SIZE:
+        if not whole(c.get(key), 1, LARGEST_SIZE):
             raise refuse(
                 where,
                 f"{key} is {'missing' if key not in c else repr(c[key])}: it must be a positive integer "
-                f"(at most {MAX_SIZE:,})",
+                f"(at most {LARGEST_SIZE:,})",
             )
     _check_types(c, where)
     if c.get("hidden_act", "silu") != "silu":
@@ -162,11 +163,11 @@ def read_experts(c: dict, family: str, where: str) -> dict:
         del ints["moe_intermediate_size"], ints["decoder_sparse_step"]
     for key, default in ints.items():
         value = c.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+        if not whole(value, 1, LARGEST_SIZE):
             raise refuse(
                 where,
                 f"{key} is {'missing' if key not in c else repr(value)}: it must be a positive integer "
-                f"(at most {MAX_SIZE:,})",
+                f"(at most {LARGEST_SIZE:,})",
             )
     if family == "qwen3_moe" and c.get("num_local_experts", c[n_key]) != c[n_key]:
         raise refuse(where, "num_experts and num_local_experts disagree: keep one of them")
@@ -182,9 +183,7 @@ def read_experts(c: dict, family: str, where: str) -> dict:
             )
         return {"n_experts": n_experts, "top_k": top_k, "norm_topk": True, "aux_loss_coef": float(coef)}
     dense = [] if c.get("mlp_only_layers") is None else c["mlp_only_layers"]
-    if not isinstance(dense, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < c["num_hidden_layers"] for i in dense
-    ):
+    if not isinstance(dense, list) or not all(whole(i, 0, c["num_hidden_layers"] - 1) for i in dense):
         raise refuse(where, f"mlp_only_layers is {dense!r}: it must be a list of layer indices")
     norm = c.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
@@ -210,14 +209,13 @@ POSITIVE_INTS_OR_NULL = ("num_key_value_heads", "head_dim", "sliding_window")
 COUNTS_OR_NULL = ("max_window_layers",)  # Qwen2's layers without a window: read with use_sliding_window alone
 
 
-MAX_SIZE = 2**31 - 1  # a width, depth, head count or vocabulary past this fits no device's memory
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # read by generate, serve and export
 
 
 def _check_types(c: dict, where: str) -> None:
     for key in (k for k in TOKEN_IDS if c.get(k) is not None):
         ids = c[key] if isinstance(c[key], list) else [c[key]]
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_SIZE for i in ids):
+        if not ids or not all(whole(i, 0, LARGEST_SIZE) for i in ids):
             if not (key == "pad_token_id" and c[key] == -1):  # Llama 2's: no padding token
                 raise refuse(where, f"{key} is {c[key]!r}: it must be a token id (or a list of them, or null)")
     for key in (k for k in ("torch_dtype", "dtype") if c.get(k) is not None):
@@ -235,9 +233,9 @@ def _check_types(c: dict, where: str) -> None:
             continue
         low = 0 if key in COUNTS_OR_NULL else 1
         bounded = key not in POSITIVE_INTS  # max_position_embeddings: MAX_POSITIONS, below
-        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < low or bounded and c[key] > MAX_SIZE:
+        if not whole(c[key], low, LARGEST_SIZE if bounded else LARGEST_COUNT):
             kind = "non-negative" if low == 0 else "positive"
-            raise refuse(where, f"{key} is {c[key]!r}: it must be a {kind} integer (at most {MAX_SIZE:,})")
+            raise refuse(where, f"{key} is {c[key]!r}: it must be a {kind} integer (at most {LARGEST_SIZE:,})")
     if c.get("max_position_embeddings", 0) > MAX_POSITIONS:
         raise refuse(
             where,
@@ -253,9 +251,6 @@ def check_positive_number(value, key: str, where: str, zero: bool = False) -> No
         raise refuse(where, f"{key} is {value!r}: it must be a {'non-negative' if zero else 'positive'} number")
     if not math.isfinite(value) or value > LARGEST_NUMBER:
         raise refuse(where, f"{key} is {value!r}: it must be a finite number up to {LARGEST_NUMBER:g}")
-
-
-LARGEST_NUMBER = 1e12  # past any RoPE base or scaling factor a model uses (Llama 3: 5e5, Qwen: 1e6)
 
 
 def _check_sliding_window(c: dict, family: str, max_positions: int, where: str, length: str = "") -> None:

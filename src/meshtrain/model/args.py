@@ -3,8 +3,9 @@ read and check them before any framework loads)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import MISSING, dataclass, fields
+
+from meshtrain.fields import LARGEST_SIZE, number, whole
 
 # The longest context a model may declare: its rotary tables (cos and sin per position, computed in
 # float64) are built whole at start; 2^24 positions of a 128-wide head already take 16 GiB there.
@@ -96,7 +97,6 @@ HF_NAMES = {
 GROUPS = {"all": tuple(HF_NAMES), "attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w2", "w3")}
 
 
-_LARGEST_SIZE = 2**31 - 1
 _SIZES = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "vocab_multiple", "top_k"}
 _SIZES |= {"moe_every", "expert_groups"}
 _COUNTS = {"n_experts", "n_shared_experts", "first_dense"}
@@ -117,24 +117,22 @@ def model_record_problem(record: dict) -> str | None:
     if missing := sorted(required - set(record)):
         return f"no {missing[0]}"
 
-    def whole(v, low: int, high: int = _LARGEST_SIZE) -> bool:
-        return type(v) is int and low <= v <= high
-
-    def number(v, positive: bool) -> bool:
-        return type(v) in (int, float) and math.isfinite(v) and (v > 0 if positive else v >= 0) and v <= 1e12
-
     for key, value in record.items():
         ok = (
-            (key in _SIZES and whole(value, 1))
-            or (key in _COUNTS and whole(value, 0))
-            or (key in _SIZES_OR_NONE and (value is None or whole(value, 1)))
+            (key in _SIZES and whole(value, 1, LARGEST_SIZE))
+            or (key in _COUNTS and whole(value, 0, LARGEST_SIZE))
+            or (key in _SIZES_OR_NONE and (value is None or whole(value, 1, LARGEST_SIZE)))
             or (key == "max_seq_len" and whole(value, 1, MAX_POSITIONS))
-            or (key in _POSITIVE_NUMBERS and number(value, True))
-            or (key in _NUMBERS and number(value, False))
+            or (key in _POSITIVE_NUMBERS and number(value, above=True))
+            or (key in _NUMBERS and number(value))
             or (key in _CHOICES and value in _CHOICES[key])
             or (key == "family" and isinstance(value, str))
             or (key == "rope_scaling" and (value is None or isinstance(value, dict)))
-            or (key == "dense_layers" and isinstance(value, list | tuple) and all(whole(i, 0) for i in value))
+            or (
+                key == "dense_layers"
+                and isinstance(value, list | tuple)
+                and all(whole(i, 0, LARGEST_SIZE) for i in value)
+            )
             or (type(value) is bool and key in {"tie_embeddings", "qkv_bias", "out_bias", "mlp_bias", "qk_norm"})
             or (type(value) is bool and key == "norm_topk")
         )
