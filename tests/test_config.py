@@ -201,6 +201,11 @@ PIPELINE = {"parallel.pp": 2, "model.n_layers": 4, "training.global_batch_size":
             "run.sample_prompt is printed at the info level",
             {"run.log_level": "info"},
         ),
+        (
+            {"training.hang_timeout": 0, "training.first_step_timeout": 600},
+            "training.first_step_timeout = 600 is the watchdog's budget for the first step",
+            {"training.hang_timeout": 60},
+        ),
     ],
 )
 def test_a_key_without_the_key_it_acts_beside_is_refused_at_the_start(given, fragment, with_the_other):

@@ -413,6 +413,10 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
             "3 replica groups do not divide the data-parallel degree 8",
         ),
         (
+            ["--model", "llama3-405b", "--gpu", "v100-16gb", "--gpus", "8", "--failures", "llama3"],
+            "--failures: no layout fits to replay failures on (",
+        ),
+        (
             ["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "100000", "--failures", "1000"],
             "replays 5,400,000 failures: at most 100,000",
         ),

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             f"{layout.world} processes, or `meshtrain jobscript slurm --config {path} ...`",
             file=sys.stderr if o.json else sys.stdout,  # --json: stdout is the JSON alone
         )
-    failures = failure_report(o, plan) if o.failures is not None and plan.estimates else None
+    failures = failure_report(o, plan) if o.failures is not None else None
     if o.json:
         print(json.dumps(plan.as_dict(o.top, built) | ({"failures": failures} if failures else {}), indent=1))
         return 0

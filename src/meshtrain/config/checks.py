@@ -157,6 +157,11 @@ def check_keys_in_force(cfg: Config) -> None:
             f"training.ac_every = {t.ac_every} picks the blocks selective checkpointing recomputes, but training."
             f"activation_checkpointing is {t.activation_checkpointing!r}: set it to selective, or drop ac_every"
         )
+    if t.first_step_timeout is not None and not t.hang_timeout:
+        raise ConfigError(
+            f"training.first_step_timeout = {t.first_step_timeout:g} is the watchdog's budget for the first step, "
+            "but training.hang_timeout = 0 turns the watchdog off: set training.hang_timeout, or drop it"
+        )
     r = cfg.run
     run_default = {f.name: f.default for f in dataclasses.fields(r)}
     if not r.sample_prompt and r.sample_tokens != run_default["sample_tokens"]:

@@ -246,7 +246,7 @@ class TrainingConfig:
     <run.dir>/hangs/, the ranks that did not arrive are named, and the job exits 124 to continue from the
     last checkpoint (docs/launching.md). A checkpoint save or load has no limit while some rank's moves
     bytes: the job is hung once none has for this long. 0: off."""
-    first_step_timeout: float | None = option(None, check=lambda v: _off_or_at_least(v, 5, "seconds"))
+    first_step_timeout: float | None = option(None, ge=5)
     """Seconds the first step may take (the data loader's start-up, compilation, warm-up) before the job counts
     as hung (unset: 5x training.hang_timeout; with hang_timeout = 0 there is no watchdog)."""
 

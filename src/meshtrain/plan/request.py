@@ -499,11 +499,14 @@ def check_failure_options(o: PlanOptions) -> None:
 
 
 def failure_report(o: PlanOptions, plan: Plan) -> dict:
-    """Effective training time of the best layout under --failures: its step time, a checkpoint of its
+    """Effective training time of the best layout that fits under --failures: its step time, a checkpoint of its
     model states (params and optimizer, one copy) at --storage-gbps, a restart that relaunches and
     reads that checkpoint back, and a group's rejoin that relaunches and takes a live peer's states
     over the inter-node link."""
-    best = plan.estimates[0]
+    best = next((e for e in plan.estimates if e.fits), None)
+    if best is None:
+        why = plan.estimates[0].why_not if plan.estimates else "; ".join(plan.refused)
+        raise MeshtrainError(f"--failures: no layout fits to replay failures on ({why})")
     layout = best.layout
     days = o.failure_days or 54.0
     replayed = o.failures * plan.gpus / 1000 * days
