@@ -262,6 +262,43 @@ def test_sixteen_concurrent_streams_equal_their_lone_answers(client):
     assert results == alone
 
 
+def counter(url: str, name: str) -> float:
+    """A Prometheus counter of the server's /metrics (meshtrain_<name>_total)."""
+    line = next(
+        x for x in httpx.get(url + "/metrics", timeout=30).text.splitlines() if x.startswith(f"meshtrain_{name}_total")
+    )
+    return float(line.split()[-1])
+
+
+def test_n_answers_share_one_prefill_and_best_of_returns_the_likeliest(server, client):
+    """n = 4 sampled answers of one prompt: one prefill, four different answers, each the one its seed
+    gives (the first is the n = 1 answer; a stream of n = 2 gives the first two); at temperature 0
+    all equal the greedy one. best_of = 3 returns the answer of the three with the highest mean
+    log-probability per token, and bills all three."""
+    ask = {"model": "hf-served", "prompt": "def ", "max_tokens": 12, "temperature": 1.0, "seed": 3}
+    before = counter(server, "prefilled_tokens")
+    four = client.completions.create(**ask, n=4)
+    assert counter(server, "prefilled_tokens") - before == four.usage.prompt_tokens  # once for the four
+    texts = [c.text for c in four.choices]
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and len(set(texts)) > 1, texts
+    assert [c.text for c in client.completions.create(**ask, n=4).choices] == texts
+    assert client.completions.create(**ask).choices[0].text == texts[0]
+    parts = {}
+    for chunk in client.completions.create(**ask, n=2, stream=True):
+        for choice in chunk.choices:
+            parts[choice.index] = parts.get(choice.index, "") + choice.text
+    assert parts == {0: texts[0], 1: texts[1]}
+    greedy = {"model": "hf-served", "messages": HI, "max_tokens": 8, "temperature": 0}
+    alone = client.chat.completions.create(**greedy).choices[0].message.content
+    assert [c.message.content for c in client.chat.completions.create(**greedy, n=3).choices] == [alone] * 3
+
+    ranked = client.completions.create(**{**ask, "seed": 5}, n=3, logprobs=0).choices
+    means = [sum(c.logprobs.token_logprobs) / max(1, len(c.logprobs.token_logprobs)) for c in ranked]
+    best = client.completions.create(**{**ask, "seed": 5}, n=1, best_of=3)
+    assert len(best.choices) == 1 and best.choices[0].text == ranked[means.index(max(means))].text
+    assert best.usage.completion_tokens == sum(len(c.logprobs.token_logprobs) for c in ranked)
+
+
 HI = [{"role": "user", "content": "hi"}]
 BAD = [
     ({}, {"model": "hf-served", "prompt": "x"}, 401, "authentication_error"),
@@ -270,7 +307,10 @@ BAD = [
     (None, {"model": "hf-served", "prompt": "x " * 1100}, 400, "invalid_request_error"),
     (None, {"model": "hf-served", "prompt": "x", "max_tokens": 100000}, 400, "invalid_request_error"),
     (None, {"model": "hf-served", "prompt": ""}, 400, "invalid_request_error"),
-    (None, {"model": "hf-served", "prompt": "x", "n": 2}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "n": 17}, 400, "invalid_request_error"),  # over --max-batch 16
+    (None, {"model": "hf-served", "prompt": "x", "best_of": 17}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "n": 3, "best_of": 2}, 400, "invalid_request_error"),
+    (None, {"model": "hf-served", "prompt": "x", "n": 0}, 422, "invalid_request_error"),
     (None, {"model": "hf-served", "prompt": ["a", "b"]}, 400, "invalid_request_error"),
     (None, {"model": "hf-served", "prompt": "x", "max_tokens": "many"}, 422, "invalid_request_error"),
     (None, {"model": "hf-served", "prompt": "x", "temperature": 5}, 422, "invalid_request_error"),
@@ -297,6 +337,19 @@ def test_bad_requests_get_openai_errors(server, headers, body, status, kind):
 
 
 NO_EFFECT = [  # inputs that used to be accepted and silently dropped: (path, body, param, message)
+    (
+        "/v1/completions",
+        {"prompt": "x", "best_of": 3, "temperature": 0},
+        "best_of",
+        "best_of picks among sampled answers, but temperature 0 decodes greedily (every answer the same): drop it, "
+        "or sample (temperature > 0)",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "best_of": 3, "stream": True},
+        "best_of",
+        "best_of: more answers than n are ranked with stream: false only",
+    ),
     (
         "/v1/chat/completions",
         {"messages": [*HI, {"role": "user", "content": "x", "name": "bob"}]},
@@ -427,7 +480,7 @@ def test_survives_malformed_bursts_and_abrupt_disconnects(server, client):
             http.post("/v1/completions", content=bodies[i % len(bodies)], headers=auth).status_code for i in range(200)
         }
     assert statuses <= {400, 422}
-    before = generated_tokens(server)
+    before = counter(server, "generated_tokens")
     body = json.dumps(
         {"model": "hf-served", "prompt": "def ", "max_tokens": 900, "temperature": 0, "stream": True}
     ).encode()
@@ -444,19 +497,12 @@ def test_survives_malformed_bursts_and_abrupt_disconnects(server, client):
             )
             assert s.recv(256).startswith(b"HTTP/1.1 200")
     wait_until_idle(server)
-    assert generated_tokens(server) - before < 50 * 900 / 4  # the abandoned streams stopped early
+    assert counter(server, "generated_tokens") - before < 50 * 900 / 4  # the abandoned streams stopped early
     answer = client.completions.create(model="hf-served", prompt="def ", max_tokens=5, temperature=0)
     assert answer.usage.completion_tokens >= 1
     metrics = httpx.get(server + "/metrics").text
     assert 'meshtrain_requests_total{path="/v1/completions",status="400"}' in metrics
     assert "meshtrain_time_to_first_token_seconds_count" in metrics
-
-
-def generated_tokens(url: str) -> float:
-    line = next(
-        x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("meshtrain_generated_tokens_total")
-    )
-    return float(line.split()[-1])
 
 
 def wait_until_idle(url: str) -> None:
@@ -472,7 +518,7 @@ def test_a_disconnected_client_frees_its_only_slot(exported, cli_env):
         body = {"model": "hf-served", "prompt": "def ", "max_tokens": 1000, "temperature": 0, "stream": True}
         control = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 300, "stream": False}, timeout=120)
         assert control.json()["usage"]["completion_tokens"] == 300  # greedy "def " runs on without EOS
-        before = generated_tokens(url)
+        before = counter(url, "generated_tokens")
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
             assert response.status_code == 200
             next(response.iter_lines())
@@ -481,7 +527,9 @@ def test_a_disconnected_client_frees_its_only_slot(exported, cli_env):
         answer = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3, "stream": False}, timeout=120)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
         wait_until_idle(url)
-        assert generated_tokens(url) - before < 1000  # both abandoned requests stopped when their clients left
+        assert (
+            counter(url, "generated_tokens") - before < 1000
+        )  # both abandoned requests stopped when their clients left
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -835,7 +883,7 @@ def test_generation_config_sets_the_sampling_a_request_leaves_out(tmp_path):
     ]
     tokenizer = SimpleNamespace(get_added_tokens_decoder=dict)  # no special tokens
     served = ServedModel("m", None, tokenizer, [], None, "", defaults)
-    engine = SimpleNamespace(max_context=64)
+    engine = SimpleNamespace(max_context=64, max_batch=1)
     left_out = _check(served, engine, CompletionRequest(model="m", prompt="x"), [1, 2], chat=False)
     assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 0)
     given = CompletionRequest(model="m", prompt="x", temperature=0.5, top_p=1, top_k=3)
@@ -919,7 +967,7 @@ def test_a_greedy_generation_config_keeps_its_top_p_and_top_k_for_requests_that_
     run, _ = tiny_run(tmp_path / "run", config)
     assert sampling_defaults(run)[0] == {"temperature": 0.0, "top_p": 0.9, "top_k": 20}
     served = load_served_model(run, torch.device("cpu"), torch.float32)
-    name, engine = served.name, SimpleNamespace(max_context=64)
+    name, engine = served.name, SimpleNamespace(max_context=64, max_batch=1)
 
     def params(**fields) -> tuple:
         p = _check(served, engine, CompletionRequest(model=name, prompt="x", **fields), [1, 2], chat=False)
@@ -1004,7 +1052,7 @@ def test_generation_config_values_the_server_does_not_apply_are_named_and_max_le
     assert "exponential_decay_length_penalty = [10, 1.5], which" in warnings[2]
     assert served.sampling_defaults == {"max_length": 50}
 
-    engine = SimpleNamespace(max_context=64)
+    engine = SimpleNamespace(max_context=64, max_batch=1)
 
     def length(prompt: int, chat: bool = False, **fields) -> int:
         request = (

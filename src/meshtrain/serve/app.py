@@ -43,6 +43,9 @@ def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
         "meshtrain_requests", "HTTP requests by path and status", ["path", "status"], registry=registry
     )
     tokens = Counter("meshtrain_generated_tokens", "tokens generated", registry=registry)
+    prefilled = Counter(
+        "meshtrain_prefilled_tokens", "prompt tokens computed (once for the n answers of a prompt)", registry=registry
+    )
     Gauge("meshtrain_queue_length", "requests waiting for a batch slot", registry=registry).set_function(
         lambda: engine.waiting.qsize()
     )
@@ -55,7 +58,7 @@ def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
         registry=registry,
         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
     )
-    engine.on_first_token, engine.on_tokens = ttft.observe, tokens.inc
+    engine.on_first_token, engine.on_tokens, engine.on_prefill = ttft.observe, tokens.inc, prefilled.inc
 
     app.add_middleware(_CountRequests, counter=requests_total)
     return registry
@@ -220,8 +223,18 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         raise APIError(
             404, f"model {body.model!r} does not exist: this server serves {served.name!r}", "model", "model_not_found"
         )
-    if body.n != 1:
-        raise APIError(400, "n: only n = 1 is supported", "n")
+    best_of = getattr(body, "best_of", None)
+    for key, count in (("n", body.n), ("best_of", best_of or 1)):
+        if count > engine.max_batch:
+            raise APIError(
+                400,
+                f"{key}: at most {engine.max_batch} answers a request (the server's --max-batch), got {count}",
+                key,
+            )
+    if best_of is not None and best_of < body.n:
+        raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
+    if best_of is not None and best_of > body.n and body.stream:
+        raise APIError(400, "best_of: more answers than n are ranked with stream: false only", "best_of")
     if body.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server; leave it out", "logit_bias")
     if body.stream_options is not None and not body.stream:
@@ -253,6 +266,13 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop: up to 4 non-empty strings", "stop")
     stop, stop_ids = _special_stops(served, stop)
+    if best_of is not None and best_of > body.n and body.temperature == 0:
+        raise APIError(
+            400,
+            "best_of picks among sampled answers, but temperature 0 decodes greedily (every answer the same): "
+            "drop it, or sample (temperature > 0)",
+            "best_of",
+        )
     if body.temperature == 0 and (idle := truncations_given(body.top_p, body.top_k)):
         raise APIError(
             400,
@@ -280,6 +300,7 @@ def _check(served: ServedModel, engine: Engine, body: Sampling, prompt_ids: list
         logprobs,
         echo,
         stop_ids,
+        score=best_of is not None and best_of > body.n,
     )
 
 
@@ -359,12 +380,18 @@ def _chat_logprobs(served: ServedModel, generation: Generation) -> dict:
 async def _generate(
     served: ServedModel, engine: Engine, body: Sampling, prompt: str | list[int], request: Request, chat: bool
 ):
+    """The request's answers (n, or best_of ranked to n) generated as one group, one prefill."""
     prompt_ids = _encode(served, prompt, chat) if isinstance(prompt, str) else prompt
     prompt = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
     params = _check(served, engine, body, prompt_ids, chat)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    generation = Generation(prompt_ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-    engine.submit(generation)
+
+    def emit_to(index: int):
+        return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, *event))
+
+    count = getattr(body, "best_of", None) or body.n
+    generations = [Generation(prompt_ids, params, emit_to(i)) for i in range(count)]
+    engine.submit_group(generations)
     meta = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "created": int(time.time()),
@@ -372,79 +399,87 @@ async def _generate(
     }
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(generation, events, meta, chat, include_usage), media_type="text/event-stream")
-    text, finish, looked = [], None, time.monotonic()
+        return StreamingResponse(
+            _stream(generations, events, meta, chat, include_usage), media_type="text/event-stream"
+        )
+    texts, finishes, looked = [[] for _ in generations], [None] * count, time.monotonic()
     try:
-        while finish is None:
+        while None in finishes:
             # a client that hung up (a timeout) stops its generation, as a stream's does
             if time.monotonic() - looked > DISCONNECT_POLL_S:
                 if await request.is_disconnected():
                     return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
                 looked = time.monotonic()
             try:
-                kind, value = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                index, kind, value = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 continue
             if kind == "text":
-                text.append(value)
+                texts[index].append(value)
             elif kind == "error":
                 raise APIError(500, value)
             else:
-                finish = value
+                finishes[index] = value
     finally:
-        generation.cancel()  # a finished generation is gone already; one whose client went away frees its slot
-    usage = _usage(generation)
-    if chat:
-        message = {"role": "assistant", "content": "".join(text)}
-        logprobs = _chat_logprobs(served, generation) if params.logprobs is not None else None
-        return {
-            **meta,
-            "object": "chat.completion",
-            "usage": usage,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
-        }
-    answer = (prompt if params.echo else "") + "".join(text)
-    scored = params.logprobs is not None  # echo alone returns the prompt's text, not its scores (OpenAI)
-    logprobs = _completion_logprobs(served, generation, prompt, params.echo) if scored else None
-    return {
-        **meta,
-        "object": "text_completion",
-        "usage": usage,
-        "choices": [{"index": 0, "text": answer, "finish_reason": finish, "logprobs": logprobs}],
-    }
+        for generation in generations:  # a finished one is gone already; one whose client went away frees its slot
+            generation.cancel()
+    usage = _usage(generations)
+    kept = range(count)
+    if count > body.n:  # best_of: the n likeliest answers, by their mean log-probability per token
+        kept = sorted(kept, key=lambda i: -generations[i].score / max(1, len(generations[i].generated)))[: body.n]
+    choices = []
+    for index, i in enumerate(kept):
+        text, generation = "".join(texts[i]), generations[i]
+        if chat:
+            message = {"role": "assistant", "content": text}
+            logprobs = _chat_logprobs(served, generation) if params.logprobs is not None else None
+            choices.append({"index": index, "message": message, "finish_reason": finishes[i], "logprobs": logprobs})
+            continue
+        answer = (prompt if params.echo else "") + text
+        scored = params.logprobs is not None  # echo alone returns the prompt's text, not its scores (OpenAI)
+        logprobs = _completion_logprobs(served, generation, prompt, params.echo) if scored else None
+        choices.append({"index": index, "text": answer, "finish_reason": finishes[i], "logprobs": logprobs})
+    kind = "chat.completion" if chat else "text_completion"
+    return {**meta, "object": kind, "usage": usage, "choices": choices}
 
 
-def _usage(generation: Generation) -> dict:
-    prompt, completion = len(generation.prompt), len(generation.generated)
+def _usage(generations: list[Generation]) -> dict:
+    """The prompt once, every generated token (best_of's answers not returned too, as OpenAI bills them)."""
+    prompt, completion = len(generations[0].prompt), sum(len(g.generated) for g in generations)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _stream(generation: Generation, events: asyncio.Queue, meta: dict, chat: bool, include_usage: bool):
+async def _stream(generations: list[Generation], events: asyncio.Queue, meta: dict, chat: bool, include_usage: bool):
+    """Each answer's deltas under its choice index, as they come; [DONE] once every answer ended."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
+    def chunk(index: int, delta: str | None, finish: str | None = None, first: bool = False) -> str:
         if chat:
             content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": content, "finish_reason": finish}
+            choice = {"index": index, "delta": content, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": None}
         return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
     try:
         if chat:
-            yield chunk(None, first=True)
-        while True:
-            kind, value = await events.get()
+            for index in range(len(generations)):
+                yield chunk(index, None, first=True)
+        running = len(generations)
+        while running:
+            index, kind, value = await events.get()
             if kind == "text":
-                yield chunk(value)
+                yield chunk(index, value)
             elif kind == "error":
                 yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
                 break
             else:
-                yield chunk(None, finish=value)
-                if include_usage:
-                    yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': _usage(generation)})}\n\n"
-                break
+                yield chunk(index, None, finish=value)
+                running -= 1
+        else:
+            if include_usage:
+                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': _usage(generations)})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        generation.cancel()  # also when the client disconnected mid-stream
+        for generation in generations:  # also when the client disconnected mid-stream
+            generation.cancel()

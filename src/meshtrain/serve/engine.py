@@ -5,6 +5,10 @@ cache slots (one prefill forward each, which also samples their first token), th
 batched decode forward for every running request, samples each one's next token with its own
 settings and generator, and streams the new text out. A finished or cancelled request (a client
 that went away) frees its slot at the next step, so a new one can take it at once.
+
+The n answers of one prompt (OpenAI's `n`, completions' `best_of`) are a group: admitted together
+when n slots are free, prefilled once (the prompt's keys and values copied into the other slots),
+then sampled apart, each with its own generator.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k likeliest
     echo: bool = False  # also the prompt tokens' log-probabilities (what log-likelihood scoring reads)
     stop_ids: frozenset[int] = frozenset()  # special tokens given as stop strings (never in the decoded text)
+    score: bool = False  # sum the generated tokens' log-probabilities (best_of ranks its answers by them)
 
 
 @dataclass
@@ -64,9 +69,16 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with echo and logprobs
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with logprobs, one per generated token
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (penalties)
+    score: float = 0.0  # with params.score: the sum of the generated tokens' log-probabilities
+    seed_offset: int = 0  # the i-th answer of a group draws from its own generator
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+def _nth_seed(seed: int, n: int) -> int:
+    """The seed of a group's n-th answer: the request's own for the first, distinct ones after it."""
+    return seed if n == 0 else (seed * 1_000_003 + n) % 2**63
 
 
 class Engine:
@@ -79,6 +91,7 @@ class Engine:
         max_context: int,
         on_first_token: Callable[[float], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        on_prefill: Callable[[int], None] | None = None,
     ):
         self.model, self.tokenizer = model.eval(), tokenizer
         # every token that ends a generation (Llama 3 instruct: <|eot_id|> and <|end_of_text|>)
@@ -86,18 +99,27 @@ class Engine:
         self.max_batch, self.max_context = max_batch, max_context
         self.device = model.tok_embeddings.weight.device
         self.cache = KVCache(model, max_batch, max_context)
-        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.waiting: queue.Queue[list[Request] | None] = queue.Queue()
+        self.held: list[Request] | None = None  # a group waiting for enough free slots (first in line)
         self.running: list[Request] = []
         self.free = list(range(max_batch))
         self.on_first_token = on_first_token or (lambda seconds: None)
         self.on_tokens = on_tokens or (lambda n: None)
+        self.on_prefill = on_prefill or (lambda n: None)  # prompt tokens computed
         self.failure: str | None = None  # why the engine thread stopped, if it did (the server is then unhealthy)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshtrain-engine", daemon=True)
         self._thread.start()
 
     def submit(self, request: Request) -> None:
-        self.waiting.put(request)
+        self.waiting.put([request])
+
+    def submit_group(self, requests: list[Request]) -> None:
+        """The answers of one prompt (same prompt and settings): one prefill, then each its own.
+        At most max_batch of them (the app refuses more)."""
+        for i, request in enumerate(requests):
+            request.seed_offset = i
+        self.waiting.put(requests)
 
     def complete(self, prompt: list[int], params: SamplingParams) -> tuple[str, str, Request]:
         """Generate to the end, blocking: (text, finish reason "stop" or "length", the request with
@@ -135,15 +157,15 @@ class Engine:
             self._loop()
         except BaseException as e:
             self.failure = f"{type(e).__name__}: {e}"
-            for r in self.running:
+            for r in self.running + (self.held or []):
                 self._finish(r, ("error", f"the generation engine stopped: {self.failure}"))
             while True:
                 try:
                     request = self.waiting.get_nowait()
                 except queue.Empty:
                     break
-                if request is not None:
-                    request.emit(("error", f"the generation engine stopped: {self.failure}"))
+                for r in request or []:
+                    r.emit(("error", f"the generation engine stopped: {self.failure}"))
 
     @torch.inference_mode()
     def _loop(self) -> None:
@@ -159,49 +181,67 @@ class Engine:
                     self.running = []
 
     def _admit(self, block: bool) -> None:
+        """Waiting groups into free slots, in order: a group that needs more slots than are free is
+        held, first in line, until enough are."""
         while self.free:
-            try:
-                request = self.waiting.get(block=block, timeout=None if block else 0)
-            except queue.Empty:
+            if self.held is None:
+                try:
+                    self.held = self.waiting.get(block=block, timeout=None if block else 0)
+                except queue.Empty:
+                    return
+                block = False
+            group = [r for r in self.held or [] if not r.cancelled]
+            if len(group) > len(self.free):
                 return
-            block = False
-            if request is None or request.cancelled:
+            self.held = None
+            if not group:
                 continue
-            request.slot = self.free.pop()
-            try:
+            for request in group:
+                request.slot = self.free.pop()
                 seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
+                seed = _nth_seed(seed, request.seed_offset)
                 request.generator = torch.Generator(device=self.device).manual_seed(seed)
-                self._prefill(request)
-            except Exception as e:  # this request fails; its slot goes back
-                self._finish(request, ("error", f"generation failed: {e}"))
-                self._finished_or_cancelled(request)
+            try:
+                self._prefill(group)
+            except Exception as e:  # these requests fail; their slots go back
+                for request in group:
+                    self._finish(request, ("error", f"generation failed: {e}"))
+                    self._finished_or_cancelled(request)
 
-    def _prefill(self, request: Request) -> None:
-        """One forward over the prompt: fills its cache slot, scores the prompt (echo with logprobs:
-        echo alone returns the prompt's text, so its vocabulary-wide logits are not computed),
-        samples the first token."""
-        p = request.params
+    def _prefill(self, group: list[Request]) -> None:
+        """One forward over the prompt: fills the first request's cache slot (copied into the
+        others'), scores the prompt (echo with logprobs: echo alone returns the prompt's text, so
+        its vocabulary-wide logits are not computed), samples each request's first token."""
+        first, p = group[0], group[0].params
         scored = p.echo and p.logprobs is not None
+        length = len(first.prompt)
         logits = forward_cached(
             self.model,
             self.cache,
-            torch.tensor([request.prompt], device=self.device),
-            torch.tensor([request.slot], device=self.device),
-            torch.arange(len(request.prompt), device=self.device)[None],
+            torch.tensor([first.prompt], device=self.device),
+            torch.tensor([first.slot], device=self.device),
+            torch.arange(length, device=self.device)[None],
             every_position=scored,
         )
+        self.on_prefill(length)
+        for keys, values in zip(self.cache.k, self.cache.v, strict=True):
+            for other in group[1:]:
+                keys[other.slot, :, :length] = keys[first.slot, :, :length]
+                values[other.slot, :, :length] = values[first.slot, :, :length]
         if scored:  # position i predicts prompt token i + 1
-            request.prompt_logprobs = [TokenLogprob(request.prompt[0], None)] + [
-                self._logprob(logits[0, i], token, p.logprobs or 0) for i, token in enumerate(request.prompt[1:])
+            first.prompt_logprobs = [TokenLogprob(first.prompt[0], None)] + [
+                self._logprob(logits[0, i], token, p.logprobs or 0) for i, token in enumerate(first.prompt[1:])
             ]
             logits = logits[:, -1]
-        self.on_first_token(time.perf_counter() - request.submitted)
-        if p.max_tokens == 0:  # scored only: it never joins the running batch, so its slot goes back here
-            self._finish(request, ("done", "length"))
-            self._finished_or_cancelled(request)
-            return
-        self.running.append(request)
-        self._accept(request, self._choose(logits[0], request))
+        self.on_first_token(time.perf_counter() - first.submitted)
+        for request in group:
+            request.prompt_logprobs = first.prompt_logprobs
+            if p.max_tokens == 0:  # scored only: it never joins the running batch, so its slot goes back here
+                self._finish(request, ("done", "length"))
+                self._finished_or_cancelled(request)
+                continue
+            self.running.append(request)
+            self._accept(request, self._choose(logits[0], request))
 
     def _decode(self) -> None:
         batch = self.running
@@ -212,7 +252,12 @@ class Engine:
         greedy = logits.argmax(-1).tolist()  # one op for every plain temperature-0 request
         for i, request in enumerate(batch):
             p = request.params
-            plain = p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty) and p.logprobs is None
+            plain = (
+                p.temperature <= 0
+                and not (p.presence_penalty or p.frequency_penalty)
+                and p.logprobs is None
+                and not p.score
+            )
             self._accept(request, greedy[i] if plain else self._choose(logits[i], request))
 
     def _choose(self, logits: torch.Tensor, request: Request) -> int:
@@ -226,6 +271,8 @@ class Engine:
         token = int(adjusted.argmax()) if p.temperature <= 0 else self._sample(adjusted, request)
         if p.logprobs is not None:
             request.logprobs.append(self._logprob(logits, token, p.logprobs))
+        if p.score and token not in self.eos_ids and token not in p.stop_ids:
+            request.score += float(torch.log_softmax(logits.float(), -1)[token])
         return token
 
     @staticmethod

@@ -47,7 +47,7 @@ class Sampling(SamplingDefaults):
 
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    n: int = 1
+    n: int = Field(1, ge=1)  # answers to the prompt, prefilled once (at most the server's --max-batch)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -60,7 +60,7 @@ class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (what lm-evaluation-harness sends)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # a count: true/false refused
     echo: bool = False
-    best_of: int = Field(1, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1)  # answers generated, of which the n likeliest are returned
     suffix: str | None = None
 
 
