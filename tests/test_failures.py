@@ -19,9 +19,9 @@ from meshtrain.plan.failures import (
     young_daly,
 )
 
-# Llama 3 405B on 16,384 H100s as `meshtrain plan` lays it out: a 6 s step, a 53 s save of 5.3 TB at
+# Llama 3 405B on 16,384 H100s as `meshtrain plan` lays it out: a 6 s step, a 49 s save of 4.9 TB at
 # 100 GB/s, a 10-minute relaunch.
-LLAMA3_JOB = JobTimes(step=6.0, checkpoint=53.0, restart=653.0, rejoin=600.0)
+LLAMA3_JOB = JobTimes(step=6.0, checkpoint=49.0, restart=649.0, rejoin=600.0)
 
 
 def replay(rate, groups, times, interval, days, replays=8):

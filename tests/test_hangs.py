@@ -83,7 +83,7 @@ def test_a_hung_rank_is_named_with_every_stack_and_the_next_start_resumes(fault,
         stuck_in = "did not finish data of step 5" if fault == "data" else "did not arrive at all_reduce, held at"
         assert "rank 1 did not" in summary and stuck_in in summary, summary
         status = json.loads((report / "rank1.txt").read_text().split("\n", 1)[0])
-        assert status["phase"] == ("data" if fault == "data" else "checkpoint") and "sitecustomize" in status["at"]
+        assert status["phase"] == ("data" if fault == "data" else "save") and "sitecustomize" in status["at"]
     for path in report.glob("rank*.txt"):
         text = path.read_text()
         assert "Thread" in text and "File " in text and "meshtrain-watchdog" not in text.split("\n", 1)[0]
@@ -136,7 +136,7 @@ def test_a_slow_save_that_progresses_is_waited_for_and_a_frozen_one_is_a_hang(co
     assert time.monotonic() - stuck < 2 * timeout + 30, "the job took too long to give up"
     (report,) = [p for p in (run_dir / "hangs").iterdir() if not p.name.startswith(".")]
     summary = (report / "summary.txt").read_text()
-    assert "rank 1 sent no report (frozen or dead)" in summary and "in checkpoint of step 6" in summary, summary
+    assert "rank 1 sent no report (frozen or dead)" in summary and "in save of step 6" in summary, summary
 
 
 def test_the_first_step_has_a_budget_of_its_own(corpus, cli_env, tmp_path):

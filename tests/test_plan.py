@@ -418,7 +418,7 @@ def test_measured_bandwidth_replaces_the_catalogs(cli_env, tmp_path):
         ),
         (
             ["--model", "tiny", "--gpu", "h100-80gb", "--gpus", "100000", "--failures", "1000"],
-            "replays 5,400,000 failures: at most 100,000",
+            "replays 5,400,000 failures over 100000 replica groups: at most 10,000,000 failures x groups",
         ),
     ],
 )

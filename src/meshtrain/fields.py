@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-LARGEST_COUNT = 2**62  # more tokens, steps or bytes than any run has
+LARGEST_COUNT = 2**63 - 1  # an int64: more tokens, steps or bytes than any run has (and any training.seed)
 LARGEST_SIZE = 2**31 - 1  # a width, depth, head count or vocabulary past this fits no device's memory
 LARGEST_NUMBER = 1e12  # a learning rate, a RoPE base, a loss scale factor: never more
 
@@ -18,12 +18,9 @@ def whole(value, low: int = 0, high: int = LARGEST_COUNT) -> bool:
 
 def number(value, low: float = 0.0, high: float = LARGEST_NUMBER, *, above: bool = False) -> bool:
     """A finite int or float in [low, high] (`above`: in (low, high])."""
-    return (
-        type(value) in (int, float)
-        and math.isfinite(value)
-        and (value > low if above else value >= low)
-        and value <= high
-    )
+    if type(value) not in (int, float) or (type(value) is float and not math.isfinite(value)):
+        return False  # an int is compared exactly (math.isfinite of 10**400 would raise)
+    return (value > low if above else value >= low) and value <= high
 
 
 def numbers(value, low: float = 0.0) -> bool:

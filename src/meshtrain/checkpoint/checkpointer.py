@@ -81,6 +81,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo", timeout=group_timeout) if dist.is_initialized() else None
         self.use_async = use_async
         self.pending = None
+        self.writing: Path | None = None  # the step directory a save in flight writes
         # LoRA: the frozen base is not saved (it is the model the run started from); the adapters are.
         frozen = any(not p.requires_grad for p in self.model.parameters())
         self.options = dcp().state_dict.StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
@@ -103,6 +104,7 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier(group=self.group)
         write_json(path / f"rng-rank{self.rank:05d}.json", rng_state())  # each rank's own generators
+        self.writing = path
         state = self._state()
         with self._saving(step, path):
             if self.use_async and not blocking:
@@ -112,6 +114,15 @@ class Checkpointer:
                 dcp().save(state, checkpoint_id=str(path), process_group=self.group)
         if self.pending is None:
             self._commit(step, path, train_state)
+
+    def written_bytes(self) -> int:
+        """The bytes this rank's shards of the save in flight hold so far (the watchdog's sign that a
+        slow save progresses)."""
+        total, path = 0, self.writing
+        with contextlib.suppress(OSError):
+            for shard in path.glob(f"__{self.rank}_*.distcp") if path is not None else ():
+                total += shard.stat().st_size
+        return total
 
     def wait(self) -> None:
         """Finish and commit an async save in flight."""

@@ -12,6 +12,7 @@ one of them, with --config) pins that knob; the others are searched."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -132,7 +133,7 @@ class PlanOptions:
     verify: int | None = option(None, ge=1, nargs="?", const=1)
     """Dry-run the best N layouts (default 1) at their world size (`train --dry-run`) and add what the built job
     holds on its busiest rank (`built`), beside the planner's figures for that rank and its kernels (`planned`)."""
-    failures: float | None = option(None, parse=failure_rate, gt=0, le=1000)
+    failures: float | None = option(None, parse=failure_rate, ge=1e-6, le=1000)
     """Replay failures at this rate, per 1,000 GPUs per day (`llama3`: 466 in 54 days on 16,384 GPUs, 0.53), with
     the best layout's step time: the effective training time of checkpoint-restart and of replica groups
     (torchft), each checkpointing at its Young/Daly interval."""
@@ -487,7 +488,17 @@ def make_plan(o: PlanOptions, overrides: list[str]) -> Plan:
 
 
 FAILURE_KEYS = ("failure_days", "restart_s", "storage_gbps", "replica_groups")
-MAX_FAILURES_REPLAYED = 100_000
+MAX_GROUP_EVENTS = 10_000_000  # failures x replica groups: about 2 s a replay
+CHECKPOINT_BYTES_PER_PARAM = 12  # what a checkpoint holds of each trained parameter: fp32 weight, AdamW's 2 moments
+
+
+def trained_numel(shape: Shape, peft: LoraSpec | None) -> int:
+    """The parameters a checkpoint holds, one copy: every one, or with [peft] the adapters alone (the
+    frozen base is the model the run started from)."""
+    from meshtrain.plan.states import adapters
+
+    params = shape.parameters() if peft is None else adapters(shape.parameters(), peft)
+    return sum(math.prod(p.shape) for p in params)
 
 
 def check_failure_options(o: PlanOptions) -> None:
@@ -499,32 +510,33 @@ def check_failure_options(o: PlanOptions) -> None:
 
 
 def failure_report(o: PlanOptions, plan: Plan) -> dict:
-    """Effective training time of the best layout that fits under --failures: its step time, a checkpoint of its
-    model states (params and optimizer, one copy) at --storage-gbps, a restart that relaunches and
-    reads that checkpoint back, and a group's rejoin that relaunches and takes a live peer's states
-    over the inter-node link."""
+    """Effective training time of the best layout that fits under --failures: its step time, a checkpoint of the
+    trained parameters (fp32 weights and AdamW's moments, one copy) at --storage-gbps, a restart that
+    relaunches and reads that checkpoint back, and a group's rejoin that relaunches and takes its share
+    of a live peer's states over the inter-node link."""
     best = next((e for e in plan.estimates if e.fits), None)
     if best is None:
         why = plan.estimates[0].why_not if plan.estimates else "; ".join(plan.refused)
         raise MeshtrainError(f"--failures: no layout fits to replay failures on ({why})")
     layout = best.layout
     days = o.failure_days or 54.0
-    replayed = o.failures * plan.gpus / 1000 * days
-    if replayed > MAX_FAILURES_REPLAYED:
-        raise MeshtrainError(
-            f"--failures {o.failures:g} on {plan.gpus} GPUs for {days:g} days replays {replayed:,.0f} failures: "
-            f"at most {MAX_FAILURES_REPLAYED:,}; lower the rate or --failure-days"
-        )
     dp = layout.dp_replicate * layout.dp_shard
     groups = o.replica_groups or dp
+    replayed = o.failures * plan.gpus / 1000 * days
+    if replayed * groups > MAX_GROUP_EVENTS:  # each failure looks at every group
+        raise MeshtrainError(
+            f"--failures {o.failures:g} on {plan.gpus} GPUs for {days:g} days replays {replayed:,.0f} failures "
+            f"over {groups} replica groups: at most {MAX_GROUP_EVENTS:,} failures x groups; lower the rate, "
+            "--failure-days or --replica-groups"
+        )
     if groups < 2 or dp % groups:
         raise MeshtrainError(
             f"{groups} replica groups do not divide the data-parallel degree {dp} of the best layout "
             f"({layout.describe()}): give --replica-groups a divisor of {dp} of at least 2, or pin a layout with "
             "more data parallelism"
         )
-    per_gpu = best.memory["params"] + best.memory["optimizer"] + best.host_per_node / plan.device.gpus_per_node
-    checkpoint_bytes = per_gpu * plan.gpus / layout.dp_replicate
+    checkpoint_bytes = CHECKPOINT_BYTES_PER_PARAM * trained_numel(plan.shape, plan.peft)
+    per_gpu = checkpoint_bytes / (plan.gpus / dp)  # a rejoining group takes its share from a peer
     storage = (o.storage_gbps or 100.0) * 1e9
     relaunch = 600.0 if o.restart_s is None else o.restart_s
     times = JobTimes(

@@ -46,7 +46,7 @@ from meshtrain.train.build import TrainState, build, warn_pointless_settings
 from meshtrain.train.preference import DEFAULT_BETA
 from meshtrain.train.step import evaluate, reduce_loss
 from meshtrain.train.stragglers import StragglerDetector, compute_timer
-from meshtrain.train.watchdog import Watchdog, phase
+from meshtrain.train.watchdog import Watchdog, main_thread_io, phase
 
 
 class StopSignals:
@@ -164,7 +164,7 @@ def resume(s: TrainState) -> tuple[int, int]:
         load_base(s, into_model=path is None or s.lora is not None)
     if path is None:
         return 0, 0
-    with phase.of("load"):
+    with phase.of("load", progress=main_thread_io):
         state = ckpt.load(path, dataclasses.asdict(s.args))
     s.loader.load_state_dict(state["loader"])
     restore_schedule(s.scheduler, state["scheduler"])
@@ -195,23 +195,24 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
         "dp_shard": d.dp_shard,
         "zero": d.zero,
     }
-    s.checkpointer.save(
-        step,
-        {
-            "step": step,
-            "skipped_steps": skipped,
-            "loader": s.loader.state_dict(),
-            "scheduler": s.scheduler.state_dict(),
-            "layout": layout,
-            "model": dataclasses.asdict(s.args),
-            "peft": peft_record(s),
-            "init_from": s.base.get("init_from"),
-            "reference": reference_record(s),
-            "run_dir": str(Path(s.cfg.run.dir).resolve()),  # where export and serve find the run's tokenizer
-            **({"loss_scale": s.scaler.state_dict()} if s.scaler is not None else {}),
-        },
-        blocking=blocking,
-    )
+    with phase.of("save", progress=s.checkpointer.written_bytes):
+        s.checkpointer.save(
+            step,
+            {
+                "step": step,
+                "skipped_steps": skipped,
+                "loader": s.loader.state_dict(),
+                "scheduler": s.scheduler.state_dict(),
+                "layout": layout,
+                "model": dataclasses.asdict(s.args),
+                "peft": peft_record(s),
+                "init_from": s.base.get("init_from"),
+                "reference": reference_record(s),
+                "run_dir": str(Path(s.cfg.run.dir).resolve()),  # where export and serve find the run's tokenizer
+                **({"loss_scale": s.scaler.state_dict()} if s.scaler is not None else {}),
+            },
+            blocking=blocking,
+        )
 
 
 def warn_skips(step: int, skipped: int, reported: int, loss_scale: float | None) -> int:
@@ -472,7 +473,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         step_time = max(step_time, time.monotonic() - step_start)
         preempted, out_of_time, save_finished = agree(signals, deadline, step_time, ckpt)
         if save_finished:
-            ckpt.wait()  # commit the async checkpoint now that every rank has written it
+            with phase.of("save", progress=ckpt.written_bytes):
+                ckpt.wait()  # commit the async checkpoint now that every rank has written it
         if preempted or out_of_time or step == t.stop_at_step:
             save(s, step, int(skipped_total.item()), blocking=True)
             stopped = "interrupted" if signals.exit_code == INTERRUPTED_EXIT_CODE else "preempted"
@@ -483,8 +485,8 @@ def _train(s: TrainState, cfg: Config, env, start_time: float, signals: StopSign
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             save(s, step, int(skipped_total.item()))
         watchdog.first_step_done()
-    phase("checkpoint")
-    ckpt.wait()
+    with phase.of("save", progress=ckpt.written_bytes):
+        ckpt.wait()
     if not exit_code:
         check_trained(s, step, step - start_step, int(skipped_total.item()) - skipped, int(trailing_skips.item()))
     if step == t.steps and not exit_code:

@@ -7,10 +7,13 @@ phase has lasted. Each phase has its budget:
 - a phase of a step: `training.hang_timeout`;
 - the first step (the data loader's start-up, compilation, warm-up): `training.first_step_timeout`
   (default 5x the hang timeout);
-- a checkpoint save or load: as long as it moves bytes. While a rank is in one and its process reads
-  or writes (`/proc/self/io`), it stamps `<run.dir>/hangs/.progress/<start>.<rank>`; a rank past its
-  limit first looks there, and the job counts as hung only once no rank has moved a byte of a save or
-  load for the hang timeout. A slow file system is waited for; a frozen rank (SIGSTOP) stamps nothing.
+- a checkpoint save or load: as long as it moves bytes. While a rank is in one and it progresses (a
+  save: its shard files grow, or its main thread waits on the disk, as an fsync does; a load: its main
+  thread reads), it
+  stamps `<run.dir>/hangs/.progress/<start>.<rank>`; a rank past its limit in a save or load first
+  looks there, and the job counts as hung only once no rank has moved a byte of one for the hang
+  timeout. A slow file system is waited for; a frozen rank (SIGSTOP) stamps nothing. A rank past its
+  limit anywhere else is hung whatever the stamps say.
 
 When a phase outlasts its budget, the job is hung: a rank frozen, dead, or stuck in a read, a write or a
 collective, with every other rank waiting for it. Then every live rank
@@ -44,18 +47,18 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 from meshtrain.launch.local import HANG_EXIT_CODE
 from meshtrain.logs import log
 
-PHASES = ("start", "load", "data", "forward/backward", "optimizer", "logging", "evaluation", "checkpoint")
-IO_PHASES = ("load", "checkpoint")  # a checkpoint's load and save: no limit while the job moves bytes
+PHASES = ("start", "load", "data", "forward/backward", "optimizer", "logging", "evaluation", "checkpoint", "save")
+IO_PHASES = ("load", "save")  # a checkpoint's load and save: no limit while the job moves bytes
 FIRST_STEP_FACTOR = 5  # the first step compiles and warms up (training.first_step_timeout's default)
 REPORT_WAIT_S = 10.0  # how long a reporting rank waits for the others' reports
 POLL_S = 1.0
-IO_NOISE_BYTES = 1024  # moved in a second by no save: this thread's read of /proc/self/io, a log line
 
 
 class Phase:
@@ -63,17 +66,19 @@ class Phase:
 
     def __init__(self):
         self.name, self.step, self.since, self.first_step = "start", 0, time.monotonic(), True
+        self.progress: Callable[[], int] | None = None
 
-    def __call__(self, name: str, step: int | None = None) -> None:
-        self.name, self.since = name, time.monotonic()
+    def __call__(self, name: str, step: int | None = None, progress: Callable[[], int] | None = None) -> None:
+        """`progress`: in a save or load, a count that grows while it moves bytes."""
+        self.name, self.since, self.progress = name, time.monotonic(), progress
         if step is not None:
             self.step = step
 
     @contextlib.contextmanager
-    def of(self, name: str):
-        """`with phase.of("checkpoint"):` ... then back to the phase it interrupted."""
+    def of(self, name: str, progress: Callable[[], int] | None = None):
+        """`with phase.of("save", progress):` ... then back to the phase it interrupted."""
         before = self.name
-        self(name)
+        self(name, progress=progress)
         try:
             yield
         finally:
@@ -96,10 +101,11 @@ def process_group_timeout(hang_timeout: float, first_step_timeout: float | None 
     return timedelta(seconds=longest + 2 * REPORT_WAIT_S + 60)
 
 
-def checkpoint_group_timeout(hang_timeout: float) -> timedelta:
+def checkpoint_group_timeout(hang_timeout: float) -> timedelta | None:
     """A checkpoint's collectives wait for the slowest rank's save or load as long as it progresses:
-    the watchdog, not the group, ends one that stopped moving bytes (without a watchdog: 10 minutes)."""
-    return timedelta(days=1) if hang_timeout else timedelta(minutes=10)
+    the watchdog, not the group, ends one that stopped moving bytes, and 6 hours bound a file system
+    that stopped answering even the watchdog (without a watchdog: torch's default)."""
+    return timedelta(hours=6) if hang_timeout else None
 
 
 class Watchdog:
@@ -125,7 +131,7 @@ class Watchdog:
         self.peers, self.attempt, self.cuda = peers, attempt, device_type == "cuda"
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
-        self.io_bytes = _io_bytes()
+        self.progress_seen: tuple[float, int] | None = None  # (the phase's start, its progress count)
         phase("start", 0)
         phase.first_step = True
 
@@ -138,7 +144,8 @@ class Watchdog:
         self.stop.set()
         if self.thread.is_alive():
             self.thread.join(timeout=2 * POLL_S)
-        (self.root / ".progress" / f"{self.attempt}.{self.rank}").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (self.root / ".progress" / f"{self.attempt}.{self.rank}").unlink(missing_ok=True)
 
     def first_step_done(self) -> None:
         phase.first_step = False
@@ -147,22 +154,32 @@ class Watchdog:
         while not self.stop.wait(POLL_S):
             limit = self.first_step_timeout if phase.first_step else self.timeout
             elapsed = time.monotonic() - phase.since
-            moved = _io_bytes() - self.io_bytes > IO_NOISE_BYTES
-            if phase.name in IO_PHASES and moved and elapsed > limit / 4:  # a quick save leaves no stamp
+            io = phase.name in IO_PHASES
+            if io and self._moved() and elapsed > limit / 4:  # a quick save leaves no stamp
                 self._stamp_progress()
             if elapsed > limit:
-                if not self._saving_or_loading():
+                if not (io and self._saving_or_loading()):
                     self._report(self._claim(), elapsed, limit)
             elif elapsed > limit / 2 and self.root.is_dir() and (name := self._claimed()):
                 self._report(name, elapsed, limit)
-            self.io_bytes = _io_bytes()  # this thread's own reads and writes are not progress
+
+    def _moved(self) -> bool:
+        """Whether the save or load this rank is in progressed since the last poll, or its main thread
+        waits on the disk (uninterruptible sleep: an fsync of its shards, a read the device serves)."""
+        since, probe = phase.since, phase.progress
+        count = probe() if probe is not None else 0
+        seen, self.progress_seen = self.progress_seen, (since, count)
+        return (seen is not None and seen[0] == since and count > seen[1]) or _main_thread_waits_on_disk()
 
     def _stamp_progress(self) -> None:
         """This rank's save or load moved bytes in the last second (the wall clock: ranks on other
         hosts compare it with theirs)."""
         with contextlib.suppress(OSError):
-            (self.root / ".progress").mkdir(parents=True, exist_ok=True)
-            (self.root / ".progress" / f"{self.attempt}.{self.rank}").write_text(f"{time.time()}")
+            where = self.root / ".progress"
+            where.mkdir(parents=True, exist_ok=True)
+            tmp = where / f".{self.attempt}.{self.rank}"
+            tmp.write_text(f"{time.time()}")
+            os.replace(tmp, where / f"{self.attempt}.{self.rank}")  # a reader never sees it half-written
 
     def _saving_or_loading(self) -> bool:
         """Whether some rank's checkpoint save or load moved bytes within the hang timeout."""
@@ -277,14 +294,26 @@ class Watchdog:
                     os.kill(pid, signal.SIGKILL)
 
 
-def _io_bytes() -> int:
-    """The bytes this process has read and written so far, files and sockets (Linux; elsewhere nothing
-    is seen to move, and a save or load has the hang timeout as its limit)."""
+def main_thread_io() -> int:
+    """The bytes the main thread has read and written so far (Linux; elsewhere 0: nothing is seen to
+    move, and a load has the hang timeout as its limit). Other threads' output (a progress bar's
+    redraws, this watchdog's own reads) is not counted."""
     try:
-        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        text = Path(f"/proc/self/task/{threading.main_thread().native_id}/io").read_text()
+        fields = dict(line.split(": ") for line in text.splitlines())
         return int(fields["rchar"]) + int(fields["wchar"])
     except (OSError, ValueError, KeyError):
         return 0
+
+
+def _main_thread_waits_on_disk() -> bool:
+    """The main thread is in uninterruptible sleep (state D: a disk or network file system serving it;
+    Linux). A frozen process's watchdog does not run, so it never says this of a stopped rank."""
+    try:
+        text = Path(f"/proc/self/task/{threading.main_thread().native_id}/stat").read_text()
+        return text.rsplit(")", 1)[1].split()[0] == "D"
+    except (OSError, IndexError):
+        return False
 
 
 def _main_thread_place() -> dict:
