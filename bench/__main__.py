@@ -1,5 +1,5 @@
-"""python -m bench [throughput|precision|masking|context|arithmetic|stability|profile|scaling|memory|serve|data|
-planner|watchdog|moe|plots|all] [options]: see bench/README.md."""
+"""python -m bench [throughput|precision|masking|context|arithmetic|stability|profile|scaling|memory|serve|
+structured|data|planner|watchdog|moe|plots|all] [options]: see bench/README.md."""
 
 import argparse
 import os
@@ -17,6 +17,7 @@ from bench import (
     profile,
     scaling,
     serve,
+    serve_structured,
     stability,
     throughput,
     watchdog,
@@ -63,6 +64,7 @@ p.add_argument(
         "scaling",
         "memory",
         "serve",
+        "structured",
         "data",
         "planner",
         "watchdog",
@@ -142,6 +144,7 @@ for name, suite in (
     ("scaling", scaling),
     ("memory", memory),
     ("serve", serve),
+    ("structured", serve_structured),
     ("data", data),
     ("planner", planner),
     ("watchdog", watchdog),

@@ -143,6 +143,7 @@ def test_a_compiled_run_s_arithmetic_probe_times_its_contenders_compiled(monkeyp
         return {n: (blocks if compiled is None else compiled_blocks)[n] for n in names}, heads
 
     monkeypatch.setattr(arithmetic, "probe", probe)
+    monkeypatch.setattr(arithmetic, "bf16_gemm_slowdown", lambda args: 1.0)  # every candidate probed
     pretend_other_load(monkeypatch, 0.0)  # a fake probe takes no time: the machine's load in it is noise
     kinds = {torch.bfloat16: "recompute", torch.float32: "flash"}  # the bf16 backward recomputed, fp32's kept
     monkeypatch.setattr(

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import alive, children, faulty, rank_of, read_metrics, train_args
+from conftest import alive, children, faulty, rank_of, read_metrics, run_cli, train_args
 
 HANG_TIMEOUT = 10
 STEPS = 16
@@ -88,13 +88,7 @@ def test_a_hung_rank_is_named_with_every_stack_and_the_next_start_resumes(fault,
         text = path.read_text()
         assert "Thread" in text and "File " in text and "meshtrain-watchdog" not in text.split("\n", 1)[0]
     if fault == "sigstop":
-        again = subprocess.run(
-            [sys.executable, "-m", "meshtrain", *train_args(corpus, run_dir, *RUN)],
-            env=cli_env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        again = run_cli(train_args(corpus, run_dir, *RUN), cli_env)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "resumed from" in again.stdout + again.stderr
         assert read_metrics(run_dir)[-1]["step"] == STEPS
@@ -111,13 +105,7 @@ def test_a_slow_save_that_progresses_is_waited_for_and_a_frozen_one_is_a_hang(co
     env = faulty(cli_env, MESHTRAIN_FAIL_RANK="1", MESHTRAIN_SLOW_SAVE=f"6:{3 * timeout + 3}")
     env["MESHTRAIN_REPORT_WAIT_S"] = "3"
 
-    slow = subprocess.run(
-        [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path / "slow", *run)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    slow = run_cli(train_args(corpus, tmp_path / "slow", *run), env)
     assert slow.returncode == 0, slow.stderr[-3000:]
     assert "rank 1 saves slowly" in slow.stdout + slow.stderr
     elapsed = {r["step"]: r["elapsed_s"] for r in read_metrics(tmp_path / "slow")}
@@ -145,13 +133,7 @@ def test_the_first_step_has_a_budget_of_its_own(corpus, cli_env, tmp_path):
     env = faulty(cli_env, MESHTRAIN_HANG_IN_DATA_AT_STEP="1", MESHTRAIN_REPORT_WAIT_S="1")
     run = ["--training.hang_timeout", "30", "--training.first_step_timeout", "6"]
     began = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path / "run", *run)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_cli(train_args(corpus, tmp_path / "run", *run), env)
     assert result.returncode == 124, result.stderr[-3000:]
     assert "waited over 6 s in data of step 1" in result.stdout + result.stderr
     assert time.monotonic() - began < 60
@@ -163,13 +145,7 @@ def test_a_slowed_rank_is_named_a_straggler_and_a_clean_run_names_none(corpus, c
     in any part of a step, so that the spread of one interval ranges from none to tenfold) is named
     within 60 s (warning and metrics) while the job goes on; the same run without it names no one."""
     extra = ["--training.steps", "600", "--run.log_every", "5", "--checkpoint.every", "0"]  # ~0.2 s intervals
-    clean = subprocess.run(
-        [sys.executable, "-m", "meshtrain", *train_args(corpus, tmp_path / "clean", *RUN, *extra)],
-        env=cli_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    clean = run_cli(train_args(corpus, tmp_path / "clean", *RUN, *extra), cli_env)
     assert clean.returncode == 0, clean.stderr[-3000:]
     records = [r for r in read_metrics(tmp_path / "clean") if "compute_spread" in r]
     assert len(records) >= 100 and not any("straggler" in r for r in records)

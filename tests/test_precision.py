@@ -144,12 +144,13 @@ def config(dtype="auto", compute="auto", **training):
     return load_config(overrides=overrides | {f"training.{k}": v for k, v in training.items()})
 
 
-def fake_probe(monkeypatch, block_ms: dict, head_ms: dict, calls: list):
+def fake_probe(monkeypatch, block_ms: dict, head_ms: dict, calls: list, bf16_gemm_slowdown: float = 1.0):
     def probe(args, sequences, seq_len, names, compiled=None):
         calls.append(names)
         return {n: block_ms[n] for n in names}, head_ms
 
     monkeypatch.setattr(arithmetic, "probe", probe)
+    monkeypatch.setattr(arithmetic, "bf16_gemm_slowdown", lambda args: bf16_gemm_slowdown)
     pretend_other_load(monkeypatch, 0.0)  # a fake probe takes no time: the machine's load in it is noise
 
 
@@ -195,10 +196,18 @@ def test_auto_resolves_from_the_config_the_device_or_the_probe(monkeypatch, tmp_
 def test_fp32_wins_where_bf16_is_emulated_and_ties_keep_all_bf16(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     emulated = {"bf16": 300.0, "fp32": 10.0, "bf16/bf16-gemm": 280.0, "bf16/bf16-attention": 40.0, "bf16/fp32": 11.0}
-    fake_probe(monkeypatch, emulated, {"bf16": 200.0, "fp32": 5.0, "bf16/fp32": 6.0}, [])
+    calls = []
+    fake_probe(monkeypatch, emulated, {"bf16": 200.0, "fp32": 5.0, "bf16/fp32": 6.0}, calls)
     cfg, choice = arithmetic.resolve(config(), model_args(config()), CPU)
     assert (cfg.training.dtype, choice.name) == ("fp32", "fp32")
     assert "fp32" in choice.describe() and "measured" in choice.describe()
+    # Where a bf16 GEMM alone reads that far behind, the candidates computing GEMMs in bf16 are not
+    # probed at all (their first looks are minutes at `small`'s shapes), and the choice is the same.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "screened"))
+    monkeypatch.setattr(arithmetic, "bf16_gemm_slowdown", lambda args: 30.0)
+    cfg, choice = arithmetic.resolve(config(), model_args(config()), CPU)
+    assert calls[-1] == ["fp32", "bf16/bf16-attention", "bf16/fp32"] and choice.name == "fp32"
+    assert "bf16 GEMMs 30x fp32's here (emulated)" in choice.describe()
     # All-bf16 is kept unless beaten by more than noise (fp32) or than the casts of fp32 arithmetic on
     # bf16 storage cost a compiled step (the mixed candidates): near-equals do not flip the choice.
     assert arithmetic.choose({"bf16": 102.0, "fp32": 100.0}) == "bf16"
@@ -213,6 +222,15 @@ def test_the_probe_times_every_candidate_at_the_model_s_shapes():
     blocks, heads = arithmetic.probe(args, 2, 64, names)
     assert set(blocks) == set(names) and set(heads) == {"bf16", "fp32", "bf16/fp32"}
     assert all(math.isfinite(ms) and ms > 0 for ms in [*blocks.values(), *heads.values()])
+
+
+def test_the_bf16_gemm_slowdown_is_measured_once_per_cpu_and_shape(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
+    slowdown = arithmetic.bf16_gemm_slowdown(args)
+    assert math.isfinite(slowdown) and slowdown > 0
+    monkeypatch.setattr(torch, "mm", lambda *a: pytest.fail("measured again"))
+    assert arithmetic.bf16_gemm_slowdown(args) == slowdown
 
 
 def test_fp32_training_refuses_a_bf16_arithmetic():
@@ -267,6 +285,7 @@ def test_a_busy_machine_is_seen_and_its_probe_is_retaken_on_one_thread_and_not_r
         return {n: {"bf16/bf16-gemm": gemm}.get(n, 10.0) for n in names}, {"bf16": 5.0, "fp32": 5.0, "bf16/fp32": 5.0}
 
     monkeypatch.setattr(arithmetic, "probe", probe)
+    monkeypatch.setattr(arithmetic, "bf16_gemm_slowdown", lambda args: 1.0)
     original = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

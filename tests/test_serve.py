@@ -2,6 +2,7 @@
 client and raw HTTP; answers compared with Hugging Face transformers' greedy generate() on the
 exported model, KV-cache decoding with full recomputation, concurrent answers with lone ones."""
 
+import enum
 import json
 import shutil
 import socket
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Literal
 
 import httpx
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from conftest import assert_user_error, greedy_by_recomputation, run_cli, train_args
 from meshtrain.errors import MeshtrainError
@@ -297,6 +300,97 @@ def test_n_answers_share_one_prefill_and_best_of_returns_the_likeliest(server, c
     best = client.completions.create(**{**ask, "seed": 5}, n=1, best_of=3)
     assert len(best.choices) == 1 and best.choices[0].text == ranked[means.index(max(means))].text
     assert best.usage.completion_tokens == sum(len(c.logprobs.token_logprobs) for c in ranked)
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    name: str = Field(max_length=10)
+
+
+class Role(enum.StrEnum):
+    admin = "admin"
+    guest = "guest"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=12)
+    zip_code: str | None = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    """Nested objects, an enum, arrays and optional fields, every string and number bounded so that
+    a random answer ends within max_tokens: the grammar, not the model, makes it valid."""
+
+    name: str = Field(max_length=16)
+    age: int = Field(ge=0, le=130)
+    role: Role
+    pets: list[Pet] = Field(max_length=3)
+    address: Address
+    nickname: str | None = Field(max_length=8)
+
+
+def test_json_schema_and_json_object_answers_always_parse(server, client):
+    """A model trained on Python code, sampled at temperature 1: 25 `parse` answers and 25 streamed
+    ones of a pydantic schema all validate; json_object answers are JSON objects. A schema the
+    server cannot enforce is a 400 naming the field, and the server serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai.lib._parsing._completions import type_to_response_format_param
+
+    ask = {"model": "hf-served", "messages": [{"role": "user", "content": "a person"}], "max_tokens": 400}
+
+    def parsed(seed: int) -> Person:
+        reply = client.chat.completions.parse(**ask, response_format=Person, temperature=1.0, seed=seed)
+        assert reply.choices[0].finish_reason == "stop"
+        return reply.choices[0].message.parsed
+
+    def streamed(seed: int) -> Person:
+        fmt = type_to_response_format_param(Person)
+        chunks = client.chat.completions.create(**ask, response_format=fmt, temperature=1.0, seed=seed, stream=True)
+        return Person.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+
+    with ThreadPoolExecutor(8) as pool:
+        people = list(pool.map(parsed, range(25))) + list(pool.map(streamed, range(25, 50)))
+    assert all(isinstance(p, Person) for p in people) and len({p.model_dump_json() for p in people}) > 40
+    unconstrained = (
+        client.chat.completions.create(**{**ask, "max_tokens": 30}, temperature=0).choices[0].message.content
+    )
+    with pytest.raises(ValueError):
+        json.loads(unconstrained)  # the model alone writes code, not JSON
+    # json_object bounds nothing: an answer the limit cuts short ends "length", any other is an object
+    for prompt in ("hi", "def f():", "{"):
+        reply = client.chat.completions.create(
+            **{**ask, "messages": [{"role": "user", "content": prompt}], "max_tokens": 60},
+            response_format={"type": "json_object"},
+            temperature=1.0,
+            seed=1,
+        ).choices[0]
+        text = reply.message.content
+        assert text.startswith("{") and (reply.finish_reason == "length" or isinstance(json.loads(text), dict)), text
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    schema = {"name": "p", "schema": Person.model_json_schema()}
+    for response_format, param in [
+        ({"type": "json_schema", "json_schema": {**schema, "schema": {"type": "strin"}}}, "json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "json_schema.name"),
+        ({"type": "json_schema", "json_schema": {**schema, "strict": "yes"}}, "json_schema.strict"),
+        ({"type": "json_schema", "json_schema": {**schema, "schema": {"$ref": "#/$defs/x"}}}, "json_schema.schema"),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {**schema, "schema": {"type": "integer", "minimum": 5, "maximum": 2}},
+            },
+            "schema",
+        ),
+        ({"type": "json_schema", "json_schema": {**schema, "extra": 1}}, "response_format.json_schema"),
+        ({"type": "json_schema"}, "response_format"),
+        ({"type": "json_object", "schema": {}}, "response_format"),
+        ({"type": "yaml"}, "response_format.type"),
+    ]:
+        body = {**ask, "response_format": response_format}
+        refused = httpx.post(server + "/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert refused.status_code == 400 and param in refused.json()["error"]["param"], refused.text
+    assert isinstance(parsed(99), Person)  # still serving
 
 
 HI = [{"role": "user", "content": "hi"}]
@@ -695,6 +789,7 @@ def hostile_requests(rng) -> list[tuple[str, bytes]]:
     chat_extras = [
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
         {"tool_choice": "auto"},
         {"top_logprobs": 3},
         {"logprobs": "yes"},

@@ -105,6 +105,7 @@ class Choice:
     step_ms: dict[str, float] = field(default_factory=dict)  # a micro-batch's forward + backward per candidate
     key: str = ""  # what the measurement holds for: CPU, cores, threads, torch, shape
     busy: float = 0.0  # the share of the CPUs other processes used while the probe measured
+    bf16_gemm_slowdown: float = 0.0  # a bf16 GEMM's time over an fp32 one's here (0: not measured)
 
     @property
     def name(self) -> str:
@@ -122,6 +123,8 @@ class Choice:
         if self.how in ("given", "device"):
             return f"{what} ({'as configured' if self.how == 'given' else 'the device has bf16 units'})"
         times = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(self.step_ms.items(), key=lambda kv: kv[1]))
+        if self.bf16_gemm_slowdown > DISTANT:
+            times += f"; bf16 GEMMs {self.bf16_gemm_slowdown:.0f}x fp32's here (emulated): their candidates not timed"
         if self.how == "busy":
             return (
                 f"{what} (auto, measured at this model's shapes while other processes used {self.busy:.0%} of the "
@@ -148,7 +151,7 @@ def resolve(cfg, args: ModelArgs, device: torch.device, layout: Layout | None = 
     else:
         names = [name for name, dtype, _ in CANDIDATES if t.dtype == "auto" or dtype == "bf16"]
         if t.fp8 != "off":  # FP8 takes the GEMMs: only the attention's arithmetic is left to choose
-            names = [name for name in names if name == "fp32" or not FP32_CLASSES[name.partition("/")[2] or "bf16"][0]]
+            names = [name for name in names if name == "fp32" or not fp32_gemms(name)]
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         shape = None
         if layout is not None and t.compile and t.attention_backward == "auto":
@@ -171,6 +174,9 @@ def cpu_choice(
     compiled run's, whose attention backward is probed first (job/attention_backward.py); the
     contenders are then timed compiled, each with the backward picked for its attention arithmetic."""
     sequences = micro_batch if attention_shape is not None else max(1, min(micro_batch, PROBE_TOKENS // seq_len))
+    slowdown = bf16_gemm_slowdown(args) if not all(map(fp32_gemms, names)) else 0.0
+    if slowdown > DISTANT:
+        names = [name for name in names if fp32_gemms(name)]
     key = (
         f"{cpu_model()}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|torch {torch.__version__}|"
         f"dim {args.dim} heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.padded_vocab_size} "
@@ -211,7 +217,39 @@ def cpu_choice(
     busy = record["busy"] > BUSY
     _, dtype, compute = next(c for c in CANDIDATES if c[0] == choose(step_ms, busy))
     how = "busy" if busy else "measured" if fresh else "cached"
-    return Choice(dtype, compute, how, step_ms, key, record["busy"])
+    return Choice(dtype, compute, how, step_ms, key, record["busy"], slowdown)
+
+
+def fp32_gemms(name: str) -> bool:
+    """Whether a candidate's matrix products compute in fp32."""
+    return name == "fp32" or FP32_CLASSES[name.partition("/")[2] or "bf16"][0]
+
+
+def bf16_gemm_slowdown(args: ModelArgs) -> float:
+    """How many times longer a bf16 matrix product of the block's shape takes than an fp32 one on
+    this CPU (measured once, cached): about 30x where bf16 is emulated, under 1x where the CPU has
+    bf16 units. Past DISTANT the candidates with bf16 GEMMs are left out before the block probe,
+    whose warm-up and first look of each alone took 4 minutes at `small`'s shapes on a 2-core EPYC
+    (all-bf16's step 30x fp32's there); this look takes a second."""
+    key = (
+        f"{cpu_model()}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|torch {torch.__version__}|"
+        f"bf16 gemm over fp32 at dim {args.dim} ffn {args.ffn_dim}"
+    )
+
+    def measure() -> dict:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(128, args.dim, generator=gen), torch.randn(args.dim, args.ffn_dim, generator=gen)
+        best = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x, y = a.to(dtype), b.to(dtype)
+            torch.mm(x, y)  # oneDNN builds its kernel on a shape's first call
+            best[dtype] = min(timed_ms(lambda x=x, y=y: torch.mm(x, y)) for _ in range(3))
+        return {"slowdown": best[torch.bfloat16] / max(best[torch.float32], 1e-6)}
+
+    def valid(record) -> bool:
+        return isinstance(record, dict) and isinstance(record.get("slowdown"), float) and record["slowdown"] > 0
+
+    return cached_measurement(key, measure, False, "arithmetic.json", valid)["slowdown"]
 
 
 def choose(step_ms: dict[str, float], busy: bool = False) -> str:

@@ -453,13 +453,14 @@ def make_plan(o: PlanOptions, overrides: list[str]) -> Plan:
     check_links(o, gpus, dev.gpus_per_node)
     planned_dtype = "bf16" if dev.peak_tflops["bf16"] > 0 else "fp16"
     dtype = t.dtype if explain or "training.dtype" in given else planned_dtype
+    compiled, cuda_graphs = (getattr(t, k) if explain or f"training.{k}" in given else False for k in COMPILE_KEYS)
+    check_compiled(compiled, cuda_graphs, llama, o.gpu)
+    check_precision(dev, t.fp8, cfg.parallel.cpu_offload, o.host_memory_gib)
+    check_peak(t.peak_tflops, t.fp8)
+    # after the refusals above: on a CPU it measures the arithmetic (seconds to minutes)
     dtype, t, fp32_gemm, fp32_attention = planned_arithmetic(cfg, model, dtype, seq_len, dev, o.gpu, llama)
     dev.peak(dtype)  # a clear error for bf16 on a V100
     dev = dev.with_peak(dtype, t.peak_tflops) if t.peak_tflops else dev
-    check_precision(dev, t.fp8, cfg.parallel.cpu_offload, o.host_memory_gib)
-    check_peak(t.peak_tflops, t.fp8)
-    compiled, cuda_graphs = (getattr(t, k) if explain or f"training.{k}" in given else False for k in COMPILE_KEYS)
-    check_compiled(compiled, cuda_graphs, llama, o.gpu)
     peft = adapters_of(cfg.peft, moe=bool(shape.moe_layers))
     pinned = pinned_knobs(cfg, given, explain)
     if "cp" in pinned:

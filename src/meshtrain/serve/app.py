@@ -5,9 +5,11 @@ body with the right status; the engine thread does the generation."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +21,7 @@ from meshtrain.data.tokenizer import token_bytes
 from meshtrain.errors import DataError
 from meshtrain.serve.engine import Engine, SamplingParams
 from meshtrain.serve.engine import Request as Generation
+from meshtrain.serve.grammar import Constraint, GrammarError, grammar_tokenizer, response_format_grammar
 from meshtrain.serve.loading import ServedModel, default_completion_length, truncations_given
 from meshtrain.serve.requests import ChatRequest, CompletionRequest, Message, Sampling
 
@@ -124,6 +127,7 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
     app = FastAPI(title="meshtrain", docs_url=None, redoc_url=None)
     registry = _metrics(app, engine)
     _error_handlers(app)
+    grammar_vocab = grammar_tokenizer(served.tokenizer, served.model.args.vocab_size, served.eos_ids)
 
     async def authorize(request: Request) -> None:
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
@@ -168,15 +172,16 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
             body.max_tokens = body.max_completion_tokens
         if body.tools or body.tool_choice not in (None, "none"):
             raise APIError(400, "tools: tool calls are not supported by this server; leave tools out", "tools")
-        if body.response_format not in (None, {"type": "text"}):
-            raise APIError(
-                400,
-                'response_format: only {"type": "text"}; constrained (JSON) output is not supported',
-                "response_format",
-            )
+        try:
+            grammar = response_format_grammar(body.response_format, grammar_vocab)
+        except GrammarError as e:
+            raise APIError(400, str(e), e.param) from None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        return await _generate(served, engine, body, _chat_prompt(served, body.messages), request, chat=True)
+        vocab = served.model.args.vocab_size
+        constrain = None if grammar is None else functools.partial(Constraint, grammar_vocab, grammar, vocab)
+        prompt = _chat_prompt(served, body.messages)
+        return await _generate(served, engine, body, prompt, request, chat=True, constrain=constrain)
 
     return app
 
@@ -378,9 +383,16 @@ def _chat_logprobs(served: ServedModel, generation: Generation) -> dict:
 
 
 async def _generate(
-    served: ServedModel, engine: Engine, body: Sampling, prompt: str | list[int], request: Request, chat: bool
+    served: ServedModel,
+    engine: Engine,
+    body: Sampling,
+    prompt: str | list[int],
+    request: Request,
+    chat: bool,
+    constrain: Callable[[], Constraint] | None = None,
 ):
-    """The request's answers (n, or best_of ranked to n) generated as one group, one prefill."""
+    """The request's answers (n, or best_of ranked to n) generated as one group, one prefill;
+    `constrain`: each answer's own grammar state, where response_format asks for one."""
     prompt_ids = _encode(served, prompt, chat) if isinstance(prompt, str) else prompt
     prompt = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
     params = _check(served, engine, body, prompt_ids, chat)
@@ -390,7 +402,9 @@ async def _generate(
         return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, *event))
 
     count = getattr(body, "best_of", None) or body.n
-    generations = [Generation(prompt_ids, params, emit_to(i)) for i in range(count)]
+    generations = [
+        Generation(prompt_ids, params, emit_to(i), constraint=constrain() if constrain else None) for i in range(count)
+    ]
     engine.submit_group(generations)
     meta = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",

@@ -8,7 +8,8 @@ that went away) frees its slot at the next step, so a new one can take it at onc
 
 The n answers of one prompt (OpenAI's `n`, completions' `best_of`) are a group: admitted together
 when n slots are free, prefilled once (the prompt's keys and values copied into the other slots),
-then sampled apart, each with its own generator.
+then sampled apart, each with its own generator. A request with a grammar (response_format,
+serve/grammar.py) has its logits masked to the tokens that continue it, and ends when it is whole.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from meshtrain.model import Llama
 from meshtrain.model.kv_cache import KVCache, forward_cached
+from meshtrain.serve.grammar import Constraint
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Request:
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (penalties)
     score: float = 0.0  # with params.score: the sum of the generated tokens' log-probabilities
     seed_offset: int = 0  # the i-th answer of a group draws from its own generator
+    constraint: Constraint | None = None  # response_format's grammar: masks every step's logits
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -257,13 +260,17 @@ class Engine:
                 and not (p.presence_penalty or p.frequency_penalty)
                 and p.logprobs is None
                 and not p.score
+                and request.constraint is None
             )
             self._accept(request, greedy[i] if plain else self._choose(logits[i], request))
 
     def _choose(self, logits: torch.Tensor, request: Request) -> int:
-        """The next token: penalties applied, then greedy or sampled; its log-probability recorded."""
+        """The next token: penalties applied, the grammar's mask too, then greedy or sampled; its
+        log-probability recorded (the model's, before any of them)."""
         p = request.params
         adjusted = logits.float()
+        if request.constraint is not None:
+            adjusted = adjusted.masked_fill(~request.constraint.allowed().to(adjusted.device), float("-inf"))
         if request.counts and (p.presence_penalty or p.frequency_penalty):
             ids = torch.tensor(list(request.counts), device=logits.device)
             counts = torch.tensor(list(request.counts.values()), device=logits.device, dtype=adjusted.dtype)
@@ -297,7 +304,13 @@ class Engine:
         return int(torch.multinomial(probs, 1, generator=request.generator))
 
     def _accept(self, request: Request, token: int) -> None:
-        """Add a sampled token, stream the new text, and finish on EOS, a stop string or a limit."""
+        """Add a sampled token, stream the new text, and finish on EOS, a stop string, a complete
+        constrained answer or a limit."""
+        if request.constraint is not None:
+            try:
+                request.constraint.take(token)
+            except RuntimeError as e:  # the mask allowed it: a bug, which ends this request only
+                return self._finish(request, ("error", f"generation failed: {e}"))
         if token in self.eos_ids or token in request.params.stop_ids:
             if request.params.logprobs is not None:
                 request.logprobs.pop()  # the end of text is not part of the answer
@@ -311,6 +324,9 @@ class Engine:
         stop_at = min((i for i in (text.find(s) for s in request.params.stop) if i >= 0), default=-1)
         if stop_at >= 0:
             self._emit_text(request, text[:stop_at])
+            return self._finish(request, ("done", "stop"))
+        if request.constraint is not None and request.constraint.complete:
+            self._emit_text(request, text)
             return self._finish(request, ("done", "stop"))
         if (
             len(request.generated) >= request.params.max_tokens
