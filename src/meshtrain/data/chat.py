@@ -22,10 +22,16 @@ from pathlib import Path
 from meshtrain.errors import DataError
 
 # The chat format of models meshtrain trains: each message after a <|role|> line; an assistant
-# turn ends with the end-of-text token, so a served model stops where its answer ends.
+# turn ends with the end-of-text token, so a served model stops where its answer ends. Functions a
+# model may call (`tools`) come first, and its calls are Hermes' <tool_call> blocks (as Qwen's).
 DEFAULT_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nTo call functions, answer with one <tool_call>\n"
+    '{"name": function name, "arguments": arguments object}\n</tool_call> block per call. '
+    "The functions:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
-    "{{ eos_token if message['role'] == 'assistant' else '' }}\n{% endfor %}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}{{ eos_token if message['role'] == 'assistant' else '' }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 TEMPLATE_FILE = "chat_template.jinja"
@@ -65,6 +71,10 @@ def _raise_exception(message: str):
     raise TemplateRefusal(f"the chat template refuses this conversation: {message}")
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
@@ -81,18 +91,21 @@ class ChatTemplate:
         self.source, self.eos_token, self.bos_token = source, eos_token or "", bos_token or ""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        env.filters["tojson"] = _tojson  # transformers': plain JSON, not Jinja's HTML-escaped one
         try:
             self._template = env.from_string(source)
         except TemplateError as e:
             raise DataError(f"the chat template is not valid Jinja ({e}); fix it or use another") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text; a template that refuses it or fails on it is a DataError."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+        """The conversation as text (with the functions the model may call, `tools`, as transformers
+        passes them); a template that refuses it or fails on it is a DataError."""
         from jinja2 import TemplateError
 
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -18,17 +18,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshtrain.data.tokenizer import token_bytes
-from meshtrain.errors import DataError
+from meshtrain.serve.chat import ToolUse, chat_prompt, tool_use
 from meshtrain.serve.engine import Engine, SamplingParams
 from meshtrain.serve.engine import Request as Generation
-from meshtrain.serve.grammar import Constraint, GrammarError, grammar_tokenizer, response_format_grammar
+from meshtrain.serve.grammar import Constraint, grammar_tokenizer, response_format_grammar
 from meshtrain.serve.loading import ServedModel, default_completion_length, truncations_given
-from meshtrain.serve.requests import ChatRequest, CompletionRequest, Message, Sampling
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        self.status, self.message, self.param, self.code = status, message, param, code
+from meshtrain.serve.requests import APIError, ChatRequest, CompletionRequest, Sampling
+from meshtrain.serve.tools import CallStream, parse_answer
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -170,41 +166,21 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
                     "max_completion_tokens",
                 )
             body.max_tokens = body.max_completion_tokens
-        if body.tools or body.tool_choice not in (None, "none"):
-            raise APIError(400, "tools: tool calls are not supported by this server; leave tools out", "tools")
-        try:
-            grammar = response_format_grammar(body.response_format, grammar_vocab)
-        except GrammarError as e:
-            raise APIError(400, str(e), e.param) from None
+        grammar = response_format_grammar(body.response_format, grammar_vocab)
+        tools = tool_use(served, body, grammar_vocab)
+        if tools is not None and grammar is not None:
+            raise APIError(
+                400, "response_format with tools: send one (tool_choice none leaves the tools out)", "response_format"
+            )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        grammar = tools.grammar if tools is not None and tools.grammar else grammar
         vocab = served.model.args.vocab_size
         constrain = None if grammar is None else functools.partial(Constraint, grammar_vocab, grammar, vocab)
-        prompt = _chat_prompt(served, body.messages)
-        return await _generate(served, engine, body, prompt, request, chat=True, constrain=constrain)
+        prompt = chat_prompt(served, body.messages, tools.schemas if tools else None)
+        return await _generate(served, engine, body, prompt, request, chat=True, constrain=constrain, tools=tools)
 
     return app
-
-
-def _chat_prompt(served: ServedModel, messages: list[Message]) -> str:
-    """The rendered conversation. A `developer` message is a system message (OpenAI's newer name for
-    it; chat templates know only `system`). A message's `name` goes to the chat template; where the
-    template does not render it (the prompt is the same without it) the request is refused, since the
-    name would otherwise be dropped without a word."""
-    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    turns = [turn | {"name": m.name} if m.name else turn for turn, m in zip(plain, messages, strict=True)]
-    try:
-        prompt = served.render_chat(turns)
-        for i, m in enumerate(messages):
-            if m.name and served.render_chat([*turns[:i], plain[i], *turns[i + 1 :]]) == prompt:
-                raise APIError(
-                    400,
-                    f"messages[{i}].name is not supported by this model's chat template: drop it",
-                    f"messages.{i}.name",
-                )
-    except DataError as e:  # the template's own refusal (Mistral's: roles that do not alternate) or failure
-        raise APIError(400, str(e), "messages") from None
-    return prompt
 
 
 def _token_ids(served: ServedModel, ids: list[int]) -> list[int]:
@@ -390,9 +366,11 @@ async def _generate(
     request: Request,
     chat: bool,
     constrain: Callable[[], Constraint] | None = None,
+    tools: ToolUse | None = None,
 ):
     """The request's answers (n, or best_of ranked to n) generated as one group, one prefill;
-    `constrain`: each answer's own grammar state, where response_format asks for one."""
+    `constrain`: each answer's own grammar state, where response_format or tool_choice asks for
+    one; `tools`: answers read for tool calls."""
     prompt_ids = _encode(served, prompt, chat) if isinstance(prompt, str) else prompt
     prompt = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
     params = _check(served, engine, body, prompt_ids, chat)
@@ -414,7 +392,7 @@ async def _generate(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _stream(generations, events, meta, chat, include_usage), media_type="text/event-stream"
+            _stream(generations, events, meta, chat, include_usage, tools), media_type="text/event-stream"
         )
     texts, finishes, looked = [[] for _ in generations], [None] * count, time.monotonic()
     try:
@@ -445,9 +423,13 @@ async def _generate(
     for index, i in enumerate(kept):
         text, generation = "".join(texts[i]), generations[i]
         if chat:
-            message = {"role": "assistant", "content": text}
+            message, finish = {"role": "assistant", "content": text}, finishes[i]
+            parsed = parse_answer(text, tools.fmt, tools.names) if tools is not None else None
+            if parsed is not None and parsed.calls:
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+                finish = "tool_calls"
             logprobs = _chat_logprobs(served, generation) if params.logprobs is not None else None
-            choices.append({"index": index, "message": message, "finish_reason": finishes[i], "logprobs": logprobs})
+            choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs})
             continue
         answer = (prompt if params.echo else "") + text
         scored = params.logprobs is not None  # echo alone returns the prompt's text, not its scores (OpenAI)
@@ -463,13 +445,26 @@ def _usage(generations: list[Generation]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _stream(generations: list[Generation], events: asyncio.Queue, meta: dict, chat: bool, include_usage: bool):
-    """Each answer's deltas under its choice index, as they come; [DONE] once every answer ended."""
+async def _stream(
+    generations: list[Generation],
+    events: asyncio.Queue,
+    meta: dict,
+    chat: bool,
+    include_usage: bool,
+    tools: ToolUse | None = None,
+):
+    """Each answer's deltas under its choice index, as they come; [DONE] once every answer ended.
+    With tools, what may be a tool call is held back to the answer's end, then sent as tool_calls."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    calls = [CallStream(tools.fmt, tools.names) for _ in generations] if tools is not None else None
 
-    def chunk(index: int, delta: str | None, finish: str | None = None, first: bool = False) -> str:
+    def chunk(
+        index: int, delta: str | None, finish: str | None = None, first: bool = False, tool_calls: list | None = None
+    ) -> str:
         if chat:
             content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
+            if tool_calls:
+                content = {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
             choice = {"index": index, "delta": content, "finish_reason": finish}
         else:
             choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": None}
@@ -483,12 +478,19 @@ async def _stream(generations: list[Generation], events: asyncio.Queue, meta: di
         while running:
             index, kind, value = await events.get()
             if kind == "text":
-                yield chunk(index, value)
+                text = calls[index].feed(value) if calls else value
+                if text:
+                    yield chunk(index, text)
             elif kind == "error":
                 yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
                 break
             else:
-                yield chunk(index, None, finish=value)
+                held, made = calls[index].finish() if calls else ("", [])
+                if held:
+                    yield chunk(index, held)
+                if made:
+                    yield chunk(index, None, tool_calls=made)
+                yield chunk(index, None, finish="tool_calls" if made else value)
                 running -= 1
         else:
             if include_usage:

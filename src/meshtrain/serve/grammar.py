@@ -16,18 +16,10 @@ import json
 import llguidance
 import torch
 
-from meshtrain.errors import MeshtrainError
+from meshtrain.serve.requests import APIError
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SCHEMA_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-
-
-class GrammarError(MeshtrainError):
-    """A response_format the server cannot constrain to: `param` names the field (a 400)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 def grammar_tokenizer(tokenizer, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
@@ -39,34 +31,41 @@ def grammar_tokenizer(tokenizer, n_vocab: int, eos_ids: list[int]) -> llguidance
 def response_format_grammar(response_format: dict | None, tokenizer: llguidance.LLTokenizer) -> str | None:
     """OpenAI's response_format as an llguidance grammar: None for plain text. `json_object`: any JSON
     object; `json_schema`: {"name", "schema", "strict", "description"}, the schema enforced whether
-    or not `strict` is set (the grammar holds every answer to it). Anything else is a GrammarError."""
+    or not `strict` is set (the grammar holds every answer to it). Anything else is a 400."""
     if response_format is None:
         return None
     kind = response_format.get("type")
     expected = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
     if kind not in expected:
-        raise GrammarError(
-            f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format.type"
+        raise APIError(
+            400, f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format.type"
         )
     extra = sorted(set(response_format) - expected[kind])
     missing = sorted(expected[kind] - set(response_format))
     if extra or missing:
-        raise GrammarError(
+        raise APIError(
+            400,
             f"response_format of type {kind} takes {sorted(expected[kind])}: "
             + (f"unknown {extra}" if extra else f"missing {missing}"),
             "response_format",
         )
     if kind == "text":
         return None
-    schema = {"type": "object"} if kind == "json_object" else _schema_of(response_format["json_schema"])
-    param = "response_format" if kind == "json_object" else "response_format.json_schema.schema"
+    if kind == "json_object":
+        return schema_grammar({"type": "object"}, tokenizer, "response_format")
+    return schema_grammar(_schema_of(response_format["json_schema"]), tokenizer, "response_format.json_schema.schema")
+
+
+def schema_grammar(schema: dict, tokenizer: llguidance.LLTokenizer, param: str) -> str:
+    """A JSON schema as a grammar of the JSON that validates against it; one that cannot be enforced
+    is a 400 naming `param`, the field it came in."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
     except ValueError as e:
-        raise GrammarError(f"{param}: {_one_line(str(e))}", param) from None
+        raise APIError(400, f"{param}: {_one_line(str(e))}", param) from None
     problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if problem:
-        raise GrammarError(f"{param} cannot be enforced: {_one_line(problem)}", param)
+        raise APIError(400, f"{param} cannot be enforced: {_one_line(problem)}", param)
     return grammar
 
 
@@ -74,20 +73,20 @@ def _schema_of(spec) -> dict:
     """The schema of OpenAI's json_schema object, its other fields checked."""
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
-        raise GrammarError(f"{where} must be an object with name and schema", where)
+        raise APIError(400, f"{where} must be an object with name and schema", where)
     unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
     if unknown:
-        raise GrammarError(f"{where}: unknown field(s) {unknown}: it takes name, schema, strict, description", where)
+        raise APIError(400, f"{where}: unknown field(s) {unknown}: it takes name, schema, strict, description", where)
     name = spec.get("name")
     if not isinstance(name, str) or not 0 < len(name) <= 64 or not set(name) <= SCHEMA_NAME_CHARS:
-        raise GrammarError(f"{where}.name must be 1-64 letters, digits, _ or -, got {name!r}", f"{where}.name")
+        raise APIError(400, f"{where}.name must be 1-64 letters, digits, _ or -, got {name!r}", f"{where}.name")
     if not isinstance(spec.get("strict", False), bool):
-        raise GrammarError(f"{where}.strict must be true or false", f"{where}.strict")
+        raise APIError(400, f"{where}.strict must be true or false", f"{where}.strict")
     if not isinstance(spec.get("description", ""), str):
-        raise GrammarError(f"{where}.description must be a string", f"{where}.description")
+        raise APIError(400, f"{where}.description must be a string", f"{where}.description")
     schema = spec.get("schema", {})  # OpenAI: left out, any JSON object
     if not isinstance(schema, dict):
-        raise GrammarError(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+        raise APIError(400, f"{where}.schema must be a JSON schema object", f"{where}.schema")
     return schema
 
 

@@ -48,12 +48,12 @@ class ServedModel:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         return encode_prompt(self.tokenizer, text, self.document_prefix)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt of a chat request: the template the model was trained with, up to the answer.
         It holds its own special tokens (a BOS where the template writes one), as `data prepare`
         rendered the fine-tuning conversations: tokenized without adding any (`prompt_ids`)."""
         return ChatTemplate(self.chat_template, self.eos_token, self.bos_token).render(
-            messages, add_generation_prompt=True
+            messages, add_generation_prompt=True, tools=tools
         )
 
 

@@ -15,8 +15,16 @@ MAX_TOP_LOGPROBS = 20
 
 # Request fields whose null means their default (OpenAI's "X or null" with a default), as if left out
 NULLABLE_WITH_DEFAULT = frozenset(
-    {"n", "stream", "presence_penalty", "frequency_penalty", "echo", "best_of", "logprobs"}
+    {"n", "stream", "presence_penalty", "frequency_penalty", "echo", "best_of", "logprobs", "parallel_tool_calls"}
 )
+
+
+class APIError(Exception):
+    """A request refused: the HTTP status and OpenAI's error fields (`param`: the field at fault)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 class StreamOptions(BaseModel):
@@ -70,14 +78,71 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    """A call an earlier answer made, sent back in an assistant message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message takes one")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the arguments are held to `parameters` by a grammar where a call is required
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(Sampling):
@@ -86,5 +151,6 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
