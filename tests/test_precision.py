@@ -208,6 +208,9 @@ def test_fp32_wins_where_bf16_is_emulated_and_ties_keep_all_bf16(monkeypatch, tm
     cfg, choice = arithmetic.resolve(config(), model_args(config()), CPU)
     assert calls[-1] == ["fp32", "bf16/bf16-attention", "bf16/fp32"] and choice.name == "fp32"
     assert "bf16 GEMMs 30x fp32's here (emulated)" in choice.describe()
+    # FP8 computes the GEMMs: the candidates left differ in their attention alone, none screened out
+    cfg, choice = arithmetic.resolve(config("bf16", fp8="tensorwise"), model_args(config()), CPU)
+    assert calls[-1] == ["bf16", "bf16/bf16-gemm"] and choice.bf16_gemm_slowdown == 0.0
     # All-bf16 is kept unless beaten by more than noise (fp32) or than the casts of fp32 arithmetic on
     # bf16 storage cost a compiled step (the mixed candidates): near-equals do not flip the choice.
     assert arithmetic.choose({"bf16": 102.0, "fp32": 100.0}) == "bf16"

@@ -393,8 +393,13 @@ def test_json_schema_and_json_object_answers_always_parse(server, client):
     assert isinstance(parsed(99), Person)  # still serving
 
 
-class Weather(BaseModel):
+class Place(BaseModel):
     city: str = Field(max_length=12)
+    country: Literal["fr", "de", "jp"]
+
+
+class Weather(BaseModel):
+    place: Place  # a nested model: the schema's $defs, which the calls' grammar keeps at its root
     unit: Literal["c", "f"]
     days: int = Field(ge=1, le=7)
 
@@ -414,7 +419,7 @@ def test_required_and_named_tool_calls_validate_and_a_tool_result_round_trips(se
 
     tools = [pydantic_function_tool(Weather, name="get_weather"), pydantic_function_tool(Lookup, name="lookup")]
     schemas = {"get_weather": Weather, "lookup": Lookup}
-    ask = {"model": "hf-served", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 200}
+    ask = {"model": "hf-served", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 120}
     required = {**ask, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 1.0}
 
     def called(seed: int) -> tuple[str, str]:
@@ -440,7 +445,8 @@ def test_required_and_named_tool_calls_validate_and_a_tool_result_round_trips(se
         calls = list(pool.map(called, range(25))) + list(pool.map(streamed, range(25, 50)))
     assert {name for name, _ in calls} == {"get_weather", "lookup"} and len(set(calls)) > 40
     named = {**required, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
-    assert client.chat.completions.create(**named).choices[0].message.tool_calls[0].function.name == "lookup"
+    forced = client.chat.completions.create(**{**named, "parallel_tool_calls": True}).choices[0]
+    assert [c.function.name for c in forced.message.tool_calls] == ["lookup"] and forced.finish_reason == "stop"
 
     call = client.chat.completions.create(**required, seed=7).choices[0].message.tool_calls[0]
     conversation = [
@@ -460,6 +466,7 @@ def test_required_and_named_tool_calls_validate_and_a_tool_result_round_trips(se
         ({"tools": bad_tools, "tool_choice": "auto"}, "tools.0.function.parameters"),
         ({"tools": [tools[0], tools[0]]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"tools": tools, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": conversation[:1] + conversation[2:]}, "messages.1.tool_call_id"),
     ]:
@@ -470,29 +477,60 @@ def test_required_and_named_tool_calls_validate_and_a_tool_result_round_trips(se
 
 
 def test_tool_calls_are_read_in_each_family_s_format_and_streams_hold_them_back():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from meshtrain.serve.chat import ToolUse
+    from meshtrain.serve.grammar import grammar_tokenizer, schema_grammar
     from meshtrain.serve.tools import HERMES, LLAMA, CallStream, parse_answer, tool_format
+
+    def known(*names):
+        return lambda name, arguments: name in names
 
     assert tool_format("{{ '<tool_call>' }}") == HERMES and tool_format("<|python_tag|>") == LLAMA
     assert tool_format("{{ messages }}") is None
     hermes = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-    parsed = parse_answer(hermes + '\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>', HERMES, {"f", "g"})
+    second = '\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    parsed = parse_answer(hermes + second, HERMES, known("f", "g"))
     assert parsed.content == "Let me look." and [c["function"]["name"] for c in parsed.calls] == ["f", "g"]
     assert json.loads(parsed.calls[0]["function"]["arguments"]) == {"a": 1}
-    assert parse_answer(hermes, HERMES, {"g"}).calls == []  # an unknown function: the text is content
-    assert parse_answer(hermes.replace("}}", "}"), HERMES, {"f"}).content == hermes.replace("}}", "}")
-    llama = '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'
-    parsed = parse_answer(llama, LLAMA, {"f", "g"})
+    assert parse_answer(hermes, HERMES, known("g")).calls == []  # an unknown function: the text is content
+    assert parse_answer(hermes.replace("}}", "}"), HERMES, known("f")).content == hermes.replace("}}", "}")
+    llama = '<|python_tag|>{"name": "f", "parameters": {"a": "x; y"}}; {"name": "g", "parameters": {}}'
+    parsed = parse_answer(llama, LLAMA, known("f", "g"))
     assert parsed.content is None and [c["function"]["name"] for c in parsed.calls] == ["f", "g"]
-    assert parse_answer("It is {sunny}.", LLAMA, {"f"}).calls == []
+    assert json.loads(parsed.calls[0]["function"]["arguments"]) == {"a": "x; y"}
+    assert parse_answer("It is {sunny}.", LLAMA, known("f")).calls == []
+    assert parse_answer(llama + " and more", LLAMA, known("f", "g")).calls == []
 
-    stream = CallStream(HERMES, {"f"})
+    # a strict function's arguments are held to its schema after the fact where the model chose to call
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator([hermes] * 4, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    vocab = grammar_tokenizer(tokenizer, tokenizer.get_vocab_size(), [0])
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    strict = {"f": schema_grammar(schema, vocab, "x"), "g": None}
+    tools = ToolUse(HERMES, [], None, strict, vocab, parallel=False, named=False)
+    assert tools.valid("f", {"a": 1}) and not tools.valid("f", {"a": "1"}) and not tools.valid("f", {})
+    assert tools.valid("g", {"anything": [1]}) and not tools.valid("h", {})
+    assert tools.read(hermes.replace('{"a": 1}', '{"a": "one"}')).calls == []
+    assert [c["function"]["name"] for c in tools.read(hermes + second).calls] == [
+        "f"
+    ]  # parallel_tool_calls false: the first
+
+    stream = CallStream(HERMES, lambda text: parse_answer(text, HERMES, known("f")))
     sent = [
         stream.feed(p) for p in ["Let me", " look.\n<tool", "_call>\n{", '"name": "f", "arguments": {}}\n</tool_call>']
     ]
     assert sent == ["Let me", " look.\n", "", ""] and stream.finish()[1][0]["function"]["name"] == "f"
-    stream = CallStream(LLAMA, {"f"})
+    stream = CallStream(LLAMA, lambda text: parse_answer(text, LLAMA, known("f")))
     assert [stream.feed(p) for p in [" ", "It", " is"]] == ["", " It", " is"] and stream.finish() == ("", [])
-    stream = CallStream(LLAMA, {"f"})
+    stream = CallStream(LLAMA, lambda text: parse_answer(text, LLAMA, known("f")))
     assert stream.feed('{"name": "x"') == "" and stream.finish() == ('{"name": "x"', [])
 
 

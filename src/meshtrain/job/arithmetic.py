@@ -157,7 +157,8 @@ def resolve(cfg, args: ModelArgs, device: torch.device, layout: Layout | None = 
         if layout is not None and t.compile and t.attention_backward == "auto":
             shape = attention_backward.attention_shape(t, args, layout)
         micro_batch = t.micro_batch_size * attention_backward.rows_per_sample(t)  # the sequences a forward holds
-        choice = agreed(cpu_choice(args, micro_batch, t.seq_len, names, shape) if rank0 else None)
+        screen = t.fp8 == "off"  # FP8 GEMMs: the candidates differ in their attention alone
+        choice = agreed(cpu_choice(args, micro_batch, t.seq_len, names, shape, screen) if rank0 else None)
     training = dataclasses.replace(t, dtype=choice.dtype, bf16_compute=choice.bf16_compute)
     return dataclasses.replace(cfg, training=training), choice
 
@@ -168,15 +169,23 @@ def gpu_has_bf16() -> bool:
 
 
 def cpu_choice(
-    args: ModelArgs, micro_batch: int, seq_len: int, names: list[str], attention_shape: tuple | None = None
+    args: ModelArgs,
+    micro_batch: int,
+    seq_len: int,
+    names: list[str],
+    attention_shape: tuple | None = None,
+    screen: bool = True,
 ) -> Choice:
     """The fastest candidate at the model's shapes (measured once, cached). `attention_shape`: a
     compiled run's, whose attention backward is probed first (job/attention_backward.py); the
-    contenders are then timed compiled, each with the backward picked for its attention arithmetic."""
+    contenders are then timed compiled, each with the backward picked for its attention arithmetic.
+    `screen`: leave out the candidates with bf16 GEMMs where a bf16 GEMM alone is far behind (not
+    where FP8 computes the GEMMs, or where no candidate would be left)."""
     sequences = micro_batch if attention_shape is not None else max(1, min(micro_batch, PROBE_TOKENS // seq_len))
-    slowdown = bf16_gemm_slowdown(args) if not all(map(fp32_gemms, names)) else 0.0
+    fp32_ones = [name for name in names if fp32_gemms(name)]
+    slowdown = bf16_gemm_slowdown(args) if screen and fp32_ones and len(fp32_ones) < len(names) else 0.0
     if slowdown > DISTANT:
-        names = [name for name in names if fp32_gemms(name)]
+        names = fp32_ones
     key = (
         f"{cpu_model()}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|torch {torch.__version__}|"
         f"dim {args.dim} heads {args.n_heads}/{args.n_kv_heads} ffn {args.ffn_dim} vocab {args.padded_vocab_size} "

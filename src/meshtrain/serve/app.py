@@ -24,7 +24,7 @@ from meshtrain.serve.engine import Request as Generation
 from meshtrain.serve.grammar import Constraint, grammar_tokenizer, response_format_grammar
 from meshtrain.serve.loading import ServedModel, default_completion_length, truncations_given
 from meshtrain.serve.requests import APIError, ChatRequest, CompletionRequest, Sampling
-from meshtrain.serve.tools import CallStream, parse_answer
+from meshtrain.serve.tools import CallStream
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -123,7 +123,13 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
     app = FastAPI(title="meshtrain", docs_url=None, redoc_url=None)
     registry = _metrics(app, engine)
     _error_handlers(app)
-    grammar_vocab = grammar_tokenizer(served.tokenizer, served.model.args.vocab_size, served.eos_ids)
+    try:  # what structured output and tool calls decode over; plain serving does without it
+        grammar_vocab, unreadable = (
+            grammar_tokenizer(served.tokenizer, served.model.args.vocab_size, served.eos_ids),
+            "",
+        )
+    except Exception as e:
+        grammar_vocab, unreadable = None, f"this model's tokenizer cannot be read by llguidance ({e})"
 
     async def authorize(request: Request) -> None:
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
@@ -166,6 +172,10 @@ def create_app(served: ServedModel, engine: Engine, api_key: str | None = None) 
                     "max_completion_tokens",
                 )
             body.max_tokens = body.max_completion_tokens
+        if grammar_vocab is None and (body.response_format not in (None, {"type": "text"}) or body.tools):
+            raise APIError(
+                400, f"response_format and tools: {unreadable}", "tools" if body.tools else "response_format"
+            )
         grammar = response_format_grammar(body.response_format, grammar_vocab)
         tools = tool_use(served, body, grammar_vocab)
         if tools is not None and grammar is not None:
@@ -424,10 +434,10 @@ async def _generate(
         text, generation = "".join(texts[i]), generations[i]
         if chat:
             message, finish = {"role": "assistant", "content": text}, finishes[i]
-            parsed = parse_answer(text, tools.fmt, tools.names) if tools is not None else None
+            parsed = tools.read(text) if tools is not None else None
             if parsed is not None and parsed.calls:
                 message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
-                finish = "tool_calls"
+                finish = tools.finish_reason(finish, parsed.calls)
             logprobs = _chat_logprobs(served, generation) if params.logprobs is not None else None
             choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs})
             continue
@@ -456,7 +466,7 @@ async def _stream(
     """Each answer's deltas under its choice index, as they come; [DONE] once every answer ended.
     With tools, what may be a tool call is held back to the answer's end, then sent as tool_calls."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    calls = [CallStream(tools.fmt, tools.names) for _ in generations] if tools is not None else None
+    calls = [CallStream(tools.fmt, tools.read) for _ in generations] if tools is not None else None
 
     def chunk(
         index: int, delta: str | None, finish: str | None = None, first: bool = False, tool_calls: list | None = None
@@ -490,7 +500,7 @@ async def _stream(
                     yield chunk(index, held)
                 if made:
                     yield chunk(index, None, tool_calls=made)
-                yield chunk(index, None, finish="tool_calls" if made else value)
+                yield chunk(index, None, finish=tools.finish_reason(value, made) if made else value)
                 running -= 1
         else:
             if include_usage:

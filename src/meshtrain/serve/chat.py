@@ -5,13 +5,16 @@ calls are held to."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+import llguidance
+
 from meshtrain.errors import DataError
-from meshtrain.serve.grammar import schema_grammar
+from meshtrain.serve.grammar import matches, schema_grammar
 from meshtrain.serve.loading import ServedModel
 from meshtrain.serve.requests import APIError, ChatRequest, Message, NamedToolChoice
-from meshtrain.serve.tools import call_grammar, template_tool_calls, tool_format
+from meshtrain.serve.tools import ParsedAnswer, call_grammar, parse_answer, template_tool_calls, tool_format
 
 
 @dataclass
@@ -19,9 +22,29 @@ class ToolUse:
     """A request's tools where it lets the model call them (tool_choice other than none)."""
 
     fmt: str  # the model's tool-call format (serve/tools.py)
-    names: set[str]
     schemas: list[dict]  # the tools as the chat template receives them
     grammar: str | None  # "required" or a named function: the calls' grammar
+    strict: dict[str, str | None]  # function name -> its arguments' grammar where strict (else None)
+    vocab: object  # the llguidance tokenizer the grammars are over
+    parallel: bool  # parallel_tool_calls
+    named: bool  # tool_choice names the function (OpenAI then ends the answer "stop")
+
+    def valid(self, name: str, arguments: dict) -> bool:
+        """A call to a given function, its arguments held to the schema where the function is strict."""
+        if name not in self.strict:
+            return False
+        grammar = self.strict[name]
+        return grammar is None or matches(self.vocab, grammar, json.dumps(arguments, ensure_ascii=False))
+
+    def read(self, text: str) -> ParsedAnswer:
+        """An answer's content and calls; without parallel_tool_calls, its first call only."""
+        parsed = parse_answer(text, self.fmt, self.valid)
+        if not self.parallel:
+            parsed.calls = parsed.calls[:1]
+        return parsed
+
+    def finish_reason(self, finish: str, calls: list) -> str:
+        return "tool_calls" if calls and finish == "stop" and not self.named else finish
 
 
 def tool_use(served: ServedModel, body: ChatRequest, vocab) -> ToolUse | None:
@@ -29,6 +52,8 @@ def tool_use(served: ServedModel, body: ChatRequest, vocab) -> ToolUse | None:
     names distinct, a named tool_choice among them, and a chat template that renders tools."""
     if body.tool_choice is not None and not body.tools:
         raise APIError(400, "tool_choice needs tools: send the tools it chooses among", "tool_choice")
+    if "parallel_tool_calls" in body.model_fields_set and not body.tools:
+        raise APIError(400, "parallel_tool_calls needs tools: leave it out", "parallel_tool_calls")
     if not body.tools or body.tool_choice == "none":
         return None
     fmt = tool_format(served.chat_template)
@@ -38,14 +63,17 @@ def tool_use(served: ServedModel, body: ChatRequest, vocab) -> ToolUse | None:
     if len(set(names)) < len(names):
         raise APIError(400, f"tools: each function needs a name of its own, got {names}", "tools")
     functions = [tool.function.model_dump(exclude_none=True) for tool in body.tools]
+    strict = {}
     for i, function in enumerate(functions):
         schema = function.get("parameters") or {"type": "object"}
         where = f"tools.{i}.function.parameters"
         if schema.get("type", "object") != "object":
             raise APIError(400, f"{where}: the arguments are a JSON object, so its type must be object", where)
-        schema_grammar(schema, vocab, where)
+        grammar = schema_grammar(schema, vocab, where)
+        strict[function["name"]] = grammar if function.get("strict") else None
+    named = isinstance(body.tool_choice, NamedToolChoice)
     chosen = functions
-    if isinstance(body.tool_choice, NamedToolChoice):
+    if named:
         chosen = [f for f in functions if f["name"] == body.tool_choice.function.name]
         if not chosen:
             raise APIError(
@@ -53,10 +81,14 @@ def tool_use(served: ServedModel, body: ChatRequest, vocab) -> ToolUse | None:
                 f"tool_choice names {body.tool_choice.function.name!r}, which is not among the tools {names}",
                 "tool_choice",
             )
-    required = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
-    grammar = call_grammar(fmt, chosen, body.parallel_tool_calls) if required else None
+    grammar = None
+    if body.tool_choice == "required" or named:  # one call of the named function; required: as parallel allows
+        grammar = call_grammar(fmt, chosen, body.parallel_tool_calls and not named)
+        problem = llguidance.LLMatcher.validate_grammar(grammar, vocab)
+        if problem:
+            raise APIError(400, f"tools: the calls' grammar cannot be built: {' '.join(problem.split())}", "tools")
     schemas = [{"type": "function", "function": f} for f in functions]
-    return ToolUse(fmt, set(names), schemas, grammar)
+    return ToolUse(fmt, schemas, grammar, strict, vocab, body.parallel_tool_calls, named)
 
 
 def chat_prompt(served: ServedModel, messages: list[Message], tools: list[dict] | None = None) -> str:

@@ -262,7 +262,15 @@ class Engine:
                 and not p.score
                 and request.constraint is None
             )
-            self._accept(request, greedy[i] if plain else self._choose(logits[i], request))
+            if plain:
+                self._accept(request, greedy[i])
+                continue
+            try:
+                token = self._choose(logits[i], request)
+            except Exception as e:  # this request's sampling or grammar failed: it ends, the batch goes on
+                self._finish(request, ("error", f"generation failed: {e}"))
+                continue
+            self._accept(request, token)
 
     def _choose(self, logits: torch.Tensor, request: Request) -> int:
         """The next token: penalties applied, the grammar's mask too, then greedy or sampled; its

@@ -84,7 +84,7 @@ def _schema_of(spec) -> dict:
         raise APIError(400, f"{where}.strict must be true or false", f"{where}.strict")
     if not isinstance(spec.get("description", ""), str):
         raise APIError(400, f"{where}.description must be a string", f"{where}.description")
-    schema = spec.get("schema", {})  # OpenAI: left out, any JSON object
+    schema = spec.get("schema", {"type": "object"})  # OpenAI: left out, any JSON object
     if not isinstance(schema, dict):
         raise APIError(400, f"{where}.schema must be a JSON schema object", f"{where}.schema")
     return schema
@@ -117,3 +117,11 @@ class Constraint:
     def complete(self) -> bool:
         """The answer is whole: the grammar allows nothing but its end."""
         return self.matcher.is_stopped()
+
+
+def matches(tokenizer: llguidance.LLTokenizer, grammar: str, text: str) -> bool:
+    """Whether `text` is a whole answer of `grammar` (a tool call's arguments, written after the
+    fact, against a strict function's schema)."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    tokens = tokenizer.tokenize_str(text)
+    return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshtrain.serve.grammar import JSON_STYLE
@@ -38,37 +39,39 @@ class ParsedAnswer:
     calls: list[dict]  # OpenAI's tool_calls: {"id", "type": "function", "function": {"name", "arguments"}}
 
 
-def _call(name: str, arguments) -> dict:
+def _call(name: str, arguments: dict) -> dict:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)},
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
     }
 
 
-def parse_answer(text: str, fmt: str, names: set[str]) -> ParsedAnswer:
-    """An answer's tool calls, where it holds well-formed ones naming a given function; else the
-    whole text is content (as vLLM's parsers do: a malformed call is text)."""
-    calls = []
+def parse_answer(text: str, fmt: str, valid: Callable[[str, dict], bool]) -> ParsedAnswer:
+    """An answer's tool calls, where every call is well formed and `valid(name, arguments)` (a given
+    function; with `strict`, arguments that validate); else the whole text is content (as vLLM's
+    parsers do: a malformed call is text)."""
+    found = []
     if fmt == HERMES:
-        blocks = HERMES_CALL.findall(text)
-        for block in blocks:
+        for block in HERMES_CALL.findall(text):
             call = _json_object(block)
-            if call is None or call.get("name") not in names or not isinstance(call.get("arguments", {}), dict):
+            found.append(None if call is None else (call.get("name"), call.get("arguments", {})))
+        content = text[: text.find("<tool_call>")].strip() or None
+    else:
+        body, decoder = text.strip().removeprefix("<|python_tag|>").strip(), json.JSONDecoder()
+        while body.startswith("{"):  # calls one after another, separated by "; " (never split inside one)
+            try:
+                call, end = decoder.raw_decode(body)
+            except ValueError:
                 return ParsedAnswer(text, [])
-            calls.append(_call(call["name"], call.get("arguments", {})))
-        content = text[: text.find("<tool_call>")].strip() if calls else text
-        return ParsedAnswer(content or None if calls else content, calls)
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return ParsedAnswer(text, [])
-    for part in body.split("; "):
-        call = _json_object(part)
-        arguments = None if call is None else call.get("parameters", call.get("arguments", {}))
-        if call is None or call.get("name") not in names or not isinstance(arguments, dict):
+            found.append((call.get("name"), call.get("parameters", call.get("arguments", {}))))
+            body = body[end:].strip().removeprefix(";").strip()
+        if body:  # text after the calls, or an answer that is text
             return ParsedAnswer(text, [])
-        calls.append(_call(call["name"], arguments))
-    return ParsedAnswer(None, calls)
+        content = None
+    if not found or not all(c is not None and isinstance(c[1], dict) and valid(*c) for c in found):
+        return ParsedAnswer(text, [])
+    return ParsedAnswer(content, [_call(name, arguments) for name, arguments in found])
 
 
 def _json_object(text: str) -> dict | None:
@@ -82,24 +85,29 @@ def _json_object(text: str) -> dict | None:
 def call_grammar(fmt: str, functions: list[dict], parallel: bool) -> str:
     """A Lark grammar (llguidance's, with its %json) for an answer that is only tool calls to
     `functions` ({"name", "parameters"}), each's arguments valid against its parameters: one call, or
-    with `parallel` one or more."""
+    with `parallel` one or more. Each function is a rule of its own whose schema keeps the
+    parameters' $defs at its root, where their "#/$defs/..." references point."""
     key = "arguments" if fmt == HERMES else "parameters"
-    options = [
-        {
+    rules = []
+    for i, function in enumerate(functions):
+        parameters = dict(function.get("parameters") or {"type": "object"})
+        defs = {k: parameters.pop(k) for k in ("$defs", "definitions") if k in parameters}
+        schema = {
+            "x-guidance": JSON_STYLE,
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}},
+            "properties": {"name": {"const": function["name"]}, key: parameters},
             "required": ["name", key],
             "additionalProperties": False,
+            **defs,
         }
-        for f in functions
-    ]
-    body = json.dumps({"x-guidance": JSON_STYLE, "anyOf": options})
+        rules.append(f"function{i}: %json {json.dumps(schema)}")
+    body = "body: " + " | ".join(f"function{i}" for i in range(len(functions)))
     if fmt == HERMES:
         call, separator = 'call: "<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
     else:
         call, separator = "call: body", '"; "'
     start = f"start: call ({separator} call)*" if parallel else "start: call"
-    return f"{start}\n{call}\nbody: %json {body}\n"
+    return "\n".join([start, call, body, *rules]) + "\n"
 
 
 def template_tool_calls(calls: list[dict]) -> list[dict]:
@@ -120,8 +128,8 @@ class CallStream:
     held back until the answer ends and then sent as OpenAI's tool_calls deltas (or, where it was no
     well-formed call, as the content it is)."""
 
-    def __init__(self, fmt: str, names: set[str]):
-        self.fmt, self.names = fmt, names
+    def __init__(self, fmt: str, read: Callable[[str], ParsedAnswer]):
+        self.fmt, self.read = fmt, read
         self.text, self.sent, self.content = "", 0, False  # content: a Llama answer known to be text
 
     def feed(self, delta: str) -> str:
@@ -141,7 +149,7 @@ class CallStream:
 
     def finish(self) -> tuple[str, list[dict]]:
         """(the content still held back, the calls)."""
-        parsed = parse_answer(self.text, self.fmt, self.names)
+        parsed = self.read(self.text)
         return ("", parsed.calls) if parsed.calls else (self.text[self.sent :], [])
 
 
