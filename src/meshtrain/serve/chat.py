@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import llguidance
 
 from meshtrain.errors import DataError
-from meshtrain.serve.grammar import matches, schema_grammar
+from meshtrain.serve.grammar import matches, one_line, schema_grammar
 from meshtrain.serve.loading import ServedModel
 from meshtrain.serve.requests import APIError, ChatRequest, Message, NamedToolChoice
 from meshtrain.serve.tools import ParsedAnswer, call_grammar, parse_answer, template_tool_calls, tool_format
@@ -86,7 +86,7 @@ def tool_use(served: ServedModel, body: ChatRequest, vocab) -> ToolUse | None:
         grammar = call_grammar(fmt, chosen, body.parallel_tool_calls and not named)
         problem = llguidance.LLMatcher.validate_grammar(grammar, vocab)
         if problem:
-            raise APIError(400, f"tools: the calls' grammar cannot be built: {' '.join(problem.split())}", "tools")
+            raise APIError(400, f"tools: the calls' grammar cannot be built: {one_line(problem)}", "tools")
     schemas = [{"type": "function", "function": f} for f in functions]
     return ToolUse(fmt, schemas, grammar, strict, vocab, body.parallel_tool_calls, named)
 

@@ -11,14 +11,13 @@ blanks until it ran out of tokens.
 
 from __future__ import annotations
 
-import json
-
 import llguidance
 import torch
 
 from meshtrain.serve.requests import APIError
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # a mask word's 32 tokens, lowest bit first
 SCHEMA_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
@@ -62,10 +61,10 @@ def schema_grammar(schema: dict, tokenizer: llguidance.LLTokenizer, param: str) 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
     except ValueError as e:
-        raise APIError(400, f"{param}: {_one_line(str(e))}", param) from None
+        raise APIError(400, f"{param}: {one_line(str(e))}", param) from None
     problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if problem:
-        raise APIError(400, f"{param} cannot be enforced: {_one_line(problem)}", param)
+        raise APIError(400, f"{param} cannot be enforced: {one_line(problem)}", param)
     return grammar
 
 
@@ -90,8 +89,9 @@ def _schema_of(spec) -> dict:
     return schema
 
 
-def _one_line(message: str) -> str:
-    return " ".join(json.dumps(message)[1:-1].replace("\\n", " ").split())
+def one_line(message: str) -> str:
+    """A library's (multi-line) error message as one line."""
+    return " ".join(message.split())
 
 
 class Constraint:
@@ -106,7 +106,7 @@ class Constraint:
         """A bool mask over the vocabulary: the tokens the grammar lets come next (an end token
         where the answer is complete)."""
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
-        bits = (self.words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        bits = (self.words[:, None] >> BIT_SHIFTS) & 1
         return bits.bool().reshape(-1)[: self.n_vocab]
 
     def take(self, token: int) -> None:
