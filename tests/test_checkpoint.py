@@ -77,20 +77,37 @@ def straight(corpus, cli_env, tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="module")
+def stopped_and_resumed(corpus, cli_env, tmp_path_factory):
+    """Each layout's run stopped at step 6, then started again to step 12: {name: (run dir, the
+    step logged last and whether weights were saved when it stopped, the resume's output)}. The
+    2-process ones in two launches, one per phase (conftest.train_together)."""
+    env, stops, outputs = faulty(cli_env, MESHTRAIN_RNG_PROBE="1"), {}, {}
+    runs = {name: tmp_path_factory.mktemp(f"resumed-{name}") for name in LAYOUTS}
+    two_process = [name for name, extra in LAYOUTS.items() if extra[:2] == ["--nproc", "2"]]
+    for phase in (["--training.stop_at_step", "6"], []):
+        together = [train_args(corpus, runs[name], *SCHEDULE, *LAYOUTS[name][2:], *phase) for name in two_process]
+        result = train_together(together, 2, env)
+        outputs.update({name: result.stdout for name in two_process})
+        for name in LAYOUTS.keys() - two_process:
+            outputs[name] = train(corpus, cli_env, runs[name], *LAYOUTS[name], *phase, env=env).stdout
+        if phase:
+            stops = {name: (max(losses(d)), (d / "model.safetensors").exists()) for name, d in runs.items()}
+    return {name: (runs[name], stops[name], outputs[name]) for name in LAYOUTS}
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_stop_and_resume_is_exact(name, straight, corpus, cli_env, tmp_path):
+def test_stop_and_resume_is_exact(name, straight, stopped_and_resumed):
     """Losses, weights and each rank's random generator (drawn from differently on each rank, as
     dropout would) as if the run had never stopped."""
-    env = faulty(cli_env, MESHTRAIN_RNG_PROBE="1")
-    train(corpus, cli_env, tmp_path, *LAYOUTS[name], "--training.stop_at_step", "6", env=env)
-    assert max(losses(tmp_path)) == 6 and not (tmp_path / "model.safetensors").exists()
-    result = train(corpus, cli_env, tmp_path, *LAYOUTS[name], env=env)
-    assert "resumed from" in result.stdout and "step 6" in result.stdout
-    assert_same_run(tmp_path, straight[name], exact=True)  # identical, not just close
+    run_dir, (last_step, saved_weights), output = stopped_and_resumed[name]
+    assert last_step == 6 and not saved_weights
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000006'} (step 6" in output
+    assert_same_run(run_dir, straight[name], exact=True)  # identical, not just close
     rng = {p.name: p.read_text() for p in straight[name].glob("rng-rank*.txt")}
     assert len(rng) > 1 and len(set(rng.values())) > 1  # the ranks' generators differ
-    assert {p.name: p.read_text() for p in tmp_path.glob("rng-rank*.txt")} == rng
+    assert {p.name: p.read_text() for p in run_dir.glob("rng-rank*.txt")} == rng
 
 
 @pytest.fixture(scope="module")

@@ -106,11 +106,12 @@ def test_default_job_prepares_its_corpus_and_learns(cli_env, tmp_path):
     assert metrics[-1]["val_loss"] < metrics[0]["loss"] - 1.5
     assert all(math.isfinite(m[f]) for m in metrics for f in FIELDS)
     assert "sample:\ndef " in result.stdout
-    # dtype = "auto": the arithmetic measured (or read from the cache) at start, logged, recorded, run.
+    # dtype = "auto": the arithmetic measured (or read from the cache) at start, logged, recorded, run;
+    # "busy" where the suite's other worker kept the CPUs busy meanwhile (measured all the same).
     choice = json.loads((tmp_path / "run" / "arithmetic.json").read_text())
     compute = choice["bf16_compute"]
     label = "fp32" if choice["dtype"] == "fp32" else "bf16" if compute == "bf16" else f"bf16/{compute}"
-    assert choice["how"] in ("measured", "cached") and "fp32" in choice["step_ms"]
+    assert choice["how"] in ("measured", "cached", "busy") and "fp32" in choice["step_ms"]
     assert len(choice["step_ms"]) == (3 if choice["bf16_gemm_slowdown"] > arithmetic.DISTANT else 5)
     assert all(m["arithmetic"] == label for m in metrics if "arithmetic" in m)
     assert "arithmetic: " in result.stdout and "ms per micro-batch" in result.stdout
