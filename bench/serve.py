@@ -29,11 +29,12 @@ from meshtrain.model import Llama
 PROMPTS = ["def ", "import os\n", "class Foo", "    return ", "for i in range(", "# ", "if x ==", "print("]
 
 
-def exported_model(preset: str, data_path: str, out: Path) -> Path:
+def exported_model(preset: str, data_path: str, out: Path, max_seq_len: int | None = None) -> Path:
     """A freshly initialised `preset` with the tokenizer of `data_path` (default: the default
     corpus's), exported for Hugging Face."""
     data = {"data.path": data_path, "data.corpus": ""} if data_path else {}
-    cfg = load_config(overrides={"model.preset": preset, **data})
+    context = {"model.max_seq_len": max_seq_len} if max_seq_len else {}
+    cfg = load_config(overrides={"model.preset": preset, **data, **context})
     dataset = ensure_dataset(cfg)
     args = model_args(cfg, dataset.vocab_size)
     model = Llama(args)
@@ -81,12 +82,14 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return (first if first is not None else time.perf_counter() - start), tokens
 
 
-async def load(url: str, model: str, clients: int, requests_per_client: int, max_tokens: int) -> dict:
+async def load(
+    url: str, model: str, clients: int, requests_per_client: int, max_tokens: int, prompts: list[str] = PROMPTS
+) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
 
         async def user(i: int):
             return [
-                await one_request(client, model, PROMPTS[(i + j) % len(PROMPTS)], max_tokens)
+                await one_request(client, model, prompts[(i * requests_per_client + j) % len(prompts)], max_tokens)
                 for j in range(requests_per_client)
             ]
 
@@ -111,14 +114,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(name: str, cmd: list[str], port: int, model: str, levels: list[int], max_tokens: int) -> list[dict]:
+def measure(
+    name: str,
+    cmd: list[str],
+    port: int,
+    model: str,
+    levels: list[int],
+    max_tokens: int,
+    prompts: list[str] = PROMPTS,
+    warm_up: list[str] = PROMPTS[:1],
+) -> list[dict]:
     proc = start([*cmd, "--port", str(port)], port)
     try:
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(load(url, model, 1, 1, 8))  # warm-up
+        asyncio.run(load(url, model, 1, 1, 8, warm_up))
         rows = []
         for clients in levels:
-            row = asyncio.run(load(url, model, clients, 2 if clients < 16 else 1, max_tokens))
+            row = asyncio.run(load(url, model, clients, 2 if clients < 16 else 1, max_tokens, prompts))
             rows.append({"server": name, **row})
             print(
                 f"  {name} {clients} clients: {row['tokens_per_s']:,.0f} tok/s, TTFT p50 "

@@ -415,8 +415,9 @@ def test_an_moe_checkpoint_missing_one_expert_is_refused_by_name(models, tmp_pat
 
 def test_a_long_context_model_is_served_with_a_bounded_cache(models, tmp_path):
     """A 128K-context import (Llama 3.1, Qwen 2.5) served without --max-context: the KV cache is
-    sized for 8192 tokens a slot, not the model's longest (hundreds of GiB at a real size)."""
-    from meshtrain.serve import load_engine
+    sized for 8192 tokens a request, not the model's longest (hundreds of GiB at a real size)."""
+    from meshtrain.model.kv_cache import kv_bytes_per_token
+    from meshtrain.serve import CacheSettings, load_engine
 
     directory = tmp_path / "long"
     directory.mkdir()
@@ -427,9 +428,22 @@ def test_a_long_context_model_is_served_with_a_bounded_cache(models, tmp_path):
     served, engine = load_engine(str(directory), max_batch=2, device="cpu")
     try:
         assert served.model.args.max_seq_len == 131072 and engine.max_context == 8192
-        assert engine.cache.k[0].shape[2] == 8192
+        assert engine.cache.blocks * engine.cache.block_size == 2 * 8192
     finally:
         engine.close()
+    # --kv-cache-gib, --block-size, --prefill-chunk and --no-prefix-caching each reach the engine
+    per_token = kv_bytes_per_token(served.model)
+    settings = CacheSettings(
+        kv_cache_gib=3000 * per_token / 2**30, block_size=8, prefill_chunk=64, prefix_caching=False
+    )
+    _, engine = load_engine(str(directory), max_batch=2, max_context=2048, device="cpu", cache=settings)
+    try:
+        assert (engine.cache.blocks, engine.cache.block_size, engine.prefill_chunk) == (375, 8, 64)
+        assert not engine.cache.prefix_caching
+    finally:
+        engine.close()
+    with pytest.raises(MeshtrainError, match=r"^--kv-cache-gib .* holds 2047 tokens .* context of 2048: give at least"):
+        load_engine(str(directory), max_context=2048, device="cpu", cache=CacheSettings(2047 * per_token / 2**30))
 
 
 def copied(source: Path, out: Path) -> Path:

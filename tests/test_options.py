@@ -197,3 +197,21 @@ def test_declarations_say_what_they_allow():
     assert typing.get_origin(keys["training.dtype"].base) is typing.Literal
     with pytest.raises(ConfigError, match=r"parallel.zero = True is not allowed"):
         keys["parallel.zero"].check(True)  # a bool is not the integer 1
+
+
+def test_every_switch_starts_at_its_declared_default_and_can_be_turned_both_ways():
+    """An option declared `bool = True` as a plain store_true flag would start False (argparse's
+    default, not the declaration's) and its flag could only set what the declaration meant: each
+    boolean option of every command parses to its declared default, and its switches reach both values."""
+    checked = 0
+    for command, base in COMMANDS.items():
+        parser = build_parser()
+        for action in subparser(command)._actions:
+            d = getattr(action, "declared", None)
+            if d is None or not isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+                continue
+            assert getattr(parser.parse_args(base), action.dest) is d.default, (command, action.option_strings)
+            reached = {getattr(parser.parse_args([*base, flag]), action.dest) for flag in action.option_strings}
+            assert reached | {d.default} == {True, False}, (command, action.option_strings)
+            checked += 1
+    assert checked >= 5

@@ -77,8 +77,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
             where.add_argument(name, type=text_parser(d, name), help=doc.replace("%", "%%")).declared = d
             continue
         kwargs: dict[str, Any] = {"dest": name, "help": doc.replace("%", "%%")}
-        if d.base is bool:
-            kwargs |= {"action": "store_true"}
+        if d.base is bool:  # a switch; one on by default also as --no-<name>, or nothing could turn it off
+            on = {"action": argparse.BooleanOptionalAction, "default": True}
+            kwargs |= on if default else {"action": "store_true"}
         else:
             kwargs |= {"type": text_parser(d, flags[0]), "metavar": metavar(d), "default": default}
             kwargs |= {"choices": d.choices} if d.choices is not None else {}

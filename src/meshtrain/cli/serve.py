@@ -39,10 +39,18 @@ class ServeOptions:
     api_key: str | None = option(None, verbatim=True, check=check_api_key)
     """Require Authorization: Bearer KEY (an empty KEY, or one no client can send, is refused)."""
     max_batch: int = option(16, ge=1)
-    """Requests decoded together (KV-cache slots)."""
+    """Requests decoded together."""
     max_context: int | None = option(None, ge=2)
-    """Prompt + completion tokens per request (default: the model's max_seq_len, at most 8192: the KV
-    cache holds max-batch x this many tokens)."""
+    """Prompt + completion tokens per request (default: the model's max_seq_len, at most 8192)."""
+    kv_cache_gib: float | None = option(None, gt=0)
+    """Memory of the paged KV cache; requests wait for room in it (default: max-batch x max-context
+    tokens, room for every request at its longest)."""
+    block_size: int = option(16, ge=1)
+    """Tokens per KV-cache block (what the prefix cache shares)."""
+    prefill_chunk: int = option(512, ge=1)
+    """Prompt tokens computed per engine step, between two decode steps of the running requests."""
+    prefix_caching: bool = True
+    """Reuse the KV-cache blocks of a prompt's prefix another request computed (--no-prefix-caching: off)."""
     device: Literal[DEVICES] = option("auto", flags=DEVICE_FLAGS)
     """auto: CUDA where there is a GPU, else the CPU; cuda; cpu (launch.device's choices, but neuron is
     refused: the engine runs on CUDA or the CPU)."""
@@ -79,10 +87,11 @@ def add_parsers(sub) -> None:
 
 
 def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from meshtrain.serve import serve
+    from meshtrain.serve import CacheSettings, serve
 
     o: ServeOptions = options_of(args, ServeOptions)
-    return serve(o.model, o.host, o.port, o.api_key, o.max_batch, o.max_context, o.device, o.dtype)
+    cache = CacheSettings(o.kv_cache_gib, o.block_size, o.prefill_chunk, o.prefix_caching)
+    return serve(o.model, o.host, o.port, o.api_key, o.max_batch, o.max_context, o.device, o.dtype, cache)
 
 
 def run_generate(args: argparse.Namespace, extra: list[str]) -> int:

@@ -1,14 +1,22 @@
-"""Incremental decoding: the Llama forward with a key/value cache, for many sequences at once.
+"""Incremental decoding: the Llama forward over a paged key/value cache, for many sequences at once.
 
-The cache holds, per layer, keys and values for `slots` sequences of up to `max_len` tokens. A
-forward takes new tokens of some slots at given positions, writes their keys and values into those
-slots and attends over each slot's cache up to its own position, so a batch can mix sequences of
-different lengths (continuous batching): a prompt is one forward of its tokens (prefill), each
-later token one row of a batched forward (decode). Same weights and modules as training; only the
-attention reads its keys and values from the cache.
+The cache is a pool of fixed-size blocks per layer (vLLM's PagedAttention layout): a sequence owns
+a list of blocks (its block table), taken as its tokens arrive and given back when it ends, so
+memory follows the tokens in use rather than the longest possible answer. A forward takes new
+tokens of some sequences at given positions, writes their keys and values into each one's blocks
+and attends over its own blocks up to its own position, so a batch mixes sequences of different
+lengths (continuous batching) and a prompt can be computed in chunks.
+
+Prefix caching: a full block is named by its tokens and the name of the block before it, so two
+sequences that start with the same tokens (a shared system prompt, the n answers of one prompt, a
+conversation's earlier turns) share those blocks instead of computing them again. A shared block is
+never written (only a sequence's last, partial block is), and a named block nobody uses stays
+cached until its memory is needed, least recently used first.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict, deque
 
 import torch
 import torch.nn.functional as F
@@ -16,15 +24,110 @@ import torch.nn.functional as F
 from meshtrain.model.llama import Llama
 
 
-class KVCache:
-    def __init__(self, model: Llama, slots: int, max_len: int, dtype: torch.dtype | None = None):
+def kv_bytes_per_token(model: Llama, dtype: torch.dtype | None = None) -> int:
+    """Keys and values of one token in every layer."""
+    args = model.args
+    itemsize = (dtype or model.tok_embeddings.weight.dtype).itemsize
+    return 2 * args.n_layers * args.n_kv_heads * args.head_size * itemsize
+
+
+class PagedKVCache:
+    """The block pool and its allocator. A block is free, used (its reference count is the number of
+    sequences holding it), or cached: named, unused, and evicted least recently used first."""
+
+    def __init__(
+        self,
+        model: Llama,
+        blocks: int,
+        block_size: int,
+        prefix_caching: bool = True,
+        dtype: torch.dtype | None = None,
+    ):
         args = model.args
         dtype = dtype or model.tok_embeddings.weight.dtype
         device = model.tok_embeddings.weight.device
-        shape = (slots, args.n_kv_heads, max_len, args.head_size)
+        shape = (blocks, args.n_kv_heads, block_size, args.head_size)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.max_len = max_len
+        self.blocks, self.block_size, self.prefix_caching = blocks, block_size, prefix_caching
+        self.refs = [0] * blocks
+        self.free: deque[int] = deque(range(blocks))
+        self.cached: OrderedDict[int, None] = OrderedDict()  # named blocks nobody holds, oldest use first
+        # (name of the previous block, this block's tokens) -> (block, this block's name): exact, no hash collisions
+        self.named: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
+        self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._names = 0
+
+    def available(self) -> int:
+        """Blocks that can be taken now: the free ones and the cached ones nobody holds."""
+        return len(self.free) + len(self.cached)
+
+    def used(self) -> int:
+        return self.blocks - self.available()
+
+    def allocate(self) -> int | None:
+        """A block for one sequence, or None when every block is held."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            del self.named[self.key_of.pop(block)]
+        else:
+            return None
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self.cached.pop(block)
+        self.refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.key_of:
+                    self.cached[block] = None  # the most recently used end
+                else:
+                    self.free.append(block)
+
+    def match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """The cached blocks that hold `tokens`' longest prefix of full blocks, each shared with the
+        caller: (blocks, their names)."""
+        blocks, names = [], []
+        if not self.prefix_caching:
+            return blocks, names
+        size = self.block_size
+        for start in range(0, len(tokens) - size + 1, size):
+            hit = self.named.get((names[-1] if names else 0, tuple(tokens[start : start + size])))
+            if hit is None:
+                break
+            self.share(hit[0])
+            blocks.append(hit[0])
+            names.append(hit[1])
+        return blocks, names
+
+    def name_full_blocks(self, tokens: list[int], blocks: list[int], names: list[int], computed: int) -> None:
+        """Name the sequence's blocks that are full and computed (`tokens[:computed]` is in the
+        cache), after the `names` it has; a block whose tokens another block already holds keeps the
+        other's name (so later blocks chain on it) and is freed, not cached, when released."""
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        for i in range(len(names), computed // size):
+            key = (names[-1] if names else 0, tuple(tokens[i * size : (i + 1) * size]))
+            if key in self.named:
+                names.append(self.named[key][1])
+                continue
+            self._names += 1
+            self.named[key] = (blocks[i], self._names)
+            self.key_of[blocks[i]] = key
+            names.append(self._names)
+
+    def copy_block(self, source: int, target: int) -> None:
+        for keys, values in zip(self.k, self.v, strict=True):
+            keys[target] = keys[source]
+            values[target] = values[source]
 
 
 def _attention(
@@ -32,20 +135,22 @@ def _attention(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    written: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
 ) -> torch.Tensor:
     batch, seq, _ = x.shape
     q, k, v = attn.project(x, cos, sin)
-    rows = slots[:, None].expand(batch, seq)
-    k_cache[rows, :, positions] = k.to(k_cache.dtype)  # (batch, seq, kv_heads, head_dim) into each slot
-    v_cache[rows, :, positions] = v.to(v_cache.dtype)
-    length = int(positions.max()) + 1
-    keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
-    # Causal within the cache: a query at position p sees the keys at positions <= p of its own slot.
-    mask = torch.arange(length, device=x.device)[None, None, None, :] <= positions[:, None, :, None]
+    blocks, offsets = written
+    k_pool[blocks, :, offsets] = k.to(k_pool.dtype)  # (batch, seq, kv_heads, head_dim) into each one's blocks
+    v_pool[blocks, :, offsets] = v.to(v_pool.dtype)
+    # each row's blocks, in order, as one run of keys: (batch, kv_heads, blocks x block_size, head_dim)
+    keys = k_pool[tables].transpose(1, 2).flatten(2, 3)
+    values = v_pool[tables].transpose(1, 2).flatten(2, 3)
+    # causal over each row's own positions; the padding of a shorter table lies past them, masked too
+    mask = torch.arange(keys.shape[2], device=x.device)[None, None, None, :] <= positions[:, None, :, None]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True
     )
@@ -53,20 +158,24 @@ def _attention(
 
 
 @torch.inference_mode()
-def forward_cached(
+def forward_paged(
     model: Llama,
-    cache: KVCache,
+    cache: PagedKVCache,
     tokens: torch.Tensor,
-    slots: torch.Tensor,
+    tables: torch.Tensor,
     positions: torch.Tensor,
     every_position: bool = False,
 ) -> torch.Tensor:
-    """tokens and positions (batch, seq) of the sequences in cache `slots` (batch,) -> logits of the
-    last token of each row (batch, vocab), or with every_position of every token (batch, seq, vocab);
-    padding rows of the vocabulary dropped."""
+    """tokens and positions (batch, seq) of sequences whose block tables are `tables` (batch, blocks;
+    a shorter table padded with any block) -> logits of the last token of each row (batch, vocab),
+    or with every_position of every token (batch, seq, vocab); padding rows of the vocabulary dropped."""
+    written = (tables.gather(1, positions // cache.block_size), positions % cache.block_size)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     h = model.tok_embeddings(tokens)
     for i, layer in enumerate(model.layers.values()):
-        h = h + _attention(layer.attention, layer.attention_norm(h), cos, sin, cache.k[i], cache.v[i], slots, positions)
+        attention = _attention(
+            layer.attention, layer.attention_norm(h), cos, sin, cache.k[i], cache.v[i], tables, written, positions
+        )
+        h = h + attention
         h = h + layer.feed_forward(layer.ffn_norm(h))
     return model.output(model.norm(h if every_position else h[:, -1]))[..., : model.args.vocab_size]

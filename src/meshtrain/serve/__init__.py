@@ -6,16 +6,19 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.files import read_json_object
+from meshtrain.model.kv_cache import kv_bytes_per_token
 from meshtrain.serve.engine import Engine, Request, SamplingParams
 from meshtrain.serve.loading import ServedModel, default_completion_length, load_served_model, truncations_given
 
 __all__ = [
+    "CacheSettings",
     "Engine",
     "Request",
     "SamplingParams",
@@ -35,8 +38,24 @@ SERVE_DEVICES = ("auto", "cuda", "cpu")
 SERVE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@dataclass(frozen=True)
+class CacheSettings:
+    """The paged KV cache's: its size (None: max_batch x max_context tokens, room for every request
+    at its longest), block size, the prompt tokens computed per engine step, prefix caching."""
+
+    kv_cache_gib: float | None = None
+    block_size: int = 16
+    prefill_chunk: int = 512
+    prefix_caching: bool = True
+
+
 def load_engine(
-    source: str, max_batch: int = 16, max_context: int | None = None, device: str = "auto", dtype: str = "auto"
+    source: str,
+    max_batch: int = 16,
+    max_context: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    cache: CacheSettings = CacheSettings(),
 ) -> tuple[ServedModel, Engine]:
     if max_batch < 1:
         raise MeshtrainError(f"--max-batch {max_batch} must be at least 1")
@@ -44,10 +63,43 @@ def load_engine(
     limit = served.model.args.max_seq_len
     if max_context is not None and not 2 <= max_context <= limit:
         raise MeshtrainError(f"--max-context {max_context} must be between 2 and the model's max_seq_len ({limit})")
-    # the KV cache holds max_batch x max_context tokens: a 128K-context model's full length would
-    # take hundreds of GiB at 16 slots, so the default stops at DEFAULT_CONTEXT
+    # without --kv-cache-gib the cache holds max_batch x max_context tokens: a 128K-context model's
+    # full length would take hundreds of GiB at 16 requests, so the default stops at DEFAULT_CONTEXT
     context = max_context or min(limit, DEFAULT_CONTEXT)
-    return served, Engine(served.model, served.tokenizer, served.eos_ids, max_batch, context)
+    engine = Engine(
+        served.model,
+        served.tokenizer,
+        served.eos_ids,
+        max_batch,
+        context,
+        kv_cache_tokens=_kv_cache_tokens(served, cache.kv_cache_gib, context),
+        block_size=cache.block_size,
+        prefill_chunk=cache.prefill_chunk,
+        prefix_caching=cache.prefix_caching,
+    )
+    return served, engine
+
+
+def _kv_cache_tokens(served: ServedModel, gib: float | None, context: int) -> int | None:
+    """--kv-cache-gib in tokens of this model's keys and values; refused below one request's
+    context, or above the GPU's free memory, before the cache is made."""
+    if gib is None:
+        return None
+    per_token = kv_bytes_per_token(served.model)
+    tokens = int(gib * 2**30 // per_token)
+    if tokens < context:
+        raise MeshtrainError(
+            f"--kv-cache-gib {gib:g} holds {tokens} tokens of this model's keys and values ({per_token} bytes each), "
+            f"fewer than one request's context of {context}: give at least {context * per_token / 2**30:.3g} "
+            "or lower --max-context"
+        )
+    device = served.model.tok_embeddings.weight.device
+    if device.type == "cuda" and gib * 2**30 > (free := torch.cuda.mem_get_info(device)[0]):
+        raise MeshtrainError(
+            f"--kv-cache-gib {gib:g} is more than the {free / 2**30:.1f} GiB free on {device} after the weights: "
+            "lower it"
+        )
+    return tokens
 
 
 def _load(source: str, device: str, dtype: str) -> ServedModel:
@@ -89,13 +141,14 @@ def serve(
     max_context: int | None,
     device: str,
     dtype: str,
+    cache: CacheSettings = CacheSettings(),
 ) -> int:
     import uvicorn
 
     from meshtrain.serve.app import create_app
 
     _check_can_listen(host, port)
-    served, engine = load_engine(source, max_batch, max_context, device, dtype)
+    served, engine = load_engine(source, max_batch, max_context, device, dtype, cache)
     config = uvicorn.Config(
         create_app(served, engine, api_key), host=host, port=port, log_level="warning", timeout_graceful_shutdown=10
     )
@@ -111,7 +164,9 @@ def serve(
     threading.Thread(target=stop_when_the_engine_fails, daemon=True).start()
     print(
         f"serving {served.name} at http://{host}:{port}/v1 (max batch {max_batch}, context {engine.max_context} "
-        f"tokens{', API key required' if api_key else ''})",
+        f"tokens, KV cache {engine.cache.blocks * engine.cache.block_size} tokens in blocks of "
+        f"{engine.cache.block_size}, prefix caching {'on' if cache.prefix_caching else 'off'}"
+        f"{', API key required' if api_key else ''})",
         flush=True,
     )
     server.run()

@@ -45,11 +45,20 @@ def _metrics(app: FastAPI, engine: Engine) -> CollectorRegistry:
     prefilled = Counter(
         "meshtrain_prefilled_tokens", "prompt tokens computed (once for the n answers of a prompt)", registry=registry
     )
-    Gauge("meshtrain_queue_length", "requests waiting for a batch slot", registry=registry).set_function(
-        lambda: engine.waiting.qsize()
-    )
+    Gauge(
+        "meshtrain_queue_length", "requests waiting for room in the batch or the KV cache", registry=registry
+    ).set_function(engine.queued)
     Gauge("meshtrain_running_requests", "requests in the running batch", registry=registry).set_function(
         lambda: len(engine.running)
+    )
+    Gauge(
+        "meshtrain_kv_cache_usage", "fraction of the KV cache's blocks held by requests", registry=registry
+    ).set_function(lambda: engine.cache.used() / engine.cache.blocks)
+    Gauge(
+        "meshtrain_prefix_cache_hit_tokens", "prompt tokens read from the prefix cache since start", registry=registry
+    ).set_function(lambda: engine.cached_tokens)
+    Gauge("meshtrain_preemptions", "requests preempted for KV-cache room since start", registry=registry).set_function(
+        lambda: engine.preemptions
     )
     ttft = Histogram(
         "meshtrain_time_to_first_token_seconds",

@@ -1,30 +1,40 @@
-"""The generation engine: continuous batching over a KV cache, in one background thread.
+"""The generation engine: continuous batching over a paged KV cache, in one background thread.
 
-Requests wait in a queue; between two decode steps the engine admits waiting requests into free
-cache slots (one prefill forward each, which also samples their first token), then runs one
-batched decode forward for every running request, samples each one's next token with its own
-settings and generator, and streams the new text out. A finished or cancelled request (a client
-that went away) frees its slot at the next step, so a new one can take it at once.
+Each step of the engine thread:
+1. admits waiting requests while the batch has room and the cache has the blocks their prompts
+   need beyond what prefix caching already holds (a request that does not fit waits, first in line);
+2. computes at most `prefill_chunk` prompt tokens (chunked prefill: a long prompt takes several
+   steps, so it never stalls the running streams for its whole length); a prompt computed to its
+   end samples its first token;
+3. runs one batched decode forward for every running request, samples each one's next token with
+   its own settings and generator, and streams the new text out.
+A request takes a new block when its tokens fill the last one. When none is left, the latest
+admitted request is preempted: its blocks go back (the full ones stay cached) and it is computed
+again, prompt and answer so far, when memory frees (vLLM's recompute preemption); its answer goes on
+exactly where it stopped. A finished or cancelled request (a client that went away) gives its
+blocks back at the next step.
 
-The n answers of one prompt (OpenAI's `n`, completions' `best_of`) are a group: admitted together
-when n slots are free, prefilled once (the prompt's keys and values copied into the other slots),
-then sampled apart, each with its own generator. A request with a grammar (response_format,
+The n answers of one prompt (OpenAI's `n`, completions' `best_of`) are a group: admitted together,
+prefilled once, then sharing the prompt's full blocks (the partial last one copied for each) and
+sampled apart, each with its own generator. A request with a grammar (response_format,
 serve/grammar.py) has its logits masked to the tokens that continue it, and ends when it is whole.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from meshtrain.model import Llama
-from meshtrain.model.kv_cache import KVCache, forward_cached
+from meshtrain.model.kv_cache import PagedKVCache, forward_paged
 from meshtrain.serve.grammar import Constraint
 
 
@@ -65,7 +75,9 @@ class Request:
     cancelled: bool = False
     generated: list[int] = field(default_factory=list)
     text: str = ""  # the text emitted so far
-    slot: int = -1
+    blocks: list[int] = field(default_factory=list)  # its block table in the KV cache
+    names: list[int] = field(default_factory=list)  # prefix-cache names of its full blocks, in order
+    computed: int = 0  # tokens of prompt + generated whose keys and values are in its blocks
     submitted: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with echo and logprobs
@@ -84,6 +96,25 @@ def _nth_seed(seed: int, n: int) -> int:
     return seed if n == 0 else (seed * 1_000_003 + n) % 2**63
 
 
+@dataclass
+class Prefill:
+    """A group whose prompt is being computed, a chunk a step, into its first request's blocks up to
+    `target` tokens (the prompt; for a preempted request, its prompt and answer but the last token,
+    which the next decode step feeds). `copies`: each other request's block for the prompt's
+    partial last block, taken at admission so that the group never waits half-forked."""
+
+    group: list[Request]
+    target: int
+    copies: list[int]
+    scored: bool  # echo with logprobs: every prompt position's logits, no prefix reused
+    reused: int  # prompt tokens the prefix cache held at admission
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.group[0].generated)
+
+
 class Engine:
     def __init__(
         self,
@@ -92,20 +123,34 @@ class Engine:
         eos_ids: list[int] | int | None,
         max_batch: int,
         max_context: int,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        prefill_chunk: int = 512,
+        prefix_caching: bool = True,
         on_first_token: Callable[[float], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
         on_prefill: Callable[[int], None] | None = None,
     ):
+        """kv_cache_tokens: the cache's size (default max_batch x max_context, what every request
+        at its longest needs); at least max_context, so that any one request can always finish."""
         self.model, self.tokenizer = model.eval(), tokenizer
         # every token that ends a generation (Llama 3 instruct: <|eot_id|> and <|end_of_text|>)
         self.eos_ids = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or ())
-        self.max_batch, self.max_context = max_batch, max_context
+        self.max_batch, self.max_context, self.prefill_chunk = max_batch, max_context, prefill_chunk
         self.device = model.tok_embeddings.weight.device
-        self.cache = KVCache(model, max_batch, max_context)
+        blocks = math.ceil((kv_cache_tokens or max_batch * max_context) / block_size)
+        if blocks < math.ceil(max_context / block_size):
+            raise ValueError(f"a KV cache of {kv_cache_tokens} tokens cannot hold one request of {max_context}")
+        self.cache = PagedKVCache(model, blocks, block_size, prefix_caching)
+        # admission leaves this many blocks for the running requests to grow into (vLLM's watermark)
+        self.watermark = blocks // 100
         self.waiting: queue.Queue[list[Request] | None] = queue.Queue()
-        self.held: list[Request] | None = None  # a group waiting for enough free slots (first in line)
+        self.held: list[Request] | None = None  # a group waiting for room (first in line)
+        self.preempted: deque[list[Request]] = deque()  # admitted again before anything waiting
+        self.prefilling: list[Prefill] = []
         self.running: list[Request] = []
-        self.free = list(range(max_batch))
+        self.cached_tokens = 0  # prompt tokens read from the prefix cache instead of computed
+        self.preemptions = 0
         self.on_first_token = on_first_token or (lambda seconds: None)
         self.on_tokens = on_tokens or (lambda n: None)
         self.on_prefill = on_prefill or (lambda n: None)  # prompt tokens computed
@@ -160,7 +205,8 @@ class Engine:
             self._loop()
         except BaseException as e:
             self.failure = f"{type(e).__name__}: {e}"
-            for r in self.running + (self.held or []):
+            stuck = [job.group for job in self.prefilling] + list(self.preempted) + [self.held or []]
+            for r in self.running + [r for group in stuck for r in group]:
                 self._finish(r, ("error", f"the generation engine stopped: {self.failure}"))
             while True:
                 try:
@@ -173,85 +219,224 @@ class Engine:
     @torch.inference_mode()
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._admit(block=not self.running)
-            self.running = [r for r in self.running if not self._finished_or_cancelled(r)]
+            self._admit(block=not (self.running or self.prefilling or self.preempted))
+            self._drop_finished()
+            if self.prefilling:
+                self._prefill_step()
             if self.running:
                 try:
                     self._decode()
                 except Exception as e:  # a failure ends these requests, never the server
                     for r in self.running:
                         self._finish(r, ("error", f"generation failed: {e}"))
-                    self.running = []
+                    self._drop_finished()
+
+    def queued(self) -> int:
+        """Requests waiting for room in the batch or the cache (read from other threads: a snapshot)."""
+        return self.waiting.qsize() + len(self.held or []) + sum(len(group) for group in list(self.preempted))
+
+    def _drop_finished(self) -> None:
+        self.running = [r for r in self.running if not self._finished_or_cancelled(r)]
+
+    def _active(self) -> int:
+        return len(self.running) + sum(len(job.group) for job in self.prefilling)
 
     def _admit(self, block: bool) -> None:
-        """Waiting groups into free slots, in order: a group that needs more slots than are free is
-        held, first in line, until enough are."""
-        while self.free:
-            if self.held is None:
-                try:
-                    self.held = self.waiting.get(block=block, timeout=None if block else 0)
-                except queue.Empty:
-                    return
-                block = False
-            group = [r for r in self.held or [] if not r.cancelled]
-            if len(group) > len(self.free):
-                return
-            self.held = None
+        """Preempted groups, then waiting ones, in order, while the batch has room and the cache
+        the blocks: a group that does not fit is held, first in line, until it does."""
+        while self._active() < self.max_batch:
+            if self.preempted:
+                group, source = self.preempted[0], self.preempted.popleft
+            else:
+                if self.held is None:
+                    try:
+                        self.held = self.waiting.get(block=block, timeout=None if block else 0)
+                    except queue.Empty:
+                        return
+                    block = False
+                group, source = self.held or [], lambda: setattr(self, "held", None)
+            group = [r for r in group if not r.cancelled]
             if not group:
+                source()
                 continue
-            for request in group:
-                request.slot = self.free.pop()
-                seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
-                seed = _nth_seed(seed, request.seed_offset)
-                request.generator = torch.Generator(device=self.device).manual_seed(seed)
+            if len(group) > self.max_batch - self._active():
+                return
             try:
-                self._prefill(group)
-            except Exception as e:  # these requests fail; their slots go back
+                job = self._reserve(group)
+            except ValueError as e:  # it could never fit: it fails, the rest go on
+                source()
                 for request in group:
-                    self._finish(request, ("error", f"generation failed: {e}"))
-                    self._finished_or_cancelled(request)
+                    self._finish(request, ("error", str(e)))
+                continue
+            if job is None:
+                return
+            source()
+            for request in group:
+                if request.generator is None:
+                    seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
+                    seed = _nth_seed(seed, request.seed_offset)
+                    request.generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.prefilling.append(job)
 
-    def _prefill(self, group: list[Request]) -> None:
-        """One forward over the prompt: fills the first request's cache slot (copied into the
-        others'), scores the prompt (echo with logprobs: echo alone returns the prompt's text, so
-        its vocabulary-wide logits are not computed), samples each request's first token."""
-        first, p = group[0], group[0].params
-        scored = p.echo and p.logprobs is not None
-        length = len(first.prompt)
-        logits = forward_cached(
+    def _reserve(self, group: list[Request]) -> Prefill | None:
+        """The blocks of a group's prompt: the prefix cache's, and new ones for the rest; None (and
+        nothing taken) when the cache has too few free now."""
+        first, size = group[0], self.cache.block_size
+        tokens = first.prompt + first.generated
+        resumed = bool(first.generated)
+        target = len(tokens) - 1 if resumed else len(tokens)
+        scored = not resumed and first.params.echo and first.params.logprobs is not None
+        copies = (len(group) - 1) * (target % size != 0)
+        total = math.ceil(target / size) + copies
+        if total > self.cache.blocks:
+            raise ValueError(
+                f"generation failed: {len(group)} answers of a {target}-token prompt need {total} KV-cache blocks "
+                f"of {size} tokens; the server has {self.cache.blocks} (raise --kv-cache-gib)"
+            )
+        # a prompt's last token is always computed: its logits give the first token
+        blocks, names = self.cache.match(tokens[: 0 if scored else target if resumed else target - 1])
+        room = self.cache.available() - (self.watermark if self._active() else 0)
+        if total - len(blocks) > room:
+            self.cache.release(blocks)
+            return None
+        new = [self.cache.allocate() for _ in range(total - len(blocks))]
+        first.blocks, first.names, first.computed = blocks + new[: len(new) - copies], names, len(blocks) * size
+        return Prefill(group, target, new[len(new) - copies :], scored, first.computed)
+
+    def _prefill_step(self) -> None:
+        """At most prefill_chunk prompt tokens, first admitted first; a prompt computed to its end
+        starts its group."""
+        budget = self.prefill_chunk
+        for job in list(self.prefilling):
+            first = job.group[0]
+            if all(r.cancelled for r in job.group):
+                self.prefilling.remove(job)
+                self._release(job)
+                continue
+            logits = None
+            if first.computed < job.target:
+                if budget == 0:
+                    return
+                n = min(job.target - first.computed, budget)
+                try:
+                    logits = self._compute(first, n, job.scored)
+                except Exception as e:  # these requests fail; their blocks go back
+                    self.prefilling.remove(job)
+                    self._release(job)
+                    for request in job.group:
+                        self._finish(request, ("error", f"generation failed: {e}"))
+                    continue
+                budget -= n
+                if job.scored:
+                    job.logits.append(logits[0])
+                if first.computed < job.target:
+                    return
+            self.prefilling.remove(job)
+            if job.resumed:
+                self.running.append(first)
+            else:
+                self._start(job, logits)
+
+    def _compute(self, request: Request, n: int, every_position: bool) -> torch.Tensor:
+        """The next n tokens of a request's prompt (and answer, when it is computed again) into its blocks."""
+        start = request.computed
+        tokens = (request.prompt + request.generated)[: start + n]
+        logits = forward_paged(
             self.model,
             self.cache,
-            torch.tensor([first.prompt], device=self.device),
-            torch.tensor([first.slot], device=self.device),
-            torch.arange(length, device=self.device)[None],
-            every_position=scored,
+            torch.tensor([tokens[start:]], device=self.device),
+            torch.tensor([request.blocks], device=self.device),
+            torch.arange(start, start + n, device=self.device)[None],
+            every_position=every_position,
         )
-        self.on_prefill(length)
-        for keys, values in zip(self.cache.k, self.cache.v, strict=True):
-            for other in group[1:]:
-                keys[other.slot, :, :length] = keys[first.slot, :, :length]
-                values[other.slot, :, :length] = values[first.slot, :, :length]
-        if scored:  # position i predicts prompt token i + 1
+        request.computed += n
+        self.on_prefill(n)
+        self.cache.name_full_blocks(tokens, request.blocks, request.names, request.computed)
+        return logits
+
+    def _start(self, job: Prefill, logits: torch.Tensor) -> None:
+        """A prompt computed: the other answers of its group take its blocks (the full ones shared,
+        the partial last one copied), the prompt is scored when asked, each samples its first token."""
+        group, first = job.group, job.group[0]
+        p, size = first.params, self.cache.block_size
+        full = first.blocks[: first.computed // size]
+        for other, copy in zip(group[1:], job.copies or [None] * (len(group) - 1), strict=True):
+            for block in full:
+                self.cache.share(block)
+            other.blocks, other.names, other.computed = full.copy(), first.names.copy(), first.computed
+            if copy is not None:
+                self.cache.copy_block(first.blocks[-1], copy)
+                other.blocks.append(copy)
+        if job.scored:  # position i predicts prompt token i + 1
+            every = torch.cat(job.logits)
             first.prompt_logprobs = [TokenLogprob(first.prompt[0], None)] + [
-                self._logprob(logits[0, i], token, p.logprobs or 0) for i, token in enumerate(first.prompt[1:])
+                self._logprob(every[i], token, p.logprobs or 0) for i, token in enumerate(first.prompt[1:])
             ]
-            logits = logits[:, -1]
+            logits = every[-1:]
         self.on_first_token(time.perf_counter() - first.submitted)
+        self.cached_tokens += job.reused
         for request in group:
             request.prompt_logprobs = first.prompt_logprobs
-            if p.max_tokens == 0:  # scored only: it never joins the running batch, so its slot goes back here
+            if p.max_tokens == 0:  # scored only: it never joins the running batch
                 self._finish(request, ("done", "length"))
-                self._finished_or_cancelled(request)
                 continue
             self.running.append(request)
-            self._accept(request, self._choose(logits[0], request))
+            try:
+                token = self._choose(logits[0], request)
+            except Exception as e:  # this request's sampling or grammar failed: it ends, the others go on
+                self._finish(request, ("error", f"generation failed: {e}"))
+                continue
+            self._accept(request, token)
+
+    def _grow(self) -> None:
+        """A block for each running request whose blocks are full; when none is left, the latest
+        admitted request is preempted until there is."""
+        size, i = self.cache.block_size, 0
+        while i < len(self.running):
+            request = self.running[i]
+            if request.computed < len(request.blocks) * size:
+                i += 1
+                continue
+            block = self.cache.allocate()
+            if block is not None:
+                request.blocks.append(block)
+                i += 1
+                continue
+            self._preempt_latest()
+
+    def _preempt_latest(self) -> None:
+        self.preemptions += 1
+        if self.prefilling:
+            job = self.prefilling.pop()
+            self._release(job)
+            self.preempted.appendleft(job.group)
+            return
+        request = self.running.pop()
+        self.cache.release(request.blocks)
+        request.blocks, request.names, request.computed = [], [], 0
+        self.preempted.appendleft([request])
+
+    def _release(self, job: Prefill) -> None:
+        first = job.group[0]
+        self.cache.release(first.blocks + job.copies)
+        first.blocks, first.names, first.computed = [], [], 0
 
     def _decode(self) -> None:
+        self._drop_finished()
+        self._grow()
         batch = self.running
+        if not batch:
+            return
         tokens = torch.tensor([[r.generated[-1]] for r in batch], device=self.device)
-        positions = torch.tensor([[len(r.prompt) + len(r.generated) - 1] for r in batch], device=self.device)
-        slots = torch.tensor([r.slot for r in batch], device=self.device)
-        logits = forward_cached(self.model, self.cache, tokens, slots, positions)
+        positions = torch.tensor([[r.computed] for r in batch], device=self.device)
+        width = max(len(r.blocks) for r in batch)
+        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in batch], device=self.device)
+        logits = forward_paged(self.model, self.cache, tokens, tables, positions)
+        size = self.cache.block_size
+        for r in batch:
+            r.computed += 1
+            if r.computed % size == 0:
+                self.cache.name_full_blocks(r.prompt + r.generated, r.blocks, r.names, r.computed)
         greedy = logits.argmax(-1).tolist()  # one op for every plain temperature-0 request
         for i, request in enumerate(batch):
             p = request.params
@@ -353,11 +538,12 @@ class Engine:
             request.text = text
 
     def _finish(self, request: Request, event: tuple) -> None:
-        request.emit(event)
         request.cancelled = True  # leaves the running batch at the next step
+        self._finished_or_cancelled(request)  # its blocks back before anyone hears it is done
+        request.emit(event)
 
     def _finished_or_cancelled(self, request: Request) -> bool:
-        if request.cancelled and request.slot >= 0:
-            self.free.append(request.slot)
-            request.slot = -1
+        if request.cancelled and request.blocks:
+            self.cache.release(request.blocks)
+            request.blocks = []
         return request.cancelled
