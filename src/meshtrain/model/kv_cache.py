@@ -46,9 +46,13 @@ class PagedKVCache:
         args = model.args
         dtype = dtype or model.tok_embeddings.weight.dtype
         device = model.tok_embeddings.weight.device
-        shape = (blocks, args.n_kv_heads, block_size, args.head_size)
+        # (block, position in it, kv head, head dim): a gathered block table is one run of positions
+        shape = (blocks, block_size, args.n_kv_heads, args.head_size)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        # where each layer gathers its rows' blocks, reused: a fresh tensor of that size a layer costs
+        # page faults that take longer than the attention (4x on a CPU, measured)
+        self._gathered = (torch.empty(0, *shape[1:], dtype=dtype, device=device),) * 2
         self.blocks, self.block_size, self.prefix_caching = blocks, block_size, prefix_caching
         self.refs = [0] * blocks
         self.free: deque[int] = deque(range(blocks))
@@ -124,6 +128,21 @@ class PagedKVCache:
             self.key_of[blocks[i]] = key
             names.append(self._names)
 
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of each row's blocks, in order: (batch, blocks x block_size, kv_heads,
+        head_dim) each, in buffers the next layer overwrites."""
+        rows = tables.numel()
+        if self._gathered[0].shape[0] < rows:
+            self._gathered = tuple(
+                torch.empty(rows, *pool.shape[1:], dtype=pool.dtype, device=pool.device)
+                for pool in (self.k[0], self.v[0])
+            )
+        keys, values = (
+            torch.index_select(pool, 0, tables.flatten(), out=buffer[:rows]).view(tables.shape[0], -1, *pool.shape[2:])
+            for pool, buffer in zip((self.k[layer], self.v[layer]), self._gathered, strict=True)
+        )
+        return keys, values
+
     def copy_block(self, source: int, target: int) -> None:
         for keys, values in zip(self.k, self.v, strict=True):
             keys[target] = keys[source]
@@ -135,8 +154,8 @@ def _attention(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
     tables: torch.Tensor,
     written: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
@@ -144,17 +163,24 @@ def _attention(
     batch, seq, _ = x.shape
     q, k, v = attn.project(x, cos, sin)
     blocks, offsets = written
-    k_pool[blocks, :, offsets] = k.to(k_pool.dtype)  # (batch, seq, kv_heads, head_dim) into each one's blocks
-    v_pool[blocks, :, offsets] = v.to(v_pool.dtype)
-    # each row's blocks, in order, as one run of keys: (batch, kv_heads, blocks x block_size, head_dim)
-    keys = k_pool[tables].transpose(1, 2).flatten(2, 3)
-    values = v_pool[tables].transpose(1, 2).flatten(2, 3)
-    # causal over each row's own positions; the padding of a shorter table lies past them, masked too
-    mask = torch.arange(keys.shape[2], device=x.device)[None, None, None, :] <= positions[:, None, :, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True
+    cache.k[layer][blocks, offsets] = k.to(cache.k[layer].dtype)  # (batch, seq, kv_heads, head_dim) into their blocks
+    cache.v[layer][blocks, offsets] = v.to(cache.v[layer].dtype)
+    keys, values = cache.gather(layer, tables)
+    # grouped-query attention without repeating the keys: each kv head's query heads (and positions)
+    # as one run of queries, (batch, kv_heads, seq x group, head_dim)
+    kv_heads, head_dim = keys.shape[2], keys.shape[3]
+    group = q.shape[2] // kv_heads
+    queries = (
+        q.view(batch, seq, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_dim)
     )
-    return attn.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+    # causal over each row's own positions; the padding of a shorter table lies past them, masked too
+    seen = positions.repeat_interleave(group, dim=1)
+    mask = torch.arange(keys.shape[1], device=x.device)[None, None, :] <= seen[:, :, None]
+    out = F.scaled_dot_product_attention(
+        queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype), attn_mask=mask[:, None]
+    )
+    out = out.view(batch, kv_heads, seq, group, head_dim).permute(0, 2, 1, 3, 4)
+    return attn.wo(out.reshape(batch, seq, -1))
 
 
 @torch.inference_mode()
@@ -173,9 +199,6 @@ def forward_paged(
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     h = model.tok_embeddings(tokens)
     for i, layer in enumerate(model.layers.values()):
-        attention = _attention(
-            layer.attention, layer.attention_norm(h), cos, sin, cache.k[i], cache.v[i], tables, written, positions
-        )
-        h = h + attention
+        h = h + _attention(layer.attention, layer.attention_norm(h), cos, sin, cache, i, tables, written, positions)
         h = h + layer.feed_forward(layer.ffn_norm(h))
     return model.output(model.norm(h if every_position else h[:, -1]))[..., : model.args.vocab_size]
