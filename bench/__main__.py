@@ -1,5 +1,5 @@
 """python -m bench [throughput|precision|masking|context|arithmetic|stability|profile|scaling|memory|serve|
-prefix|structured|data|planner|watchdog|moe|plots|all] [options]: see bench/README.md."""
+structured|data|planner|watchdog|moe|plots|all] [options]: see bench/README.md."""
 
 import argparse
 import os
@@ -17,7 +17,6 @@ from bench import (
     profile,
     scaling,
     serve,
-    serve_prefix,
     serve_structured,
     stability,
     throughput,
@@ -65,7 +64,6 @@ p.add_argument(
         "scaling",
         "memory",
         "serve",
-        "prefix",
         "structured",
         "data",
         "planner",
@@ -125,8 +123,8 @@ p.add_argument("--data-path", default="", help="scaling/memory: a prepared data 
 p.add_argument("--memory-preset", default="small")
 p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
 p.add_argument("--serve-preset", default="tiny", help="serve: the model served")
-p.add_argument("--serve-tokens", type=count, default=64, help="serve, prefix: new tokens per request")
-p.add_argument("--prefix-tokens", type=count, default=2000, help="prefix: tokens of the shared system prompt")
+p.add_argument("--serve-tokens", type=count, default=64, help="serve: new tokens per request")
+p.add_argument("--system-tokens", type=count, default=2000, help="serve: tokens of the shared system prompt")
 p.add_argument(
     "--data-sizes",
     type=lambda s: [int(x) for x in s.split(",")],
@@ -147,7 +145,6 @@ for name, suite in (
     ("scaling", scaling),
     ("memory", memory),
     ("serve", serve),
-    ("prefix", serve_prefix),
     ("structured", serve_structured),
     ("data", data),
     ("planner", planner),

@@ -28,6 +28,7 @@ COMMANDS = {
     "export": ["export", "runs/x", "--out", "out"],
     "jobscript": ["jobscript", "slurm", "--config", "configs/tiny.toml"],
     "bench comm": ["bench", "comm"],
+    "bench serve": ["bench", "serve", "hf/x"],
     "plan": ["plan", "--gpu", "h100-80gb"],
     "serve": ["serve", "runs/x"],
     "generate": ["generate", "runs/x", "--prompt", "x"],

@@ -560,6 +560,26 @@ BAD = [
 ]
 
 
+def test_bench_serve_counts_every_token_of_every_stream(server, client, exported):
+    """`meshtrain bench serve`'s load: 3 clients x 2 streamed requests; the tokens it counts are
+    those the same greedy requests return whole, and its latencies lie within the run."""
+    from meshtrain.serve.loadtest import QUESTIONS, benchmark, measure_load
+
+    row = measure_load(server, "hf-served", QUESTIONS[:3], clients=3, per_client=2, max_tokens=8, api_key=KEY)
+    whole = [
+        client.completions.create(model="hf-served", prompt=q, max_tokens=8, temperature=0).usage.completion_tokens
+        for q in QUESTIONS[:3]
+    ]
+    assert (row["requests"], row["tokens"]) == (6, 2 * sum(whole))
+    assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
+    assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] < row["wall_s"]
+    assert 0 < row["itl_p50_s"] <= row["itl_p99_s"] < row["wall_s"] / 8
+    with pytest.raises(
+        MeshtrainError, match=r"need a context of 5072 tokens; the model's max_position_embeddings is 1024"
+    ):
+        benchmark(exported, ["meshtrain"], [1], system_tokens=5000, max_tokens=8)  # before any server starts
+
+
 @pytest.mark.parametrize("headers, body, status, kind", BAD)
 def test_bad_requests_get_openai_errors(server, headers, body, status, kind):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

@@ -1,4 +1,5 @@
-"""`meshtrain bench comm`: collective bandwidth of the interconnect (nccl-tests style)."""
+"""`meshtrain bench comm`: collective bandwidth of the interconnect (nccl-tests style).
+`meshtrain bench serve`: a model's servers under the same streamed load (serve/loadtest.py)."""
 
 from __future__ import annotations
 
@@ -38,16 +39,77 @@ class CommOptions:
     """Start this many local processes (torch elastic)."""
 
 
+def _check_servers(text: str) -> None:
+    from meshtrain.serve.loadtest import SERVERS
+
+    names = text.split(",")
+    if unknown := [name for name in names if name not in SERVERS]:
+        raise ValueError(f"{','.join(unknown)} unknown: use {', '.join(SERVERS)}")
+    if len(set(names)) < len(names):
+        raise ValueError("names a server twice")
+
+
+def _check_concurrency(text: str) -> None:
+    if not all(part.isdigit() and int(part) > 0 for part in text.split(",")):
+        raise ValueError("is not a comma-separated list of positive client counts (e.g. 1,8,32)")
+
+
+@dataclass
+class ServeBenchOptions:
+    model: str = option(positional=True)
+    """A Hugging Face directory (`meshtrain export` writes one) every server loads."""
+    servers: str = option("meshtrain,transformers", check=_check_servers)
+    """Servers to measure, each started alone in turn: meshtrain, meshtrain-no-prefix-caching, transformers
+    (`transformers serve --continuous-batching`)."""
+    concurrency: str = option("1,8,32", check=_check_concurrency)
+    """Concurrent streaming clients of each row, comma-separated."""
+    system_tokens: int = option(2000, ge=0)
+    """Tokens of the system prompt every request of the second scenario shares (0: short prompts only)."""
+    max_tokens: int = option(64, ge=1)
+    """New tokens per request (greedy)."""
+    out: str | None = None
+    """Also write the rows as JSON to this file."""
+
+
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="measure the interconnect: collective bandwidth (nccl-tests style)")
+    b = sub.add_parser("bench", help="measure the interconnect (collective bandwidth) or a model's servers")
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     comm = bsub.add_parser(
         "comm", help="all-reduce, all-gather, reduce-scatter, broadcast from --min-bytes to --max-bytes"
     )
     add_options(comm, CommOptions)
+    serve = bsub.add_parser(
+        "serve", help="throughput, time to first token and inter-token latency of servers of one model"
+    )
+    add_options(serve, ServeBenchOptions)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    return run_serve_bench(args) if args.bench_command == "serve" else run_comm(args, argv)
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from meshtrain.files import write_json
+    from meshtrain.logs import write_line
+    from meshtrain.serve.loadtest import benchmark, table, transformers_cli
+
+    o: ServeBenchOptions = options_of(args, ServeBenchOptions)
+    servers = o.servers.split(",")
+    if "transformers" in servers:
+        transformers_cli()  # installed, before anything starts
+    if o.out:
+        check_output(o.out, "--out", {"MODEL": o.model}, '"ttft_p50_s"', "meshtrain bench serve")
+    concurrency = [int(c) for c in o.concurrency.split(",")]
+    rows = benchmark(Path(o.model), servers, concurrency, o.system_tokens, o.max_tokens, write_line)
+    write_line(table(rows))
+    if o.out:
+        write_json(o.out, rows)
+    return 0
+
+
+def run_comm(args: argparse.Namespace, argv: list[str]) -> int:
     from meshtrain.commbench import format_table, run_comm_bench
 
     o: CommOptions = options_of(args, CommOptions)
