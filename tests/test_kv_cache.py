@@ -5,6 +5,7 @@ runs short and shares nothing."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -179,3 +180,66 @@ def test_a_failure_choosing_a_first_token_ends_that_request_only(model):
     engine.close()
     assert ends == [("error", "generation failed: no mask")] and engine.failure is None
     assert engine.cache.available() == engine.cache.blocks
+
+
+@pytest.mark.parametrize("block_size, blocks, chunk", [(1, 36, 3), (4, 10, 5), (8, 5, 64)])
+def test_random_traffic_on_a_tight_cache_answers_as_a_roomy_one_and_gives_every_block_back(
+    model, block_size, blocks, chunk
+):
+    """Groups of answers, prompts scored with echo (their logits split over chunks), seeded sampling
+    and requests cancelled while they run or wait, on caches of one request's context: every answer
+    not cancelled, and every prompt score, equals a roomy cache's without prefix caching; afterwards
+    no block is held and the reference counts are all zero. (Greedy tokens equal; the prompt scores
+    within float rounding, computed in other chunks.)"""
+    rng = torch.Generator().manual_seed(block_size)
+    kinds = []
+    for i in range(14):
+        prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 20, (1,), generator=rng)),), generator=rng).tolist()
+        if i % 3 == 0:  # a shared start, for the prefix cache
+            prompt = [7, 8, 9, 10, 11, 12, 13, 14] + prompt
+        p = SamplingParams(max_tokens=int(torch.randint(1, 24, (1,), generator=rng)), temperature=0)
+        if i % 4 == 1:
+            p = SamplingParams(max_tokens=8, temperature=1.0, seed=i)
+        if i % 5 == 2:
+            p = SamplingParams(max_tokens=0, echo=True, logprobs=1)
+        kinds.append((prompt, p, 1 + (i % 6 == 3)))
+
+    def traffic(engine: Engine) -> list:
+        done, groups = threading.Semaphore(0), []
+        for i, (prompt, p, n) in enumerate(kinds):
+            group = [Request(prompt, p, lambda e: e[0] != "text" and done.release()) for _ in range(n)]
+            if i % 7 == 5:
+                group[0].cancel()  # before it is admitted: it never answers
+            if i % 7 == 4:  # its client goes away at its first token, while it runs
+                group[0].emit = lambda e, r=group[0]: r.cancel()
+            groups.append(group)
+            engine.submit_group(group)
+        answering = sum(not (i % 7 in (4, 5) and j == 0) for i, g in enumerate(groups) for j in range(len(g)))
+        for _ in range(answering):
+            assert done.acquire(timeout=120)
+        time.sleep(0.1)  # a cancelled request's blocks go back at the engine's next step
+        answered = [r for i, g in enumerate(groups) for j, r in enumerate(g) if not (i % 7 in (4, 5) and j == 0)]
+        return [
+            (r.generated, [t.token for t in r.prompt_logprobs], [t.logprob for t in r.prompt_logprobs[1:]])
+            for r in answered
+        ]
+
+    roomy = Engine(model, Chars(), None, max_batch=4, max_context=32, prefix_caching=False)
+    expected = traffic(roomy)
+    roomy.close()
+    tight = Engine(
+        model,
+        Chars(),
+        None,
+        max_batch=4,
+        max_context=32,
+        kv_cache_tokens=blocks * block_size,
+        block_size=block_size,
+        prefill_chunk=chunk,
+    )
+    got = traffic(tight)
+    tight.close()
+    assert [row[:2] for row in got] == [row[:2] for row in expected] and len(got) == 12 and tight.preemptions > 0
+    for (_, _, scores), (_, _, reference) in zip(got, expected, strict=True):  # prompt scores, computed in chunks
+        assert scores == pytest.approx(reference, abs=1e-5)
+    assert tight.cache.available() == tight.cache.blocks and not any(tight.cache.refs)
