@@ -216,3 +216,16 @@ def test_every_switch_starts_at_its_declared_default_and_can_be_turned_both_ways
             assert reached | {d.default} == {True, False}, (command, action.option_strings)
             checked += 1
     assert checked >= 5
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--servers", "meshtrain,vllm"], "vllm unknown: use meshtrain, meshtrain-no-prefix-caching, transformers"),
+        (["--servers", "meshtrain,meshtrain"], "names a server twice"),
+        (["--concurrency", "1,8,08"], "names a client count twice"),
+        (["--concurrency", "1,0"], "is not a comma-separated list of positive client counts"),
+    ],
+)
+def test_bench_serve_lists_are_refused_in_one_line(extra, message):
+    assert message in assert_refused_in_one_line(["bench", "serve", "hf/x", *extra])

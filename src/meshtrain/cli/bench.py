@@ -50,8 +50,11 @@ def _check_servers(text: str) -> None:
 
 
 def _check_concurrency(text: str) -> None:
-    if not all(part.isdigit() and int(part) > 0 for part in text.split(",")):
+    parts = text.split(",")
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
         raise ValueError("is not a comma-separated list of positive client counts (e.g. 1,8,32)")
+    if len({int(part) for part in parts}) < len(parts):
+        raise ValueError("names a client count twice")
 
 
 @dataclass
