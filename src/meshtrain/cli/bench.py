@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
+from typing import Literal
 
 from meshtrain.cli.options import add_options, options_of
 from meshtrain.config import option, parse_size
@@ -70,8 +72,10 @@ class ServeBenchOptions:
     """Tokens of the system prompt every request of the second scenario shares (0: short prompts only)."""
     max_tokens: int = option(64, ge=1)
     """New tokens per request (greedy)."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """The precision every server runs in (auto: bf16 on a GPU, else fp32)."""
     out: str | None = None
-    """Also write the rows as JSON to this file."""
+    """Also write the rows as JSON to this file (rewritten after each server)."""
 
 
 def add_parser(sub) -> None:
@@ -96,19 +100,20 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
     from meshtrain.files import write_json
     from meshtrain.logs import write_line
-    from meshtrain.serve.loadtest import benchmark, table, transformers_cli
+    from meshtrain.serve.loadtest import benchmark, table
 
     o: ServeBenchOptions = options_of(args, ServeBenchOptions)
-    servers = o.servers.split(",")
-    if "transformers" in servers:
-        transformers_cli()  # installed, before anything starts
     if o.out:
         check_output(o.out, "--out", {"MODEL": o.model}, '"ttft_p50_s"', "meshtrain bench serve")
+        folder = Path(o.out).resolve().parent
+        if not (folder.is_dir() and os.access(folder, os.W_OK)):
+            raise MeshtrainError(f"--out {o.out}: {folder} is not a folder this user can write: give another path")
     concurrency = [int(c) for c in o.concurrency.split(",")]
-    rows = benchmark(Path(o.model), servers, concurrency, o.system_tokens, o.max_tokens, write_line)
+    save = (lambda rows: write_json(o.out, rows)) if o.out else (lambda rows: None)
+    rows = benchmark(
+        Path(o.model), o.servers.split(","), concurrency, o.system_tokens, o.max_tokens, o.dtype, write_line, save
+    )
     write_line(table(rows))
-    if o.out:
-        write_json(o.out, rows)
     return 0
 
 

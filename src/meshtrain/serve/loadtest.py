@@ -11,6 +11,7 @@ of the stream waits per token; robust to a server that sends several tokens in o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -18,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +39,25 @@ class Sample:
     tokens: int
 
 
-def server_command(name: str, model: Path, port: int, max_batch: int, max_context: int) -> list[str]:
+TRANSFORMERS_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def server_command(name: str, model: Path, port: int, max_batch: int, max_context: int, dtype: str) -> list[str]:
     """How a user starts each server: meshtrain's with its batch and context sized for the load;
     transformers' with continuous batching (its strongest CPU/GPU setup without an extra engine)."""
     if name.startswith("meshtrain"):
         cmd = [sys.executable, "-m", "meshtrain", "serve", str(model), "--port", str(port)]
-        cmd += ["--max-batch", str(max_batch), "--max-context", str(max_context)]
+        cmd += ["--max-batch", str(max_batch), "--max-context", str(max_context), "--dtype", dtype]
         return cmd + (["--no-prefix-caching"] if name == "meshtrain-no-prefix-caching" else [])
-    return [str(transformers_cli()), "serve", "--continuous-batching", "--port", str(port), str(model)]
+    cmd = [str(transformers_cli()), "serve", "--continuous-batching", "--dtype", TRANSFORMERS_DTYPES[dtype]]
+    return cmd + ["--port", str(port), str(model)]
 
 
 def transformers_cli() -> Path:
+    from transformers.utils import is_serve_available
+
     cli = Path(sys.executable).parent / "transformers"
-    if not cli.is_file():
+    if not cli.is_file() or not is_serve_available():
         raise MeshtrainError(
             f"the transformers baseline needs its `transformers serve` ({cli} is missing): "
             "pip install 'transformers[serving]', or leave transformers out of --servers"
@@ -98,11 +106,15 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> Sample:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise MeshtrainError(f"the server sent an error mid-stream: {str(chunk['error'])[:300]}")
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 last = time.perf_counter() - start
                 first = last if first is None else first
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+    if tokens == 0 and first is not None:
+        raise MeshtrainError("the server streamed text but no usage (stream_options.include_usage): tokens uncounted")
     first = first if first is not None else time.perf_counter() - start
     itl = (last - first) / (tokens - 1) if tokens > 1 and last is not None else None
     return Sample(first, itl, tokens)
@@ -162,23 +174,35 @@ def measure_load(
     return {"clients": clients, **summarize(samples, wall)}
 
 
-def _start(cmd: list[str], url: str) -> subprocess.Popen:
+@contextlib.contextmanager
+def running_server(cmd: list[str], url: str):
+    """A server started alone and ready (its /health answers), stopped on the way out whatever
+    happens, Ctrl-C included. Its log goes to a file (a pipe nobody reads would fill and stop it)."""
     import httpx
 
-    log = open(os.devnull, "w")  # noqa: SIM115 (the server's lifetime, closed with it)
     offline = os.environ | {"HF_HUB_OFFLINE": "1"}  # a local directory: nothing is downloaded
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, env=offline)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=offline)
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise MeshtrainError(f"{' '.join(cmd)} did not start: {proc.communicate()[1].strip()[-500:]}")
-        time.sleep(0.3)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise MeshtrainError(f"{' '.join(cmd)} did not start: {log.read().strip()[-500:]}")
+                time.sleep(0.3)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except BaseException:
+                proc.kill()
+                proc.wait()
 
 
 def benchmark(
@@ -187,45 +211,60 @@ def benchmark(
     concurrency: list[int],
     system_tokens: int,
     max_tokens: int,
+    dtype: str = "auto",
     report=print,
+    save=lambda rows: None,
 ) -> list[dict]:
     """Every server, alone in turn, at every concurrency, without and (system_tokens > 0) with the
-    shared system prompt. One warm-up request per scenario first: a server with prefix caching then
-    holds the system prompt, as it does after its first user."""
+    shared system prompt, in one precision (auto: bf16 on a GPU, else fp32). One warm-up request per
+    scenario first: a server with prefix caching then holds the system prompt, as it does after its
+    first user. `save` gets the rows so far after each server."""
+    import torch
+
+    if "transformers" in servers:
+        transformers_cli()
     positions = _max_positions(model)
-    context = system_tokens + max_tokens + 64  # 64: a question and the joins
+    system = shared_system_prompt(model, system_tokens) if system_tokens else None
+    scenarios = {"short prompts": QUESTIONS}
+    if system is not None:
+        scenarios[f"{system_tokens}-token system prompt"] = [f"{system}\n{q}" for q in QUESTIONS]
+    longest = max(_token_count(model, p) for prompts in scenarios.values() for p in [*prompts, f"{prompts[0]} warm-up"])
+    context = longest + max_tokens + 1  # + 1: a BOS the server's template may add
     if context > positions:
         raise MeshtrainError(
             f"--system-tokens {system_tokens} and --max-tokens {max_tokens} need a context of {context} tokens; "
             f"the model's max_position_embeddings is {positions}: lower them"
         )
-    system = shared_system_prompt(model, system_tokens) if system_tokens else None
-    scenarios = {"short prompts": QUESTIONS}
-    if system is not None:
-        scenarios[f"{system_tokens}-token system prompt"] = [f"{system}\n{q}" for q in QUESTIONS]
+    if dtype == "auto":
+        dtype = "bf16" if torch.cuda.is_available() else "fp32"
     rows = []
     for name in servers:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = _start(server_command(name, model, port, max(concurrency), context), url)
-        try:
-            served = str(model) if name == "transformers" else model.name
+        with running_server(server_command(name, model, port, max(concurrency), context, dtype), url):
+            served = str(model) if name == "transformers" else model.resolve().name
             for scenario, prompts in scenarios.items():
                 measure_load(url, served, [f"{prompts[0]} warm-up"], 1, 1, 4)
                 for clients in concurrency:
-                    row = measure_load(url, served, prompts, clients, 2 if clients < 16 else 1, max_tokens)
-                    rows.append({"server": name, "scenario": scenario, **row})
+                    row = measure_load(url, served, prompts, clients, requests_per_client(clients), max_tokens)
+                    rows.append({"server": name, "scenario": scenario, "dtype": dtype, **row})
                     report(
                         f"{name}, {scenario}, {clients} clients: {row['tokens_per_s']:,.0f} tok/s, TTFT p50 "
                         f"{row['ttft_p50_s'] * 1e3:,.0f} ms"
                     )
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        save(rows)
     return rows
+
+
+def requests_per_client(clients: int) -> int:
+    """2 each below 16 clients, else 1: at least 16 requests a row where the clients allow."""
+    return 2 if clients < 16 else 1
+
+
+def _token_count(model: Path, text: str) -> int:
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_file(str(model / "tokenizer.json")).encode(text).ids)
 
 
 def _max_positions(model: Path) -> int:
