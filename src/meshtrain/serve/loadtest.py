@@ -71,17 +71,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def shared_system_prompt(model: Path, tokens: int) -> str:
-    """About `tokens` tokens of Python source (the standard library's, on every machine) in the
-    model's tokenizer."""
-    import json as json_module
-
+def load_tokenizer(model: Path):
+    """The model's tokenizer, which sizes the prompts (and meshtrain's context) in tokens."""
     from tokenizers import Tokenizer
 
     path = model / "tokenizer.json"
     if not path.is_file():
-        raise MeshtrainError(f"{model} has no tokenizer.json to size the system prompt with: give --system-tokens 0")
-    tokenizer = Tokenizer.from_file(str(path))
+        raise MeshtrainError(f"{model} has no tokenizer.json to count the prompts' tokens with")
+    return Tokenizer.from_file(str(path))
+
+
+def shared_system_prompt(tokenizer, tokens: int) -> str:
+    """About `tokens` tokens of Python source (the standard library's, on every machine) in the
+    model's tokenizer."""
+    import json as json_module
+
     source = inspect.getsource(json_module.decoder) + inspect.getsource(json_module.encoder)
     ids = tokenizer.encode(source).ids
     while len(ids) < tokens:
@@ -190,7 +194,7 @@ def running_server(cmd: list[str], url: str):
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
-                    pass
+                    pass  # not listening yet: look again below
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
                     raise MeshtrainError(f"{' '.join(cmd)} did not start: {log.read().strip()[-500:]}")
@@ -224,11 +228,13 @@ def benchmark(
     if "transformers" in servers:
         transformers_cli()
     positions = _max_positions(model)
-    system = shared_system_prompt(model, system_tokens) if system_tokens else None
+    tokenizer = load_tokenizer(model)
+    system = shared_system_prompt(tokenizer, system_tokens) if system_tokens else None
     scenarios = {"short prompts": QUESTIONS}
     if system is not None:
         scenarios[f"{system_tokens}-token system prompt"] = [f"{system}\n{q}" for q in QUESTIONS]
-    longest = max(_token_count(model, p) for prompts in scenarios.values() for p in [*prompts, f"{prompts[0]} warm-up"])
+    sent = [p for prompts in scenarios.values() for p in [*prompts, f"{prompts[0]} warm-up"]]
+    longest = max(len(tokenizer.encode(p).ids) for p in sent)
     context = longest + max_tokens + 1  # + 1: a BOS the server's template may add
     if context > positions:
         raise MeshtrainError(
@@ -259,12 +265,6 @@ def benchmark(
 def requests_per_client(clients: int) -> int:
     """2 each below 16 clients, else 1: at least 16 requests a row where the clients allow."""
     return 2 if clients < 16 else 1
-
-
-def _token_count(model: Path, text: str) -> int:
-    from tokenizers import Tokenizer
-
-    return len(Tokenizer.from_file(str(model / "tokenizer.json")).encode(text).ids)
 
 
 def _max_positions(model: Path) -> int:
