@@ -176,18 +176,24 @@ def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path)
     assert "routed experts take none" in refusal(**{"peft.method": "lora", "peft.targets": "all"})
     assert "training.compile with a mixture of experts" in refusal(**{"training.compile": True})
     assert "tensor parallelism of MoE layers is not built" in refusal(2, **{"parallel.tp": 2})
+    assert "model.n_experts (8) must be divisible by parallel.ep (16)" in refusal(16, **{"parallel.ep": 16})
+    assert "must divide the data-parallel shard ranks dp_shard x cp = 2" in refusal(
+        4, **{"parallel.ep": 4, "parallel.pp": 2}
+    )
+    assert "would overwrite the other ranks' different experts" in refusal(2, **{"parallel.ep": 2, "parallel.zero": 1})
+    dense = {"model.preset": "tiny", "parallel.ep": 2}
+    assert "but this model has none (model.n_experts = 0)" in refusal(2, **dense)
 
 
 MOE_MODEL = [*SMALL_MODEL, "--model.n_experts", "8", "--model.top_k", "2", "--model.family", "meshtrain"]
 
 
 @pytest.mark.multiproc
-def test_an_moe_model_trains_alike_on_one_process_zero3_and_a_pipeline_and_resumes_across_them(
-    corpus, cli_env, tmp_path
-):
-    """Loss, gradient norm, the balance metrics and the final weights of ZeRO-3 and PP 2 against one
-    process; bias balancing over two data-parallel ranks, stopped at step 5 (its bias in the
-    checkpoint) and resumed on one process, against one process throughout."""
+def test_an_moe_model_trains_alike_on_one_process_and_every_layout_and_resumes_across_them(corpus, cli_env, tmp_path):
+    """Loss, gradient norm, the balance metrics and the final weights of ZeRO-3, PP 2, EP 2 and EP 2 x
+    ZeRO-3 against one process; bias balancing under EP 2 (over DDP), stopped at step 5 (its bias and
+    split experts in the checkpoint) and resumed on one process, against one process throughout; and
+    on 4 ranks EP 2 x ZeRO-2 (each expert on two ranks, which sum its gradient)."""
 
     def run(name: str, *extra: str) -> Path:
         result = run_cli(train_args(corpus, tmp_path / name, *extra, model=MOE_MODEL), cli_env)
@@ -195,7 +201,8 @@ def test_an_moe_model_trains_alike_on_one_process_zero3_and_a_pipeline_and_resum
         return tmp_path / name
 
     one = run("one")
-    for layout in (["--parallel.zero", "3"], ["--parallel.pp", "2"]):
+    ep = ["--parallel.ep", "2"]
+    for layout in (["--parallel.zero", "3"], ["--parallel.pp", "2"], ep, [*ep, "--parallel.zero", "3"]):
         other = run("-".join(layout), "--nproc", "2", *layout)
         assert_same_run(other, one)
         for got, want in zip(read_metrics(other), read_metrics(one), strict=True):
@@ -205,8 +212,10 @@ def test_an_moe_model_trains_alike_on_one_process_zero3_and_a_pipeline_and_resum
     whole = run("bias", *bias)
     assert "moe_aux_loss" not in read_metrics(whole)[-1]
     stopped = ["--checkpoint.every", "5", "--training.stop_at_step", "5"]
-    run("bias-resumed", *bias, "--nproc", "2", *stopped)
+    run("bias-resumed", *bias, "--nproc", "2", *ep, *stopped)
     assert_same_run(run("bias-resumed", *bias, "--checkpoint.every", "5"), whole)
+    four = ["--nproc", "4", *ep, "--parallel.zero", "2", "--training.micro_batch_size", "2"]
+    assert_same_run(run("bias-ep2-replicated", *bias, *four), whole)
 
 
 def test_flops_and_the_planner_count_the_active_experts_only():

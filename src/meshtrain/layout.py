@@ -6,6 +6,10 @@ enumerates): data-parallel degree and shard degree, stages per rank and the laye
 which rank holds the embedding and the output, a rank's mesh coordinates, the ZeRO-1 optimizer
 partition. The rules that refuse a layout, in the words the user reads, are job/layout.py's.
 
+Expert parallelism borrows data-parallel ranks (torchtitan's rule): a second view of the same ranks,
+pp, dp_replicate, expert_replicas, ep, tp, splits dp_shard x cp into its innermost ep ranks, which
+share their MoE layers' experts, and the expert replicas across them.
+
 Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost so
 that its frequent collectives stay inside a node, context parallelism next to it (an all-to-all per
 attention); pipeline outermost because it only sends activations between neighbours.
@@ -55,6 +59,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks (all-to-all attention)
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep of the dp x cp ranks
     dp_replicate: int = 1
     dp_shard: int = 1  # resolved: parallel.dp_shard = 0 is world / (tp x pp x dp_replicate)
     zero: int = 0
@@ -86,6 +91,11 @@ class Layout:
     def shard_ranks(self) -> int:
         """Ranks one FSDP replica shards each parameter over: dp_shard x cp."""
         return self.dp_shard * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts under expert parallelism (their gradients summed): DP x CP / EP."""
+        return self.dp_cp // self.ep
 
     @property
     def micro_batches(self) -> int:
@@ -169,6 +179,8 @@ class Layout:
         text = " x ".join(parts) or "1 GPU"
         if self.dp_cp > 1:
             text += f", ZeRO-{self.zero}" + (f" (replicate {self.dp_replicate})" if self.dp_replicate > 1 else "")
+        if self.ep > 1:
+            text += f", EP {self.ep}"
         if self.cpu_offload:
             text += " + CPU offload"
         if self.pp > 1:

@@ -21,19 +21,30 @@ def build_optimizer(
     `small` preset), no weight decay on norms. ZeRO-1 (zero = 1 with a DP group): each DP rank
     keeps the states of its share of the parameters (ZeroRedundancyOptimizer)."""
     params = [p for p in params if p.requires_grad]
-    matrices, vectors = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    # an MoE layer's experts (3-D) in a group of their own: under expert parallelism they are DTensors on
+    # another mesh than the rest, which one fused kernel call cannot mix; the same groups on every layout
+    groups = [
+        {"params": [p for p in params if p.ndim == 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim > 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)
     if zero == 1 and dp_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        first, *rest = groups
         optimizer = ZeroRedundancyOptimizer(
-            matrices, optimizer_class=torch.optim.AdamW, process_group=dp_group, weight_decay=t.weight_decay, **kwargs
+            first["params"],
+            optimizer_class=torch.optim.AdamW,
+            process_group=dp_group,
+            weight_decay=first["weight_decay"],
+            **kwargs,
         )
-        optimizer.add_param_group({"params": vectors, "weight_decay": 0.0})
+        for group in rest:
+            optimizer.add_param_group(group)
     else:
-        optimizer = torch.optim.AdamW(
-            [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}], **kwargs
-        )
+        optimizer = torch.optim.AdamW(groups, **kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, t))
     # in its state_dict (LambdaLR saves its attributes), so that a resume can say what changed
     scheduler.schedule = {key: getattr(t, key) for key in SCHEDULE_KEYS}

@@ -263,6 +263,11 @@ class ParallelConfig:
     heads by an all-to-all (DeepSpeed-Ulysses), so n_heads / tp must divide by cp (and n_kv_heads / tp
     by cp, or cp by it: key/value heads are then copied). Gradients average and ZeRO shards over
     dp x cp. DP = world / (tp x pp x cp)."""
+    ep: int = option(1, gt=0, flags=("--ep",))
+    """Expert-parallel degree of a mixture of experts: each MoE layer's experts split over ep ranks,
+    which send each token to the rank holding its expert and back (all-to-all). The ep ranks are
+    data-parallel ranks (torchtitan's rule: ep divides dp_shard x cp); the experts are replicated over
+    the other dp x cp / ep ones. n_experts must divide by ep."""
     dp_replicate: int = option(1, gt=0, flags=("--dp-replicate",))
     """> 1 with zero 2/3: hybrid sharding, shard within groups of DP / dp_replicate and replicate across."""
     dp_shard: int = option(0, ge=0)

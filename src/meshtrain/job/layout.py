@@ -48,6 +48,22 @@ def layout_of(cfg: Config, world: int) -> Layout:
             "use parallel.zero = 2 or 3 with parallel.tp > 1 (zero 0/1 work with pp and plain data parallel)"
         )
     shards = dp // p.dp_replicate * p.cp
+    if p.ep > 1 and shards % p.ep:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} must divide the data-parallel shard ranks dp_shard x cp = {shards} on {world} "
+            "ranks (the experts are split over data-parallel ranks): use a divisor of it, or more ranks"
+        )
+    if p.ep > 1 and p.zero == 1:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} with parallel.zero = 1: ZeRO-1's optimizer broadcasts each updated parameter "
+            "from the rank that owns its states, which would overwrite the other ranks' different experts; "
+            "use parallel.zero = 0, 2 or 3"
+        )
+    if p.ep > 1 and p.cpu_offload:
+        raise ConfigError(
+            f"parallel.cpu_offload with parallel.ep = {p.ep}: the experts are split by expert parallelism, not "
+            "FSDP shards, and would stay in GPU memory; drop one of them"
+        )
     if p.cpu_offload and (p.zero != 3 or shards == 1):
         raise ConfigError(
             f"parallel.cpu_offload moves ZeRO-3's parameter shards to host memory: it needs parallel.zero = 3 "
@@ -102,6 +118,16 @@ def _check_context(layout: Layout, args: ModelArgs, t: TrainingConfig) -> None:
 
 
 def _check_model(layout: Layout, args: ModelArgs) -> None:
+    if layout.ep > 1 and not args.n_experts:
+        raise ConfigError(
+            f"parallel.ep = {layout.ep} splits the experts of a mixture of experts, but this model has none "
+            "(model.n_experts = 0): set parallel.ep = 1"
+        )
+    if layout.ep > 1 and args.n_experts % layout.ep:
+        raise ConfigError(
+            f"model.n_experts ({args.n_experts}) must be divisible by parallel.ep ({layout.ep}): each expert-"
+            "parallel rank holds as many experts"
+        )
     if args.n_heads % layout.tp or args.n_kv_heads % layout.tp:
         raise ConfigError(
             f"model.n_heads ({args.n_heads}) and model.n_kv_heads ({args.n_kv_heads}) must both be divisible "

@@ -88,7 +88,11 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU MLPs as 3-D weights: w1/w3 (experts, hidden, dim), w2 (experts, dim, hidden)."""
+    """n_experts SwiGLU MLPs as 3-D weights: w1/w3 (experts, hidden, dim), w2 (experts, dim, hidden).
+    Under expert parallelism the weights are this rank's experts and `dispatch` sends each pair to the
+    rank holding its expert and back (parallel/expert_parallel.py)."""
+
+    dispatch = None
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -98,7 +102,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (tokens, dim), sorted by expert, `counts[e]` of them for expert e -> (tokens, dim)."""
+        if self.dispatch is not None:
+            return self.dispatch(x, counts, self.local_experts)
+        return self.local_experts(x, counts)
+
+    def local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on their groups of x (in x's dtype: FSDP's mixed precision casts the
+        other weights, not these, which it leaves to expert parallelism)."""
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if grouped_mm_works(x):
             return grouped_swiglu(x, counts, w1, w2, w3)
         return looped_swiglu(x, counts, w1, w2, w3)

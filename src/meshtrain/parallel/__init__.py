@@ -1,10 +1,11 @@
 """Layouts, composed the way torchtitan does: one small function per technique, applied in order
-LoRA adapters -> FP8 linears -> bf16 arithmetic choice -> TP -> CP -> activation checkpointing -> compile
--> FSDP (on meta) -> materialise -> DDP; pipeline stages first."""
+LoRA adapters -> FP8 linears -> bf16 arithmetic choice -> TP -> EP -> CP -> activation checkpointing ->
+compile -> FSDP (on meta) -> materialise -> DDP; pipeline stages first."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +55,9 @@ class ParallelModel:
     ties_across_stages: bool = False  # the first stage's embedding and the last's output are copies
     preference: Callable | None = None  # DPO (train/preference.py): replaces loss_fn, with a reference pass
     reference: list[nn.Module] | None = None  # DPO without adapters: the frozen copy of the base
+    expert_params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # split by EP: not DDP's nor FSDP's
+    expert_replica_group: object | None = None  # EP: the ranks holding the same experts (their gradients sum)
+    dp_cp: int = 1  # the ranks each loss is a share of: what the experts' summed gradients are divided by
 
     @property
     def rows_per_sample(self) -> int:
@@ -106,7 +110,7 @@ def parallelize(
         staged = pipeline_stage_modules(model, layout, dims.rank_in("pp"))
     else:
         staged = [(0, model)]
-    parts = []
+    parts, expert_params = [], []
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.dtype)  # mixed precision's compute dtype
     for _, part in staged:
         frozen_dtype = half
@@ -129,6 +133,10 @@ def parallelize(
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
             if lora is not None or frozen:
                 freeze_base(part)
+        if layout.ep > 1:
+            from meshtrain.parallel.expert_parallel import apply_ep
+
+            expert_params += apply_ep(part, dims.mesh("ep"))
         if layout.cp > 1:
             apply_cp(part, dims.mesh("cp"))
         apply_ac(part, layout.activation_checkpointing, layout.ac_every, random=bool(lora and lora.dropout))
@@ -138,12 +146,12 @@ def parallelize(
         if layout.fsdp:
             from meshtrain.parallel.fully_shard import apply_fsdp
 
-            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload)
+            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload, set(expert_params))
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)
             part.init_weights(training.seed, buffer_device=device, draw=materialize is None)
         if layout.ddp and not frozen:
-            part = apply_ddp(part, dims.mesh("dp_cp"))
+            part = apply_ddp(part, dims.mesh("dp_cp"), set(expert_params))
         parts.append(part)
     stage_ids = [idx for idx, _ in staged]
     schedule, tied_group = None, None
@@ -172,4 +180,7 @@ def parallelize(
         dims.dp_group if layout.averages_after_backward else None,
         tied_group,
         ties,
+        expert_params=expert_params,
+        dp_cp=layout.dp_cp,
+        expert_replica_group=dims.mesh("ep_replicas").get_group() if dims.mesh("ep_replicas") else None,
     )

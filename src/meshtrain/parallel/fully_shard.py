@@ -11,7 +11,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype | None, cpu_offload: bool = False
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    zero: int,
+    param_dtype: torch.dtype | None,
+    cpu_offload: bool = False,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard each block, then the rest (embeddings, final norm, output) as the root group.
 
@@ -21,7 +26,8 @@ def apply_fsdp(
     bf16/fp16 training computes in bf16/fp16 and reduces gradients in fp32; the sharded master
     weights and the optimizer states stay fp32. `cpu_offload` (ZeRO-3 on a GPU): the shards, their
     gradients and the optimizer states live in pinned host memory and the optimizer steps there;
-    each all-gather first copies the local shard to the device.
+    each all-gather first copies the local shard to the device. `ignored`: parameters FSDP leaves
+    alone (expert parallelism's experts, split over other ranks, their gradients reduced by EP).
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -38,5 +44,7 @@ def apply_fsdp(
         # The last block's backward comes right after its forward: resharding it would only mean
         # gathering the same parameters again (torchtitan does the same).
         reshard = zero == 3 and i < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **offload)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, **offload)
+        fully_shard(
+            block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, ignored_params=ignored, **offload
+        )
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, ignored_params=ignored, **offload)

@@ -29,6 +29,8 @@ class ParallelDims:
             "pp": "PP",
         }
         text = " x ".join(f"{names[n]} {size}" for n, size in self.layout.named_dims()) or "single process"
+        if self.layout.ep > 1:
+            text += f" (EP {self.layout.ep})"
         if self.layout.dp_cp > 1:
             return f"{text}, ZeRO-{zero}"
         return f"{text} (ZeRO-{zero} idle: one data-parallel rank, nothing to shard)" if zero else text
@@ -55,10 +57,34 @@ class ParallelDims:
                 self._meshes[flat] = world[present[0]]
             elif present:
                 self._meshes[flat] = world[present]._flatten(flat)
+        if self.layout.ep > 1:
+            self._build_expert_mesh(device_type)
+
+    def _build_expert_mesh(self, device_type: str) -> None:
+        """The same ranks viewed as pp, dp_replicate, expert_replicas, ep, tp: "ep" is the innermost ep
+        ranks of dp_shard x cp (the ranks numbered as in the world mesh), "expert_replicas" every rank
+        holding the same experts (dp_replicate x the rest of dp_shard x cp)."""
+        layout = self.layout
+        dims = [
+            ("pp", layout.pp),
+            ("dp_replicate", layout.dp_replicate),
+            ("expert_replicas", layout.dp_shard * layout.cp // layout.ep),
+            ("ep", layout.ep),
+            ("tp", layout.tp),
+        ]
+        dims = [(n, d) for n, d in dims if d > 1 or n == "ep"]
+        names = tuple(n for n, _ in dims)
+        experts = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        self._meshes |= {"expert_world": experts, "ep": experts["ep"]}
+        replicas = tuple(n for n in ("dp_replicate", "expert_replicas") if n in names)
+        if len(replicas) == 1:
+            self._meshes["ep_replicas"] = experts[replicas[0]]
+        elif replicas:
+            self._meshes["ep_replicas"] = experts[replicas]._flatten("ep_replicas")
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """A (sub-)mesh by name: world, pp, dp_replicate, dp_shard, cp, tp, dp, dp_cp, dp_shard_cp; None if
-        not in the layout."""
+        """A (sub-)mesh by name: world, pp, dp_replicate, dp_shard, cp, tp, dp, dp_cp, dp_shard_cp, and
+        expert_world (the expert-parallel view of the ranks), ep, ep_replicas; None if not in the layout."""
         return self._meshes.get(name)
 
     @property
@@ -87,6 +113,10 @@ class ParallelDims:
         for i, name in enumerate(names):
             groups = world.mesh.movedim(i, -1).reshape(-1, world.mesh.shape[i]).tolist()
             lines.append(f"{name} groups: " + " ".join(str(g) for g in groups))
+        if (experts := self.mesh("expert_world")) is not None:
+            axis = list(experts.mesh_dim_names).index("ep")
+            groups = experts.mesh.movedim(axis, -1).reshape(-1, self.layout.ep).tolist()
+            lines.append("ep groups: " + " ".join(str(g) for g in groups))
         if len([n for n in names if n.startswith("dp_")]) > 1:
             dp_axes = [i for i, n in enumerate(names) if n.startswith("dp_")]
             rest = [i for i in range(len(names)) if i not in dp_axes]

@@ -439,6 +439,11 @@ def make_plan(o: PlanOptions, overrides: list[str]) -> Plan:
     """The request resolved (refused in one line where it cannot be planned), then the search."""
     cfg, given = load_request(o, overrides)
     check_launch_device(cfg.launch.device, o.gpu)
+    if cfg.parallel.ep > 1:
+        raise ConfigError(
+            f"parallel.ep = {cfg.parallel.ep}: meshtrain plan does not model expert parallelism yet (its all-to-all "
+            "and the experts' split); plan the config with parallel.ep = 1, or measure it with `meshtrain train`"
+        )
     explain = bool(o.config)
     t = cfg.training
     model, llama_shape = planned_model(cfg, data=explain)

@@ -118,9 +118,11 @@ def forward_backward(
             model, inputs, targets, device, train=True, scale=scale, scaler=scaler, positions=positions
         )
         if model.grad_average_group is not None:
-            average_gradients(model.parameters(), model.grad_average_group)
+            experts = {id(p) for p in model.expert_params}
+            average_gradients([p for p in model.parameters() if id(p) not in experts], model.grad_average_group)
         if model.ties_across_stages:
             sum_tied_gradients(model.parts, model.tied_group)
+        reduce_expert_gradients(model)
         return loss
     (part,) = model.parts
     chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch), split_positions(positions, micro_batch)))
@@ -133,7 +135,16 @@ def forward_backward(
             loss = micro_batch_loss(model, part, x, y, p) * scale
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total += local_value(loss.detach())
+    reduce_expert_gradients(model)
     return total
+
+
+def reduce_expert_gradients(model: ParallelModel) -> None:
+    """Expert parallelism's experts, which neither DDP nor FSDP reduce (parallel/expert_parallel.py)."""
+    if model.expert_params:
+        from meshtrain.parallel.expert_parallel import reduce_expert_gradients as reduce
+
+        reduce(model.expert_params, model.expert_replica_group, model.dp_cp)
 
 
 def split_positions(positions: torch.Tensor | None, micro_batch: int) -> Iterable[torch.Tensor | None]:

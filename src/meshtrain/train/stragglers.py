@@ -3,8 +3,10 @@
 A rank's own compute time is the time it spends in the units it computes with no collective inside
 them: its transformer blocks (DDP, ZeRO: FSDP's gathers run in the block's own hooks, before the
 timed span starts), its linear layers under tensor parallelism (whose gathers and reductions run in
-the layers' hooks, outside the span), its model parts under `training.compile` (the blocks are
-compiled whole; the parts' span includes FSDP's gathers), and its wait for the next batch. The
+the layers' hooks, outside the span) and under expert parallelism (whose all-to-alls run inside an
+MoE layer, between its router and the experts' matmuls, which are thus left out), its model
+parts under `training.compile` (the blocks are compiled whole; the parts' span includes FSDP's
+gathers), and its wait for the next batch. The
 blocks' backward is timed too where no collective runs inside it and autograd runs it whole (no
 FSDP, tensor or context parallelism, pipeline or compile): FSDP's gathers and reductions of the
 backward run in autograd hooks whose order against a module's own is not fixed, and the zero-bubble
@@ -110,7 +112,7 @@ def compute_timer(parts: list[nn.Module], device: torch.device, layout, compiled
     rank's compute (see the module docstring)."""
     if world == 1 or (compiled and layout.tp > 1):
         return ComputeTimer([], device)
-    if layout.tp > 1:
+    if layout.tp > 1 or layout.ep > 1:
         return ComputeTimer([m for part in parts for m in part.modules() if isinstance(m, nn.Linear)], device)
     if compiled:
         return ComputeTimer(list(parts), device)
