@@ -159,7 +159,7 @@ def test_activation_checkpointing_counts_a_batch_once_and_moves_the_bias_alike()
 
 def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path):
     from meshtrain.config import load_config
-    from meshtrain.job import resolve
+    from meshtrain.job import check_dry_run, resolve
 
     def refusal(world: int = 1, **keys) -> str:
         cfg = load_config(overrides={"model.preset": "tiny-moe", "data.path": str(tmp_path), **keys})
@@ -183,6 +183,11 @@ def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path)
     assert "would overwrite the other ranks' different experts" in refusal(2, **{"parallel.ep": 2, "parallel.zero": 1})
     dense = {"model.preset": "tiny", "parallel.ep": 2}
     assert "but this model has none (model.n_experts = 0)" in refusal(2, **dense)
+    cfg = load_config(
+        overrides={"model.preset": "tiny-moe", "data.path": str(tmp_path), "training.global_batch_size": 512}
+    )
+    with pytest.raises(ConfigError, match="a dry run builds the job on fake tensors, through which a mixture"):
+        check_dry_run(resolve(cfg, 64), [])
 
 
 MOE_MODEL = [*SMALL_MODEL, "--model.n_experts", "8", "--model.top_k", "2", "--model.family", "meshtrain"]

@@ -116,6 +116,12 @@ def check_dry_run(job: Job, ranks: list[int]) -> None:
             "training.compile: a dry run builds the job on fake tensors, which compiled kernels cannot run; dry-run "
             "it with training.compile = false (the eager step holds at least as much memory)"
         )
+    if job.args.n_experts:
+        raise ConfigError(
+            f"model.n_experts = {job.args.n_experts}: a dry run builds the job on fake tensors, through which a "
+            "mixture of experts cannot route (each expert's share of the tokens is data); train it on a few real "
+            "ranks instead (`meshtrain train --nproc N`)"
+        )
     for rank in ranks:
         if not 0 <= rank < job.world:
             raise ConfigError(f"--dry-run-rank {rank} is not a rank of a {job.world}-rank job (0 to {job.world - 1})")
