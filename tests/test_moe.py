@@ -181,6 +181,7 @@ def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path)
         4, **{"parallel.ep": 4, "parallel.pp": 2}
     )
     assert "would overwrite the other ranks' different experts" in refusal(2, **{"parallel.ep": 2, "parallel.zero": 1})
+    assert "train in bf16 or fp32" in refusal(2, **{"parallel.ep": 2, "training.dtype": "fp16"})
     dense = {"model.preset": "tiny", "parallel.ep": 2}
     assert "but this model has none (model.n_experts = 0)" in refusal(2, **dense)
     cfg = load_config(
@@ -198,7 +199,7 @@ def test_an_moe_model_trains_alike_on_one_process_and_every_layout_and_resumes_a
     """Loss, gradient norm, the balance metrics and the final weights of ZeRO-3, PP 2, EP 2 and EP 2 x
     ZeRO-3 against one process; bias balancing under EP 2 (over DDP), stopped at step 5 (its bias and
     split experts in the checkpoint) and resumed on one process, against one process throughout; and
-    on 4 ranks EP 2 x ZeRO-2 (each expert on two ranks, which sum its gradient)."""
+    so on 4 ranks, EP 2 x ZeRO-3 (each expert held by two ranks, which shard it)."""
 
     def run(name: str, *extra: str) -> Path:
         result = run_cli(train_args(corpus, tmp_path / name, *extra, model=MOE_MODEL), cli_env)
@@ -219,8 +220,9 @@ def test_an_moe_model_trains_alike_on_one_process_and_every_layout_and_resumes_a
     stopped = ["--checkpoint.every", "5", "--training.stop_at_step", "5"]
     run("bias-resumed", *bias, "--nproc", "2", *ep, *stopped)
     assert_same_run(run("bias-resumed", *bias, "--checkpoint.every", "5"), whole)
-    four = ["--nproc", "4", *ep, "--parallel.zero", "2", "--training.micro_batch_size", "2"]
-    assert_same_run(run("bias-ep2-replicated", *bias, *four), whole)
+    four = ["--nproc", "4", *ep, "--parallel.zero", "3", "--training.micro_batch_size", "2"]
+    run("bias-ep2-sharded", *bias, *four, *stopped)
+    assert_same_run(run("bias-ep2-sharded", *bias, "--checkpoint.every", "5"), whole)
 
 
 def test_flops_and_the_planner_count_the_active_experts_only():

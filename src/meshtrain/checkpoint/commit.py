@@ -90,8 +90,8 @@ _TRAIN_STATE = {
     "scheduler": lambda v: isinstance(v, dict),
     "layout": lambda v: (
         isinstance(v, dict)
-        and set(v) == {*_LAYOUT_KEYS, "zero"}
-        and all(whole(v[k], 1) for k in _LAYOUT_KEYS)
+        and set(v) - {"ep"} == {*_LAYOUT_KEYS, "zero"}  # ep: recorded since expert parallelism
+        and all(whole(v[k], 1) for k in (*_LAYOUT_KEYS, *({"ep"} & set(v))))
         and v["zero"] in (0, 1, 2, 3)
     ),
     "model": lambda v: isinstance(v, dict),

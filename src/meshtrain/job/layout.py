@@ -59,6 +59,11 @@ def layout_of(cfg: Config, world: int) -> Layout:
             "from the rank that owns its states, which would overwrite the other ranks' different experts; "
             "use parallel.zero = 0, 2 or 3"
         )
+    if p.ep > 1 and cfg.training.dtype == "fp16":
+        raise ConfigError(
+            f"training.dtype = fp16 with parallel.ep = {p.ep}: fp16's loss scaler cannot unscale the split experts' "
+            "gradients together with the others (DTensors on another mesh); train in bf16 or fp32"
+        )
     if p.ep > 1 and p.cpu_offload:
         raise ConfigError(
             f"parallel.cpu_offload with parallel.ep = {p.ep}: the experts are split by expert parallelism, not "

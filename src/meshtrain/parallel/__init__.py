@@ -146,7 +146,11 @@ def parallelize(
         if layout.fsdp:
             from meshtrain.parallel.fully_shard import apply_fsdp
 
-            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload, set(expert_params))
+            replicas = dims.mesh("ep_replicas")  # experts held by other ranks too: FSDP shards them there
+            experts = (replicas, layout.dp_cp) if replicas is not None else None
+            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload, set(expert_params), experts)
+            if experts is not None:
+                expert_params = []  # reduced by FSDP
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)
             part.init_weights(training.seed, buffer_device=device, draw=materialize is None)

@@ -8,6 +8,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from meshtrain.model.moe import GroupedExperts
 
 
 def apply_fsdp(
@@ -17,6 +20,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     cpu_offload: bool = False,
     ignored: set[nn.Parameter] | None = None,
+    experts: tuple[DeviceMesh, int] | None = None,
 ) -> None:
     """Shard each block, then the rest (embeddings, final norm, output) as the root group.
 
@@ -27,7 +31,11 @@ def apply_fsdp(
     weights and the optimizer states stay fp32. `cpu_offload` (ZeRO-3 on a GPU): the shards, their
     gradients and the optimizer states live in pinned host memory and the optimizer steps there;
     each all-gather first copies the local shard to the device. `ignored`: parameters FSDP leaves
-    alone (expert parallelism's experts, split over other ranks, their gradients reduced by EP).
+    alone (expert parallelism's experts where no other rank holds the same ones: their gradients are
+    reduced by EP). `experts` (mesh, divisor): expert parallelism's experts are sharded over the mesh of
+    the ranks holding the same experts (torchtitan's efsdp), on dim 1 (dim 0 is EP's split), each in a
+    group of its own inside its block's; their reduce-scatter sums over those ranks and divides by the
+    ranks every loss is a share of (dp x cp), since the all-to-all already summed the other ep ranks'.
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -44,7 +52,22 @@ def apply_fsdp(
         # The last block's backward comes right after its forward: resharding it would only mean
         # gathering the same parameters again (torchtitan does the same).
         reshard = zero == 3 and i < len(blocks) - 1
+        if experts is not None:
+            shard_experts(block, *experts, reshard, block_mp)
         fully_shard(
             block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, ignored_params=ignored, **offload
         )
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, ignored_params=ignored, **offload)
+
+
+def shard_experts(block: nn.Module, mesh: DeviceMesh, divisor: int, reshard: bool, mp: MixedPrecisionPolicy) -> None:
+    for module in block.modules():
+        if isinstance(module, GroupedExperts):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, shard_placement_fn=_on_dim_1)
+            module.set_gradient_divide_factor(divisor)
+            if mesh.device_type == "cpu":  # gloo has no pre-multiplied sum: sum, then divide
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def _on_dim_1(param: nn.Parameter) -> Shard:
+    return Shard(1)

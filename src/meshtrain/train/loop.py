@@ -194,6 +194,7 @@ def save(s: TrainState, step: int, skipped: int, blocking: bool = False) -> None
         "dp_replicate": d.dp_replicate,
         "dp_shard": d.dp_shard,
         "zero": d.zero,
+        "ep": d.ep,
     }
     with phase.of("save", progress=s.checkpointer.written_bytes):
         s.checkpointer.save(
