@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from conftest import a_train_state
 from meshtrain.checkpoint import MARKER
 from meshtrain.checkpoint.checkpointer import Checkpointer
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import CheckpointError, MeshtrainError
 from meshtrain.interop.base import load_base_model
 from meshtrain.interop.hf import export_adapter, export_hf, load_full_model
 from meshtrain.interop.weights import run_model_args, save_model
@@ -176,3 +176,17 @@ def test_a_lora_base_with_other_weights_of_the_same_shape_is_refused(lora_run):
     with pytest.raises(MeshtrainError, match="changed since the adapters were trained on it \\(its weights differ\\)"):
         load_base_model(ARGS, recorded)
     load_base_model(ARGS, record["base"])  # an older record: nothing to compare the weights with
+
+
+def test_a_checkpoint_whose_optimizer_groups_differ_is_refused_in_one_line(tmp_path):
+    """DCP reports a key the checkpoint lacks as a CheckpointException, a BaseException: named in one
+    line like any other load failure, not a traceback (an MoE checkpoint saved before its experts had
+    an optimizer group of their own)."""
+    path = save_checkpoint(tmp_path, seed=0, step=5)
+    model = Llama(ARGS)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:2]}, {"params": params[2:]}])
+    checkpointer = Checkpointer(tmp_path / "checkpoints", [model], optimizer, keep=2, use_async=False, rank=0)
+    with pytest.raises(CheckpointError, match="could not be loaded into this job: Missing key") as error:
+        checkpointer.load(path, dict(ARGS.__dict__))
+    assert "\n" not in str(error.value)

@@ -208,8 +208,13 @@ class Checkpointer:
         restore_tied = _load_tied_copy_from_embedding(state, path)
         try:
             dcp().load(state, checkpoint_id=str(path), process_group=self.group)
-        except Exception as e:  # DCP wraps per-rank failures; keep the first line of the cause
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).strip().splitlines()[0]}") from None
+        except (Exception, dcp().api.CheckpointException) as e:  # (a BaseException) wraps each rank's failure
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, dcp().api.CheckpointException) else e
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded into this job: {str(cause).strip().splitlines()[0]} (saved "
+                "by another model, or by a meshtrain that grouped the optimizer's parameters otherwise: start it "
+                "with checkpoint.resume = none)"
+            ) from None
         restore_tied()
         loaded_groups = state["optim"].get("param_groups", [])
         if len(loaded_groups) == len(own_groups):
