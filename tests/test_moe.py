@@ -198,8 +198,9 @@ MOE_MODEL = [*SMALL_MODEL, "--model.n_experts", "8", "--model.top_k", "2", "--mo
 def test_an_moe_model_trains_alike_on_one_process_and_every_layout_and_resumes_across_them(corpus, cli_env, tmp_path):
     """Loss, gradient norm, the balance metrics and the final weights of ZeRO-3, PP 2, EP 2 and EP 2 x
     ZeRO-3 against one process; bias balancing under EP 2 (over DDP), stopped at step 5 (its bias and
-    split experts in the checkpoint) and resumed on one process, against one process throughout; and
-    so on 4 ranks, EP 2 x ZeRO-3 (each expert held by two ranks, which shard it)."""
+    split experts in the checkpoint) and resumed on one process, against one process throughout; so
+    on 4 ranks, EP 2 x ZeRO-3 (each expert held by two ranks, which shard it); and EP 2 with PP 2 and
+    with CP 2 (bias balancing: no aux loss, whose per-micro-batch statistics differ by batch split)."""
 
     def run(name: str, *extra: str) -> Path:
         result = run_cli(train_args(corpus, tmp_path / name, *extra, model=MOE_MODEL), cli_env)
@@ -220,9 +221,11 @@ def test_an_moe_model_trains_alike_on_one_process_and_every_layout_and_resumes_a
     stopped = ["--checkpoint.every", "5", "--training.stop_at_step", "5"]
     run("bias-resumed", *bias, "--nproc", "2", *ep, *stopped)
     assert_same_run(run("bias-resumed", *bias, "--checkpoint.every", "5"), whole)
-    four = ["--nproc", "4", *ep, "--parallel.zero", "3", "--training.micro_batch_size", "2"]
-    run("bias-ep2-sharded", *bias, *four, *stopped)
+    four = ["--nproc", "4", *ep, "--training.micro_batch_size", "2"]
+    run("bias-ep2-sharded", *bias, *four, "--parallel.zero", "3", *stopped)
     assert_same_run(run("bias-ep2-sharded", *bias, "--checkpoint.every", "5"), whole)
+    assert_same_run(run("bias-ep2-pp2", *bias, *four, "--parallel.pp", "2"), whole)
+    assert_same_run(run("bias-ep2-cp2", *bias, "--nproc", "2", *ep, "--parallel.cp", "2"), whole)
 
 
 def test_flops_and_the_planner_count_the_active_experts_only():
