@@ -84,6 +84,23 @@ class ParallelModel:
         return [p for p in self.parameters() if id(p) not in copies]
 
 
+def apply_ep(part: nn.Module, ep_mesh) -> list[torch.Tensor]:
+    from meshtrain.parallel.expert_parallel import apply_ep  # (loads DTensor: dtensor.py)
+
+    return apply_ep(part, ep_mesh)
+
+
+def _fully_shard(part: nn.Module, dims: ParallelDims, half, experts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """ZeRO-2/3 of a part; returns the expert-parallel experts it leaves to EP's own reduction (those no
+    other rank holds: where others do, FSDP shards them over those ranks and reduces them)."""
+    from meshtrain.parallel.fully_shard import apply_fsdp
+
+    layout, replicas = dims.layout, dims.mesh("ep_replicas")
+    sharded = (replicas, layout.dp_cp) if replicas is not None else None
+    apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload, set(experts), sharded)
+    return [] if sharded is not None else experts
+
+
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -133,10 +150,7 @@ def parallelize(
             apply_tp(part, dims.mesh("tp"), layout.sequence_parallel, layout.loss_parallel)
             if lora is not None or frozen:
                 freeze_base(part)
-        if layout.ep > 1:
-            from meshtrain.parallel.expert_parallel import apply_ep
-
-            expert_params += apply_ep(part, dims.mesh("ep"))
+        split = apply_ep(part, dims.mesh("ep")) if layout.ep > 1 else []  # experts of this rank's own
         if layout.cp > 1:
             apply_cp(part, dims.mesh("cp"))
         apply_ac(part, layout.activation_checkpointing, layout.ac_every, random=bool(lora and lora.dropout))
@@ -144,19 +158,14 @@ def parallelize(
             whole_model = layout.dp_cp == 1 and layout.pp == 1
             apply_compile(part, whole_model, exact_casts=fp32_gemm, cuda_graphs=training.cuda_graphs)
         if layout.fsdp:
-            from meshtrain.parallel.fully_shard import apply_fsdp
-
-            replicas = dims.mesh("ep_replicas")  # experts held by other ranks too: FSDP shards them there
-            experts = (replicas, layout.dp_cp) if replicas is not None else None
-            apply_fsdp(part, dims.fsdp_mesh(), layout.zero, half, layout.cpu_offload, set(expert_params), experts)
-            if experts is not None:
-                expert_params = []  # reduced by FSDP
+            split = _fully_shard(part, dims, half, split)
         with materialize or contextlib.nullcontext():
             part.to_empty(device=device)
             part.init_weights(training.seed, buffer_device=device, draw=materialize is None)
         if layout.ddp and not frozen:
-            part = apply_ddp(part, dims.mesh("dp_cp"), set(expert_params))
+            part = apply_ddp(part, dims.mesh("dp_cp"), set(split))
         parts.append(part)
+        expert_params += split
     stage_ids = [idx for idx, _ in staged]
     schedule, tied_group = None, None
     ties = layout.pp > 1 and model.args.tie_embeddings
