@@ -4,6 +4,7 @@ balancing loss; both balancing schemes; the refusals of shapes and layouts it ca
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,8 @@ def test_moe_shapes_and_layouts_it_cannot_take_are_refused_in_one_line(tmp_path)
     )
     assert "would overwrite the other ranks' different experts" in refusal(2, **{"parallel.ep": 2, "parallel.zero": 1})
     assert "train in bf16 or fp32" in refusal(2, **{"parallel.ep": 2, "training.dtype": "fp16"})
+    uneven = {"parallel.ep": 2, "parallel.zero": 3}  # each expert on 3 ranks, which do not divide dim 256
+    assert "the 3 ranks holding it (dp x cp / ep), which must divide model.dim (256)" in refusal(6, **uneven)
     dense = {"model.preset": "tiny", "parallel.ep": 2}
     assert "but this model has none (model.n_experts = 0)" in refusal(2, **dense)
     cfg = load_config(
@@ -199,12 +202,16 @@ def test_an_moe_model_trains_alike_on_one_process_and_every_layout_and_resumes_a
     """Loss, gradient norm, the balance metrics and the final weights of ZeRO-3, PP 2, EP 2 and EP 2 x
     ZeRO-3 against one process; bias balancing under EP 2 (over DDP), stopped at step 5 (its bias and
     split experts in the checkpoint) and resumed on one process, against one process throughout; so
-    on 4 ranks, EP 2 x ZeRO-3 (each expert held by two ranks, which shard it); and EP 2 with PP 2 and
-    with CP 2 (bias balancing: no aux loss, whose per-micro-batch statistics differ by batch split)."""
+    on 4 ranks, EP 2 x ZeRO-3 (each expert held by two ranks, which shard it); and on 4 ranks EP 2 with
+    PP 2 and with CP 2 (bias balancing: no aux loss, whose per-micro-batch statistics differ by batch
+    split)."""
+
+    params_mib = {}  # each run's params per rank, its first memory line
 
     def run(name: str, *extra: str) -> Path:
         result = run_cli(train_args(corpus, tmp_path / name, *extra, model=MOE_MODEL), cli_env)
         assert result.returncode == 0, result.stderr[-3000:]
+        params_mib[name] = float(re.search(r"rank 0: params +([\d.]+) MiB", result.stdout + result.stderr)[1])
         return tmp_path / name
 
     one = run("one")
@@ -223,9 +230,11 @@ def test_an_moe_model_trains_alike_on_one_process_and_every_layout_and_resumes_a
     assert_same_run(run("bias-resumed", *bias, "--checkpoint.every", "5"), whole)
     four = ["--nproc", "4", *ep, "--training.micro_batch_size", "2"]
     run("bias-ep2-sharded", *bias, *four, "--parallel.zero", "3", *stopped)
+    assert params_mib["bias-ep2-sharded"] == pytest.approx(params_mib["one"] / 4, abs=0.01)  # experts too
     assert_same_run(run("bias-ep2-sharded", *bias, "--checkpoint.every", "5"), whole)
     assert_same_run(run("bias-ep2-pp2", *bias, *four, "--parallel.pp", "2"), whole)
-    assert_same_run(run("bias-ep2-cp2", *bias, "--nproc", "2", *ep, "--parallel.cp", "2"), whole)
+    # CP 2 x EP 2 over DDP 2: each expert on two ranks, which sum its gradient
+    assert_same_run(run("bias-ep2-cp2", *bias, *four, "--parallel.cp", "2"), whole)
 
 
 def test_flops_and_the_planner_count_the_active_experts_only():
@@ -244,6 +253,25 @@ def test_flops_and_the_planner_count_the_active_experts_only():
     assert a.flops_per_token(4096) - b.flops_per_token(4096) == router_rows
     assert stage_sums(a, Layout(), 0).block_full - stage_sums(b, Layout(), 0).block_full == 120 * routed.dim
     assert a.n_params() > 10 * b.n_params() / 2
+
+
+def test_the_planner_splits_the_experts_by_ep_and_shards_them_over_their_holders():
+    """A rank's parameter bytes (what train's plan check compares with the measured ones): EP 2 holds
+    half the experts whole under DDP, and a quarter of them on 4 ranks under ZeRO-3, like the rest."""
+    from meshtrain.layout import Layout
+    from meshtrain.model.presets import PRESETS
+    from meshtrain.model.shapes import Shape
+    from meshtrain.plan.states import model_state_bytes
+
+    shape = Shape.from_args(PRESETS["tiny-moe"])
+    experts = sum(p.numel for p in shape.parameters() if ".experts." in p.name)
+    rest = sum(p.numel for p in shape.parameters()) - experts
+
+    def params(**layout) -> int:
+        return model_state_bytes(shape, Layout(**layout))["params"] // 4  # fp32
+
+    assert params(dp_shard=2, ep=2) == rest + experts // 2
+    assert params(dp_shard=4, ep=2, zero=3) == params(dp_shard=4, zero=3) == (rest + experts) // 4
 
 
 def test_an_expert_without_tokens_gets_a_zero_gradient_not_none():

@@ -210,11 +210,13 @@ class Checkpointer:
             dcp().load(state, checkpoint_id=str(path), process_group=self.group)
         except (Exception, dcp().api.CheckpointException) as e:  # (a BaseException) wraps each rank's failure
             cause = next(iter(e.failures.values()))[0] if isinstance(e, dcp().api.CheckpointException) else e
-            raise CheckpointError(
-                f"checkpoint {path} could not be loaded into this job: {str(cause).strip().splitlines()[0]} (saved "
-                "by another model, or by a meshtrain that grouped the optimizer's parameters otherwise: start it "
-                "with checkpoint.resume = none)"
-            ) from None
+            line = str(cause).strip().splitlines()[0]
+            if line.startswith("Missing key"):  # it does not hold what this job's model or optimizer has
+                line += (
+                    " (saved by another model, or by a meshtrain that grouped the optimizer's parameters otherwise:"
+                    " start without it, checkpoint.resume = none)"
+                )
+            raise CheckpointError(f"checkpoint {path} could not be loaded into this job: {line}") from None
         restore_tied()
         loaded_groups = state["optim"].get("param_groups", [])
         if len(loaded_groups) == len(own_groups):

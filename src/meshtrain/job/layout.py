@@ -66,8 +66,8 @@ def layout_of(cfg: Config, world: int) -> Layout:
         )
     if p.ep > 1 and p.cpu_offload:
         raise ConfigError(
-            f"parallel.cpu_offload with parallel.ep = {p.ep}: the experts are split by expert parallelism, not "
-            "FSDP shards, and would stay in GPU memory; drop one of them"
+            f"parallel.cpu_offload with parallel.ep = {p.ep}: offloading expert-parallel experts is not built "
+            "(they would stay in GPU memory); drop one of them"
         )
     if p.cpu_offload and (p.zero != 3 or shards == 1):
         raise ConfigError(
@@ -132,6 +132,13 @@ def _check_model(layout: Layout, args: ModelArgs) -> None:
         raise ConfigError(
             f"model.n_experts ({args.n_experts}) must be divisible by parallel.ep ({layout.ep}): each expert-"
             "parallel rank holds as many experts"
+        )
+    holders = layout.expert_replicas
+    if layout.ep > 1 and layout.fsdp and holders > 1 and (args.dim % holders or args.expert_ffn_dim % holders):
+        raise ConfigError(
+            f"parallel.ep = {layout.ep} with ZeRO-{layout.zero} shards each expert's rows over the {holders} ranks "
+            f"holding it (dp x cp / ep), which must divide model.dim ({args.dim}) and the experts' hidden size "
+            f"({args.expert_ffn_dim}): change ep or the number of ranks"
         )
     if args.n_heads % layout.tp or args.n_kv_heads % layout.tp:
         raise ConfigError(

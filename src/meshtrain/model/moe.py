@@ -107,8 +107,8 @@ class GroupedExperts(nn.Module):
         return self.local_experts(x, counts)
 
     def local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on their groups of x (in x's dtype: FSDP's mixed precision casts the
-        other weights, not these, which it leaves to expert parallelism)."""
+        """This rank's experts on their groups of x, in x's dtype (bf16 under FSDP's mixed precision,
+        which does not cast the experts it leaves to expert parallelism)."""
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if grouped_mm_works(x):

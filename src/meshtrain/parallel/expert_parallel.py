@@ -12,8 +12,9 @@ Both all-to-alls are differentiable (backward sends the gradients the other way)
 are a DTensor sharded on dim 0 over the ep mesh, so that checkpoints record the split and load into any
 other EP degree or none. Its gradient sums the contributions of every ep rank's tokens; the ranks that
 hold the same experts (the other data-parallel ranks) add theirs, and the sum is divided by dp x cp as
-DDP and FSDP average the other gradients (`reduce_expert_gradients`): neither wrapper touches the
-experts, which differ from rank to rank.
+DDP and FSDP average the other gradients. Under ZeRO-2/3 with such ranks FSDP shards the experts over
+them and does that (parallel/fully_shard.py); otherwise DDP and FSDP leave the experts alone, and
+`reduce_expert_gradients` does it after backward.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from meshtrain.model.moe import GroupedExperts
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
     """Split every MoE layer's experts over `ep_mesh` (on the meta device, before materialising);
-    returns the expert parameters, which DDP and FSDP must leave alone."""
+    returns the expert parameters, which DDP must leave alone (and FSDP shard apart, or leave alone)."""
     params = []
     for module in model.modules():
         if isinstance(module, GroupedExperts):

@@ -51,10 +51,10 @@ def local_numel(p: Param, layout: Layout, tp_rank: int, shard_rank: int) -> int:
     (`shard_rank`: the rank's place among the dp_shard x cp ranks FSDP shards over, Layout.coordinates'
     "shard"); an expert's: its expert-parallel share of the experts, then its FSDP shard of dim 1 among
     the ranks holding the same experts."""
-    if layout.ep > 1 and ".experts." in p.name:  # EP splits dim 0; FSDP shards dim 1 over the replicas
-        replicas = layout.expert_replicas if layout.fsdp else 1
+    if layout.ep > 1 and ".experts." in p.name:  # EP splits dim 0; FSDP shards dim 1 (evenly: job/layout.py)
+        holders = layout.expert_replicas if layout.fsdp else 1
         experts, rows, *rest = p.shape
-        return experts // layout.ep * _chunk(rows, replicas, shard_rank // layout.ep % replicas) * math.prod(rest)
+        return experts // layout.ep * (rows // holders) * math.prod(rest)
     if not layout.fsdp:
         return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, 1, 0)
     return _local_numel(p.shape, p.tp_dim, layout.tp, tp_rank, layout.shard_ranks, shard_rank)
