@@ -23,12 +23,13 @@ def build_optimizer(
     params = [p for p in params if p.requires_grad]
     # an MoE layer's experts (3-D) in a group of their own: under expert parallelism they are DTensors on
     # another mesh than the rest, which one fused kernel call cannot mix; the same groups on every layout
+    # (where there are any: a dense model keeps its two groups, whatever it holds)
+    experts = [p for p in params if p.ndim > 2]
     groups = [
         {"params": [p for p in params if p.ndim == 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in params if p.ndim > 2], "weight_decay": t.weight_decay},
+        *([{"params": experts, "weight_decay": t.weight_decay}] if experts else []),
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)
     if zero == 1 and dp_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
